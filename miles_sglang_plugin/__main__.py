@@ -1,0 +1,3 @@
+from miles_sglang_plugin.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,62 @@
+"""Registration of the schemas in Hydra's ConfigStore (called by the plugin module at Hydra start-up).
+
+Config groups registered here (the ``sglang`` presets themselves are YAML files under ``conf/sglang``):
+
+- ``sglang_model``: ``base`` — the typed schema of one model. Presets type their models with it
+  (``- /sglang_model@actor: base``), and a model is added from the command line with
+  ``+sglang_model@sglang.<name>=base``.
+- ``sglang_group``: ``regular``, ``prefill``, ``decode``, ``placeholder`` — a further group of a model, beside
+  its four fixed slots: ``+sglang_group@sglang.<model>.extra_groups.<name>=decode``.
+- ``sglang_deploy``: ``default`` (real SGLang engines) and ``simulated`` (the HTTP stand-in engines) —
+  deployment-wide launcher, router and SGLang settings at the root key ``sglang_deploy``.
+- ``miles_trainer_args``: Miles' trainer arguments as a root schema, for apps that want them typed.
+"""
+
+from __future__ import annotations
+
+from hydra.core.config_store import ConfigStore
+
+from miles_sglang_plugin.deployment_spec import WorkerType
+from miles_sglang_plugin.schema import (
+    EngineKind,
+    ExtraServerGroupConf,
+    LaunchConf,
+    MilesTrainerArgs,
+    ModelConf,
+    SGLangDeployConf,
+)
+
+PROVIDER = "miles_sglang_plugin"
+
+
+def register_configs() -> None:
+    cs = ConfigStore.instance()
+    cs.store(group="sglang_model", name="base", node=ModelConf, provider=PROVIDER)
+    for worker_type in WorkerType:
+        cs.store(
+            group="sglang_group",
+            name=worker_type.value,
+            node=ExtraServerGroupConf(worker_type=worker_type),
+            provider=PROVIDER,
+        )
+    cs.store(group="sglang_deploy", name="default", node=SGLangDeployConf, provider=PROVIDER)
+    cs.store(
+        group="sglang_deploy",
+        name="simulated",
+        node=SGLangDeployConf(launch=LaunchConf(engine=EngineKind.simulated)),
+        provider=PROVIDER,
+    )
+    cs.store(name="miles_trainer_args", node=MilesTrainerArgs, provider=PROVIDER)
+
+
+def config_search_path() -> str:
+    """Where the ``sglang`` presets live: ``pkg://miles_sglang_plugin.conf`` in an installed wheel, the
+    repository's top-level ``conf/`` in a source checkout (an editable install does not map it into the
+    package)."""
+    import importlib.util
+    from pathlib import Path
+
+    if importlib.util.find_spec("miles_sglang_plugin.conf") is not None:
+        return "pkg://miles_sglang_plugin.conf"
+    checkout_conf = Path(__file__).resolve().parent.parent / "conf"
+    return f"file://{checkout_conf}"

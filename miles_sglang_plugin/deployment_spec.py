@@ -1,0 +1,92 @@
+"""The unresolved description of a deployment: models and their server groups, as the user wrote them.
+
+Every input format converges here: a composed Hydra ``sglang`` node (:mod:`miles_sglang_plugin.hydra_config`),
+a Miles/slime ``--sglang-config`` YAML file (:mod:`miles_sglang_plugin.miles_yaml`), or nothing at all (the
+trainer's legacy flags, handled by the resolver). ``None`` in an optional field means "not given: inherit".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from types import MappingProxyType
+from typing import Any
+
+
+class WorkerType(str, Enum):
+    """What a server group runs (Miles' ``worker_type``)."""
+
+    regular = "regular"
+    prefill = "prefill"
+    decode = "decode"
+    placeholder = "placeholder"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def is_pd(self) -> bool:
+        return self in (WorkerType.prefill, WorkerType.decode)
+
+
+WORKER_TYPES: tuple[str, ...] = tuple(t.value for t in WorkerType)
+
+
+def freeze(value: Any) -> Any:
+    """A read-only deep copy: mappings become ``MappingProxyType``, lists become tuples."""
+    if isinstance(value, Mapping):
+        return MappingProxyType({str(k): freeze(v) for k, v in value.items()})
+    if isinstance(value, list | tuple):
+        return tuple(freeze(v) for v in value)
+    return value
+
+
+def thaw(value: Any) -> Any:
+    """The inverse of :func:`freeze`, for JSON and YAML output."""
+    if isinstance(value, Mapping):
+        return {k: thaw(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return [thaw(v) for v in value]
+    return value
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """One server group as written. ``key`` is where it was written, for error messages."""
+
+    name: str
+    worker_type: WorkerType | str
+    num_gpus: Any
+    num_gpus_per_engine: Any = None
+    overrides: Mapping[str, Any] = field(default_factory=dict)
+    key: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "overrides", freeze(dict(self.overrides)))
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model (one router) as written."""
+
+    name: str
+    groups: tuple[GroupSpec, ...]
+    model_path: str | None = None
+    update_weights: bool | None = None
+    num_gpus_per_engine: Any = None
+    key: str = ""
+
+
+@dataclass(frozen=True)
+class DeploymentSpec:
+    """All models in deployment order (the order of GPU offsets)."""
+
+    models: tuple[ModelSpec, ...]
+    source: str = ""
+
+    def model(self, name: str) -> ModelSpec:
+        for m in self.models:
+            if m.name == name:
+                return m
+        raise KeyError(name)

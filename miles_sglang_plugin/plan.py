@@ -1,0 +1,214 @@
+"""The resolved deployment: a frozen plan that every later stage (render, execute, serve) only reads.
+
+Produced by :func:`miles_sglang_plugin.resolution.resolve_deployment`. Numbers in it follow Miles' rules:
+``gpu_offset`` counts the GPUs of every earlier group (placeholders included) across all models; a GPU *slot* is
+the global placement index ``rollout_offset + gpu_offset + ...``; a slot lives on node ``slot // num_gpus_per_node``
+as local GPU ``slot % num_gpus_per_node``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from miles_sglang_plugin.deployment_spec import WorkerType, thaw
+from miles_sglang_plugin.trainer_inputs import TrainerInputs
+
+
+@dataclass(frozen=True)
+class EngineProcessPlan:
+    """One OS process of an engine: an engine wider than a node has one per node."""
+
+    node: int
+    node_rank: int
+    gpu_slots: tuple[int, ...]
+    local_gpu_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    model: str
+    group: str
+    index: int
+    worker_type: WorkerType
+    gpu_slots: tuple[int, ...]
+    processes: tuple[EngineProcessPlan, ...]
+
+    @property
+    def id(self) -> str:
+        """Unique within a deployment: ``<model>.<group>.<index>``."""
+        return f"{self.model}.{self.group}.{self.index}"
+
+    @property
+    def num_gpus(self) -> int:
+        return len(self.gpu_slots)
+
+    @property
+    def nnodes(self) -> int:
+        return len(self.processes)
+
+    @property
+    def node(self) -> int:
+        """The node of node-rank 0: the one that serves HTTP and registers with the router."""
+        return self.processes[0].node
+
+    @property
+    def local_gpu_ids(self) -> tuple[int, ...]:
+        return self.processes[0].local_gpu_ids
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "index": self.index,
+            "gpu_slots": list(self.gpu_slots),
+            "node": self.node,
+            "local_gpu_ids": list(self.local_gpu_ids),
+            "nnodes": self.nnodes,
+            "processes": [
+                {
+                    "node": p.node,
+                    "node_rank": p.node_rank,
+                    "gpu_slots": list(p.gpu_slots),
+                    "local_gpu_ids": list(p.local_gpu_ids),
+                }
+                for p in self.processes
+            ],
+        }
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    name: str
+    worker_type: WorkerType
+    num_gpus: int
+    num_gpus_per_engine: int
+    gpu_offset: int
+    needs_offload: bool
+    #: Final per-group ServerArgs overrides (model_path and the offload decision injected, user values last).
+    overrides: Mapping[str, Any]
+    engines: tuple[EnginePlan, ...]
+    #: Where the group was written, for messages.
+    key: str = ""
+
+    @property
+    def tp_size(self) -> int:
+        pp = int(self.overrides.get("pp_size", 1) or 1)
+        return self.num_gpus_per_engine // pp
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "worker_type": self.worker_type.value,
+            "num_gpus": self.num_gpus,
+            "num_gpus_per_engine": self.num_gpus_per_engine,
+            "gpu_offset": self.gpu_offset,
+            "needs_offload": self.needs_offload,
+            "overrides": thaw(self.overrides),
+            "engines": [e.to_dict() for e in self.engines],
+        }
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    name: str
+    model_path: str
+    update_weights: bool
+    groups: tuple[GroupPlan, ...]
+    is_eval: bool = False
+
+    @property
+    def is_pd(self) -> bool:
+        """Prefill/decode disaggregated: its router runs in PD mode."""
+        return any(g.worker_type.is_pd for g in self.groups)
+
+    @property
+    def engines(self) -> tuple[EnginePlan, ...]:
+        return tuple(e for g in self.groups for e in g.engines)
+
+    @property
+    def num_gpus(self) -> int:
+        return sum(g.num_gpus for g in self.groups)
+
+    def group(self, name: str) -> GroupPlan:
+        for g in self.groups:
+            if g.name == name:
+                return g
+        raise KeyError(f"model {self.name!r} has no group {name!r}; groups: {[g.name for g in self.groups]}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model_path": self.model_path,
+            "update_weights": self.update_weights,
+            "pd_disaggregation": self.is_pd,
+            "is_eval": self.is_eval,
+            "num_gpus": self.num_gpus,
+            "groups": {g.name: g.to_dict() for g in self.groups},
+        }
+
+
+@dataclass(frozen=True)
+class DeploymentPlan:
+    models: tuple[ModelPlan, ...]
+    trainer: TrainerInputs
+    #: GPUs of all groups of all models, placeholders and eval included.
+    total_gpus: int
+    rollout_num_gpus: int
+    rollout_offset: int
+    megatron_num_gpus: int
+    source: str = ""
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def num_gpus_per_node(self) -> int:
+        return self.trainer.num_gpus_per_node
+
+    @property
+    def engines(self) -> tuple[EnginePlan, ...]:
+        return tuple(e for m in self.models for e in m.engines)
+
+    @property
+    def nodes(self) -> tuple[int, ...]:
+        """Nodes that run at least one engine process."""
+        return tuple(sorted({p.node for e in self.engines for p in e.processes}))
+
+    def model(self, name: str) -> ModelPlan:
+        for m in self.models:
+            if m.name == name:
+                return m
+        raise KeyError(f"no model {name!r} in the plan; models: {[m.name for m in self.models]}")
+
+    def groups(self) -> Iterator[tuple[ModelPlan, GroupPlan]]:
+        for m in self.models:
+            for g in m.groups:
+                yield m, g
+
+    def slot_owners(self) -> dict[int, tuple[str, str, str | None]]:
+        """Global GPU slot -> (model, group, engine id or None for placeholder GPUs)."""
+        owners: dict[int, tuple[str, str, str | None]] = {}
+        for m, g in self.groups():
+            start = self.rollout_offset + g.gpu_offset
+            for slot in range(start, start + g.num_gpus):
+                owners[slot] = (m.name, g.name, None)
+            for e in g.engines:
+                for slot in e.gpu_slots:
+                    owners[slot] = (m.name, g.name, e.id)
+        return owners
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "source": self.source,
+            "num_gpus_per_node": self.num_gpus_per_node,
+            "rollout_offset": self.rollout_offset,
+            "megatron_num_gpus": self.megatron_num_gpus,
+            "rollout_num_gpus": self.rollout_num_gpus,
+            "eval_num_gpus": self.trainer.eval_num_gpus,
+            "total_gpus": self.total_gpus,
+            "offload_rollout": self.trainer.offload_rollout,
+            "nodes": list(self.nodes),
+            "models": {m.name: m.to_dict() for m in self.models},
+            "notes": list(self.notes),
+        }
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)

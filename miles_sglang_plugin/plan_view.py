@@ -1,0 +1,89 @@
+"""Human-readable views of a plan (rich tables): per model, and per node which GPU runs what."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from rich.console import Console, Group
+from rich.table import Table
+
+from miles_sglang_plugin.plan import DeploymentPlan
+
+
+def _ids(ids: tuple[int, ...]) -> str:
+    if len(ids) > 2 and ids == tuple(range(ids[0], ids[-1] + 1)):
+        return f"{ids[0]}-{ids[-1]}"
+    return ",".join(str(i) for i in ids)
+
+
+def models_table(plan: DeploymentPlan) -> Table:
+    table = Table(title="Models (one router each)", title_justify="left")
+    for col in ("model", "router", "update_weights", "GPUs", "model_path"):
+        table.add_column(col)
+    for m in plan.models:
+        table.add_row(m.name, "pd" if m.is_pd else "regular", str(m.update_weights), str(m.num_gpus), m.model_path)
+    return table
+
+
+def groups_table(plan: DeploymentPlan) -> Table:
+    table = Table(title="Server groups", title_justify="left")
+    for col in ("model", "group", "type", "GPUs", "per engine", "engines", "gpu_offset", "offload"):
+        table.add_column(col)
+    for m, g in plan.groups():
+        table.add_row(
+            m.name,
+            g.name,
+            g.worker_type.value,
+            str(g.num_gpus),
+            str(g.num_gpus_per_engine),
+            str(len(g.engines)),
+            str(g.gpu_offset),
+            "yes" if g.needs_offload else "no",
+        )
+    return table
+
+
+def node_tables(plan: DeploymentPlan) -> list[Table]:
+    """One table per node: each engine process (or placeholder range) with its local GPU ids."""
+    rows: dict[int, list[tuple[int, list[str]]]] = defaultdict(list)
+    gpn = plan.num_gpus_per_node
+    for m, g in plan.groups():
+        if not g.engines:
+            start = plan.rollout_offset + g.gpu_offset
+            by_node: dict[int, list[int]] = defaultdict(list)
+            for slot in range(start, start + g.num_gpus):
+                by_node[slot // gpn].append(slot % gpn)
+            for node, ids in by_node.items():
+                rows[node].append((ids[0], [_ids(tuple(ids)), m.name, g.name, g.worker_type.value, "-", "-", ""]))
+            continue
+        for e in g.engines:
+            for proc in e.processes:
+                rank = f"{proc.node_rank}/{e.nnodes}" if e.nnodes > 1 else ""
+                rows[proc.node].append(
+                    (
+                        proc.local_gpu_ids[0],
+                        [_ids(proc.local_gpu_ids), m.name, g.name, g.worker_type.value, e.id,
+                         "yes" if g.needs_offload else "no", rank],
+                    )
+                )
+    tables = []
+    for node in sorted(rows):
+        table = Table(title=f"Node {node}", title_justify="left")
+        for col in ("local GPUs", "model", "group", "type", "engine", "offload", "node rank"):
+            table.add_column(col)
+        for _, row in sorted(rows[node], key=lambda r: r[0]):
+            table.add_row(*row)
+        tables.append(table)
+    return tables
+
+
+def print_plan(plan: DeploymentPlan, console: Console | None = None) -> None:
+    console = console or Console()
+    summary = (
+        f"{plan.total_gpus} GPUs in {len(plan.models)} model(s), {len(plan.engines)} engine(s); "
+        f"rollout_offset={plan.rollout_offset}, megatron GPUs={plan.megatron_num_gpus}, "
+        f"num_gpus_per_node={plan.num_gpus_per_node}, offload_rollout={plan.trainer.offload_rollout}"
+    )
+    console.print(Group(summary, models_table(plan), groups_table(plan), *node_tables(plan)))
+    for note in plan.notes:
+        console.print(f"note: {note}")

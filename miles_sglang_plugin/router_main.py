@@ -1,0 +1,151 @@
+"""``python -m miles_sglang_plugin.router_main --spec-json '<json>'``: run the sglang-router of one model.
+
+The spec is a :class:`~miles_sglang_plugin.routers.RouterLaunchSpec` as JSON (``RouterLaunchSpec.to_json``);
+the API key, when the spec says there is one, comes from the environment variable ``MSP_ROUTER_API_KEY``
+(never argv). Build the command with :func:`miles_sglang_plugin.routers.router_command`.
+
+The router runs through the Python API (``Router.from_args(RouterArgs(...)).start()``), not the CLI, because
+sglang-router 0.3.2 accepts ``consistent_hashing`` only there. It starts with no workers; they are added
+through ``POST /workers``.
+
+Shutdown: the Rust router handles SIGTERM (and SIGINT) itself: it logs "Received terminate signal, starting
+graceful shutdown", stops accepting connections, waits for in-flight requests (at most
+``shutdown_grace_period_secs``, 180 s by default), and ``start()`` returns; this module then exits 0 (130
+after SIGINT). ``start()`` holds the GIL while it runs, so no Python code (signal handlers, threads) runs
+meanwhile.
+
+Exit codes: 0 after a normal shutdown, 2 for a bad spec or settings, 1 when the router fails to start (for
+example a port already in use), 130 after SIGINT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from miles_sglang_plugin.routers import (
+    API_KEY_ENV,
+    RouterLaunchSpec,
+    validate_router_settings,
+)
+
+_TAG = "[miles_sglang_plugin.router_main]"
+
+
+def _fail(code: int, message: str) -> int:
+    print(f"{_TAG} {message}", file=sys.stderr, flush=True)
+    return code
+
+
+def build_router_args_kwargs(spec: RouterLaunchSpec) -> dict[str, Any]:
+    """The ``RouterArgs`` keyword arguments for ``spec`` (no workers; the key only if the spec has one)."""
+    kwargs = spec.settings.router_args_kwargs()
+    kwargs.update(
+        host=spec.host,
+        port=spec.port,
+        prometheus_host=spec.host,  # metrics bind where the router binds (loopback stays loopback)
+        prometheus_port=spec.prometheus_port,
+        pd_disaggregation=spec.pd_disaggregation,
+        worker_urls=[],
+        prefill_urls=[],
+        decode_urls=[],
+        api_key=spec.api_key,
+    )
+    return kwargs
+
+
+def _exit_with_parent() -> None:
+    """Ask the kernel to send SIGTERM when the parent goes away (Linux ``PR_SET_PDEATHSIG``).
+
+    Caveat: the signal fires when the *thread* that started this process exits, so only use it when the
+    parent starts routers from a long-lived thread.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    pr_set_pdeathsig = 1
+    libc.prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m miles_sglang_plugin.router_main",
+        description="Run one sglang-router (Python API) from a RouterLaunchSpec JSON. "
+        f"The API key, if any, is read from ${API_KEY_ENV}.",
+    )
+    parser.add_argument("--spec-json", required=True, help="RouterLaunchSpec.to_json() output")
+    parser.add_argument(
+        "--exit-with-parent",
+        action="store_true",
+        help="SIGTERM this router when the process that started it dies (Linux PR_SET_PDEATHSIG)",
+    )
+    args = parser.parse_args(argv)
+
+    try:
+        raw = json.loads(args.spec_json)
+        key_in_env = bool(raw.get("api_key_in_env", False)) if isinstance(raw, dict) else False
+    except ValueError as e:
+        return _fail(2, f"--spec-json is not valid JSON: {e}")
+    api_key = os.environ.pop(API_KEY_ENV, None)  # not inherited by anything this process might start
+    if key_in_env and not api_key:
+        return _fail(2, f"the spec says the router has an API key, but ${API_KEY_ENV} is empty or unset")
+    if not key_in_env:
+        api_key = None  # ignore a stray variable inherited from the environment
+    try:
+        spec = RouterLaunchSpec.from_json(args.spec_json, api_key=api_key)
+    except (ValueError, TypeError) as e:
+        return _fail(2, f"bad router spec: {e}")
+    problems = validate_router_settings(spec.settings)
+    if problems:
+        return _fail(2, f"bad router settings for model {spec.model!r}:\n  - " + "\n  - ".join(problems))
+
+    if args.exit_with_parent:
+        _exit_with_parent()
+
+    from sglang_router.router import Router
+    from sglang_router.router_args import RouterArgs
+
+    try:
+        router_args = RouterArgs(**build_router_args_kwargs(spec))
+        router_args._validate_router_args()
+        router = Router.from_args(router_args)
+    except Exception as e:
+        return _fail(
+            2, f"sglang-router rejected the settings for model {spec.model!r}: {type(e).__name__}: {e}"
+        )
+
+    s = spec.settings
+    policy = s.policy
+    if spec.pd_disaggregation and (s.prefill_policy or s.decode_policy):
+        policy += f" (prefill={s.prefill_policy or s.policy}, decode={s.decode_policy or s.policy})"
+    print(
+        f"{_TAG} router for model {spec.model!r} at {spec.url} policy={policy} "
+        f"pd={spec.pd_disaggregation} metrics=:{spec.prometheus_port} pid={os.getpid()}",
+        flush=True,
+    )
+    try:
+        router.start()  # blocks until SIGTERM/SIGINT; holds the GIL meanwhile
+    except KeyboardInterrupt:
+        return 130
+    except BaseException as e:  # pyo3 PanicException derives from BaseException
+        if isinstance(e, SystemExit):
+            raise
+        return _fail(
+            1,
+            f"router for model {spec.model!r} on {spec.url} (metrics port {spec.prometheus_port}) "
+            f"failed: {type(e).__name__}: {e}",
+        )
+    print(f"{_TAG} router for model {spec.model!r} at {spec.url} stopped", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""Structured configs (typed dataclasses) of the ``sglang`` Hydra config group.
+
+Layout of a composed app config::
+
+    sglang:                      # one entry per model (one router each), in deployment order
+      actor:                     # ModelConf
+        model_path: ...          # default: the trainer's hf_checkpoint
+        update_weights: null     # null: inferred (effective model path == hf_checkpoint)
+        num_gpus_per_engine: ... # default: the trainer's rollout_num_gpus_per_engine
+        prefill: {num_gpus: 4, num_gpus_per_engine: 2, overrides: {}}   # ServerGroupConf slots,
+        decode: {num_gpus: 8}                                            # num_gpus: 0 = group off
+        regular: {num_gpus: 0}
+        placeholder: {num_gpus: 0}
+        extra_groups: {}         # more groups, e.g. a second decode group with another TP
+        group_order: []          # optional explicit order of the groups (default: the order above)
+    sglang_deploy: ...           # SGLangDeployConf: launcher, router and deployment-wide SGLang defaults
+
+Groups are always present (``num_gpus: 0`` means off) so that ``sglang.actor.decode.num_gpus=12`` works for
+every model without ``+``; None- or MISSING-valued group nodes break dotted overrides in OmegaConf 2.3.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from omegaconf import II
+
+from miles_sglang_plugin.deployment_spec import WorkerType
+
+#: Group slots of a model, in their default deployment order.
+GROUP_SLOTS: tuple[str, ...] = ("prefill", "decode", "regular", "placeholder")
+
+#: Default interpolations; an untouched default means "inherit" (the resolver applies Miles' fallback chain).
+GROUP_GPE_DEFAULT = "${..num_gpus_per_engine}"
+EXTRA_GROUP_GPE_DEFAULT = "${...num_gpus_per_engine}"
+MODEL_GPE_DEFAULT = "${oc.select:rollout_num_gpus_per_engine,1}"
+MODEL_PATH_DEFAULT = "${oc.select:hf_checkpoint,null}"
+
+
+@dataclass
+class ServerGroupConf:
+    """A server group in one of a model's fixed slots; its worker type is the slot's name."""
+
+    num_gpus: int = 0
+    num_gpus_per_engine: int = II("..num_gpus_per_engine")
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ExtraServerGroupConf:
+    """A further group of a model (``sglang.<model>.extra_groups.<name>``), e.g. a second decode group."""
+
+    worker_type: WorkerType = WorkerType.regular
+    num_gpus: int = 0
+    num_gpus_per_engine: int = II("...num_gpus_per_engine")
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ModelConf:
+    """One model behind one router."""
+
+    model_path: str | None = II("oc.select:hf_checkpoint,null")
+    update_weights: bool | None = None
+    num_gpus_per_engine: int = II("oc.select:rollout_num_gpus_per_engine,1")
+    prefill: ServerGroupConf = field(default_factory=ServerGroupConf)
+    decode: ServerGroupConf = field(default_factory=ServerGroupConf)
+    regular: ServerGroupConf = field(default_factory=ServerGroupConf)
+    placeholder: ServerGroupConf = field(default_factory=ServerGroupConf)
+    extra_groups: dict[str, ExtraServerGroupConf] = field(default_factory=dict)
+    group_order: list[str] = field(default_factory=list)
+
+
+class EngineKind(str, Enum):
+    """What runs as an engine: real SGLang, or the HTTP stand-in for machines without GPUs."""
+
+    sglang = "sglang"
+    simulated = "simulated"
+
+
+@dataclass
+class RouterConf:
+    """sglang-router (SGLang Model Gateway) settings, one router per model."""
+
+    policy: str = "cache_aware"
+    prefill_policy: str | None = None
+    decode_policy: str | None = None
+    request_timeout_secs: int = 14400
+    health_check_interval_secs: int = 60
+    health_failure_threshold: int = 3
+    health_success_threshold: int = 2
+    health_check_timeout_secs: int = 5
+    disable_health_check: bool = False
+    retry_max_retries: int = 5
+    disable_retries: bool = False
+    cb_failure_threshold: int = 10
+    cb_timeout_duration_secs: int = 60
+    disable_circuit_breaker: bool = False
+    log_level: str = "warn"
+    #: Any other ``RouterArgs`` field, by name.
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class LaunchConf:
+    """How engines are started and stopped."""
+
+    engine: EngineKind = EngineKind.sglang
+    #: Command prefix of an engine; ``{python}`` is this interpreter. ``[sglang, serve]`` also works.
+    command: list[str] = field(default_factory=lambda: ["{python}", "-m", "sglang.launch_server"])
+    #: Address engines and routers bind to on a single machine.
+    host: str = "127.0.0.1"
+    startup_timeout_s: float = 600.0
+    poll_interval_s: float = 0.5
+    shutdown_grace_s: float = 10.0
+    #: Ports are searched upward from here, below the ephemeral range (Miles starts at 15000).
+    port_base: int = 15000
+    port_max: int = 32767
+    #: Log directory (default: ``sglang_logs`` under the Hydra run directory).
+    log_dir: str | None = None
+    #: Live status display: auto (a terminal), always, never.
+    live: str = "auto"
+
+
+@dataclass
+class SGLangDeployConf:
+    """Deployment-wide settings (not per model)."""
+
+    launch: LaunchConf = field(default_factory=LaunchConf)
+    router: RouterConf = field(default_factory=RouterConf)
+    #: Deployment-wide ServerArgs values (Miles' ``--sglang-*`` flags): lowest precedence.
+    server_defaults: dict[str, Any] = field(default_factory=dict)
+    #: Extra environment variables for every engine.
+    env: dict[str, str] = field(default_factory=dict)
+    #: API key of engines and routers. A secret: never printed, logged or written to a plan.
+    api_key: str | None = II("oc.env:SGLANG_API_KEY,null")
+
+
+@dataclass
+class MilesTrainerArgs:
+    """Trainer inputs under Miles' argument names, as a typed root schema a Hydra trainer can extend."""
+
+    hf_checkpoint: str | None = None
+    rollout_num_gpus: int | None = None
+    rollout_num_gpus_per_engine: int = 1
+    num_gpus_per_node: int = 8
+    actor_num_nodes: int = 1
+    actor_num_gpus_per_node: int = 8
+    colocate: bool = False
+    offload_rollout: bool = False
+    eval_num_gpus: int = 0
+    eval_num_gpus_per_engine: int | None = None
+    prefill_num_servers: int | None = None
+    debug_rollout_only: bool = False
+    debug_train_only: bool = False
+    use_critic: bool = False
+    critic_train_only: bool = False
+    critic_num_nodes: int | None = None
+    critic_num_gpus_per_node: int | None = None
+    seed: int = 1234
+    eval_sglang_overrides: dict[str, Any] = field(default_factory=dict)
+    num_nodes: int | None = None
+    #: Filled by the ``sglang`` group (models by name) and its presets (deployment settings).
+    sglang: dict[str, ModelConf] = field(default_factory=dict)
+    sglang_deploy: SGLangDeployConf = field(default_factory=SGLangDeployConf)

@@ -1,0 +1,972 @@
+"""Stand-in for ``python -m sglang.launch_server``: NOT a real SGLang engine.
+
+SGLang engines cannot run on CPU-only machines, so launchers, routers and trainers are tested against this
+small aiohttp server instead. It takes the same argv (checked against the sglang 0.5.23 ``ServerArgs``
+fields, see ``flags.py``), binds ``--host``/``--port`` and answers the endpoints a real engine serves, with
+deterministic fake generations (a fixed vocabulary continuation seeded by the prompt and the engine port).
+Everything it returns carries a ``stand_in`` marker.
+
+Usage::
+
+    python -m miles_sglang_plugin.standin --model-path Qwen/Qwen3-4B --host 127.0.0.1 --port 30000 [...]
+
+Fault injection, read from the environment at start:
+
+``MSP_STANDIN_START_DELAY_S``
+    float seconds to wait before listening (SIGTERM during the wait still exits 0).
+``MSP_STANDIN_FAIL_AT_START``
+    non-empty and not ``0``: after the delay, print an error to stderr and exit with code 3, never listening.
+``MSP_STANDIN_DIE_AFTER_S``
+    float: exit with code 4 that many seconds after it started serving (a simulated crash).
+``MSP_STANDIN_NEVER_HEALTHY``
+    non-empty and not ``0``: serve normally, but ``/health``, ``/health_generate`` and ``/readiness``
+    answer 503 forever (``/liveness`` stays 200: the process is alive).
+
+Exit codes: 0 on SIGTERM/SIGINT, 1 when the port cannot be bound, 2 for a bad argv or a bad fault variable,
+3 for ``MSP_STANDIN_FAIL_AT_START``, 4 for ``MSP_STANDIN_DIE_AFTER_S``.
+
+With ``--node-rank`` > 0 it behaves as the follower process of a multi-node engine: it binds nothing and
+waits to be terminated (the fault variables still apply).
+
+Endpoints: ``/health``, ``/health_generate``, ``/liveness``, ``/readiness``, ``/server_info``,
+``/get_server_info``, ``/model_info``, ``/get_model_info``, ``POST /generate`` (optionally SSE),
+``POST /v1/chat/completions``, ``POST /v1/completions``, ``/v1/models``, ``/flush_cache``, ``/get_load``,
+``/metrics`` (served whether or not ``--enable-metrics`` is given), ``/abort_request``,
+``/release_memory_occupation``, ``/resume_memory_occupation``, ``/get_weight_version``,
+``/update_weights_from_disk``, the weight-update bracket endpoints (no-ops), and ``/stand_in/stats``
+(request counters and the last PD bootstrap fields seen). With ``--disaggregation-mode prefill|decode``,
+``/generate`` and ``/v1/chat/completions`` answer 400 unless the body has ``bootstrap_host``,
+``bootstrap_port`` (may be null: the router sends null when it was given no port) and ``bootstrap_room``.
+With ``--api-key K`` every endpoint except the health ones and ``/metrics`` needs ``Authorization: Bearer K``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import math
+import os
+import random
+import re
+import signal
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from miles_sglang_plugin.standin.flags import (
+    SECRET_FIELDS,
+    StandInArgs,
+    StandInFlagError,
+    parse_launch_argv,
+)
+
+TAG = "[stand-in engine]"
+VERSION = "0.5.23+standin"
+DEFAULT_MAX_NEW_TOKENS = 16
+MAX_NEW_TOKENS_LIMIT = 1 << 16
+VOCAB_SIZE = 32000
+FIRST_WORD_ID = 256
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+BOOTSTRAP_KEYS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+OPEN_PATHS = frozenset({"/health", "/health_generate", "/liveness", "/readiness", "/metrics"})
+VOCAB = (
+    "the", "model", "is", "a", "stand", "in", "for", "sglang", "on", "cpu", "tokens", "flow", "through",
+    "router", "engine", "rollout", "reward", "policy", "gradient", "batch", "and", "then", "we", "sample",
+    "again", "with", "care", "so", "that", "tests", "pass", "quickly",
+)  # fmt: skip
+
+EXIT_OK, EXIT_BIND, EXIT_USAGE, EXIT_FAIL_AT_START, EXIT_DIED = 0, 1, 2, 3, 4
+
+
+# --------------------------------------------------------------------------------------------------------
+# Fault injection
+
+
+def _flag_set(value: str | None) -> bool:
+    return bool(value) and value.strip() not in ("0", "")
+
+
+def _float_env(env: Mapping[str, str], name: str) -> float | None:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be a number of seconds, got {raw!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a finite number >= 0, got {raw!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class FaultConfig:
+    """What the ``MSP_STANDIN_*`` environment variables ask for."""
+
+    start_delay_s: float = 0.0
+    fail_at_start: bool = False
+    die_after_s: float | None = None
+    never_healthy: bool = False
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> FaultConfig:
+        return cls(
+            start_delay_s=_float_env(env, "MSP_STANDIN_START_DELAY_S") or 0.0,
+            fail_at_start=_flag_set(env.get("MSP_STANDIN_FAIL_AT_START")),
+            die_after_s=_float_env(env, "MSP_STANDIN_DIE_AFTER_S"),
+            never_healthy=_flag_set(env.get("MSP_STANDIN_NEVER_HEALTHY")),
+        )
+
+
+# --------------------------------------------------------------------------------------------------------
+# Fake tokenizer and generator
+
+
+def token_id(word: str) -> int:
+    """A stable id for a whitespace-separated word."""
+    digest = hashlib.blake2b(word.encode("utf-8"), digest_size=4).digest()
+    return FIRST_WORD_ID + int.from_bytes(digest, "big") % (VOCAB_SIZE - FIRST_WORD_ID)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    ids: tuple[int, ...]
+    words: tuple[str, ...] | None = None  # known when the prompt came as text
+
+    @classmethod
+    def from_text(cls, text: str) -> Prompt:
+        words = tuple(text.split())
+        return cls(tuple(token_id(w) for w in words), words)
+
+    def logprobs(self) -> list[float | None]:
+        """Deterministic negative logprobs per prompt token; the first one is None (as in sglang)."""
+        return [None if i == 0 else -round(0.5 + (t % 997) / 200, 4) for i, t in enumerate(self.ids)]
+
+
+@dataclass(frozen=True)
+class Generated:
+    words: tuple[str, ...]
+    ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+
+    @property
+    def text(self) -> str:
+        return " ".join(self.words)
+
+    def part(self, start: int, stop: int) -> Generated:
+        return Generated(self.words[start:stop], self.ids[start:stop], self.logprobs[start:stop])
+
+
+def fake_generate(prompt: Prompt, max_new_tokens: int, salt: str) -> Generated:
+    """``max_new_tokens`` words from VOCAB, fully determined by the prompt ids and ``salt``."""
+    seed_src = salt + "|" + ",".join(map(str, prompt.ids))
+    rng = random.Random(int.from_bytes(hashlib.blake2b(seed_src.encode(), digest_size=8).digest(), "big"))
+    words = tuple(rng.choice(VOCAB) for _ in range(max_new_tokens))
+    logprobs = tuple(-round(0.01 + 3 * rng.random(), 6) for _ in words)
+    return Generated(words, tuple(token_id(w) for w in words), logprobs)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Engine state
+
+
+class RequestError(Exception):
+    """Turned into a JSON error response by the error middleware."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def _sanitise(name: str) -> str:
+    cleaned = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._-")
+    return cleaned[:120] or "model"
+
+
+def local_model_dir(model_path: str) -> str:
+    """An existing local directory to report as model/tokenizer path (keeps the router off the HF hub)."""
+    if os.path.isdir(model_path):
+        return os.path.abspath(model_path)
+    path = Path(tempfile.gettempdir()) / "msp-standin-models" / _sanitise(model_path)
+    path.mkdir(parents=True, exist_ok=True)
+    return str(path)
+
+
+def _coerce(values: tuple[str, ...]) -> Any:
+    if not values:
+        return True
+    out: list[Any] = []
+    for raw in values:
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            value = raw
+        if isinstance(value, float) and not math.isfinite(value):
+            value = raw
+        out.append(value)
+    return out[0] if len(out) == 1 else out
+
+
+def _int_extra(extra: Mapping[str, tuple[str, ...]], name: str, default: int) -> int:
+    values = extra.get(name, ())
+    try:
+        return int(values[0]) if len(values) == 1 else default
+    except ValueError:
+        return default
+
+
+@dataclass
+class EngineState:
+    """Everything the handlers share; lives on the aiohttp app."""
+
+    args: StandInArgs
+    faults: FaultConfig
+    model_dir: str
+    cuda_visible_devices: str | None
+    weight_version: str = "default"
+    started_at: float = field(default_factory=time.time)
+    received: Counter[str] = field(default_factory=Counter)
+    served: Counter[str] = field(default_factory=Counter)
+    last_bootstrap: dict[str, Any] | None = None
+    released_tags: set[str] = field(default_factory=set)
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    weight_updates: int = 0
+    max_total_num_tokens: int = field(init=False)
+    max_running_requests: int = field(init=False)
+    gpu_id_step: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        extra = self.args.extra_dict()
+        if len(extra.get("weight_version", ())) == 1:
+            self.weight_version = extra["weight_version"][0]
+        self.max_total_num_tokens = _int_extra(extra, "max_total_tokens", 65536)
+        self.max_running_requests = _int_extra(extra, "max_running_requests", 128)
+        self.gpu_id_step = _int_extra(extra, "gpu_id_step", 1)
+
+    @property
+    def salt(self) -> str:
+        return f"{self.args.port}:{self.args.random_seed}"
+
+    def complete(self, prompt: Prompt, max_new_tokens: int) -> Generated:
+        generated = fake_generate(prompt, max_new_tokens, self.salt)
+        self.prompt_tokens_total += len(prompt.ids)
+        self.generation_tokens_total += len(generated.ids)
+        return generated
+
+    def check_bootstrap(self, body: Mapping[str, Any]) -> None:
+        present = {k: body[k] for k in BOOTSTRAP_KEYS if k in body}
+        if self.args.disaggregation_mode != "null":
+            missing = [
+                k for k in BOOTSTRAP_KEYS if k not in body or (body[k] is None and k != "bootstrap_port")
+            ]
+            if missing:
+                raise RequestError(
+                    400,
+                    f"stand-in engine in PD {self.args.disaggregation_mode} mode: the request lacks "
+                    f"{', '.join(missing)} (a PD router adds bootstrap_host, bootstrap_port and "
+                    "bootstrap_room)",
+                )
+        if present:
+            self.last_bootstrap = present
+
+    def stand_in_meta(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "port": self.args.port,
+            "disaggregation_mode": self.args.disaggregation_mode,
+            "cuda_visible_devices": self.cuda_visible_devices,
+        }
+        meta.update({k: body[k] for k in BOOTSTRAP_KEYS if k in body})
+        return meta
+
+    def gpu_ids(self) -> list[int]:
+        per_node = max(1, self.args.world_size // self.args.nnodes)
+        return [self.args.base_gpu_id + i * self.gpu_id_step for i in range(per_node)]
+
+    def server_info(self) -> dict[str, Any]:
+        a = self.args
+        info: dict[str, Any] = {
+            name: _coerce(values) for name, values in a.extra if name not in SECRET_FIELDS
+        }
+        info.update(
+            model_path=self.model_dir,
+            tokenizer_path=self.model_dir,
+            requested_model_path=a.model_path,
+            served_model_name=a.model_name,
+            host=a.host,
+            port=a.port,
+            tp_size=a.tp_size,
+            dp_size=a.dp_size,
+            pp_size=a.pp_size,
+            ep_size=a.ep_size,
+            nnodes=a.nnodes,
+            node_rank=a.node_rank,
+            dist_init_addr=a.dist_init_addr,
+            base_gpu_id=a.base_gpu_id,
+            gpu_ids=self.gpu_ids(),
+            disaggregation_mode=a.disaggregation_mode,
+            disaggregation_bootstrap_port=a.disaggregation_bootstrap_port,
+            enable_memory_saver=a.enable_memory_saver,
+            random_seed=a.random_seed,
+            enable_lora=a.enable_lora,
+            lora_paths=list(a.lora_paths) if a.lora_paths is not None else None,
+            skip_server_warmup=a.skip_server_warmup,
+            enable_metrics=a.enable_metrics,
+            max_total_num_tokens=self.max_total_num_tokens,
+            max_running_requests=self.max_running_requests,
+            version=VERSION,
+            weight_version=self.weight_version,
+            internal_states=[
+                {
+                    "world_size": a.world_size,
+                    "tp_size": a.tp_size,
+                    "pp_size": a.pp_size,
+                    "dp_size": a.dp_size,
+                    "disaggregation_mode": a.disaggregation_mode,
+                    "max_total_num_tokens": self.max_total_num_tokens,
+                    "last_gen_throughput": 0.0,
+                }
+            ],
+            stand_in=True,
+            cuda_visible_devices=self.cuda_visible_devices,
+            argv=a.masked_argv(),
+            pid=os.getpid(),
+        )
+        return info
+
+    def model_info(self) -> dict[str, Any]:
+        return {
+            "model_path": self.model_dir,
+            "tokenizer_path": self.model_dir,
+            "requested_model_path": self.args.model_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": self.weight_version,
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": "stand_in",
+            "architectures": ["StandInForCausalLM"],
+            "stand_in": True,
+        }
+
+
+STATE: web.AppKey[EngineState] = web.AppKey("standin_state", EngineState)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+# --------------------------------------------------------------------------------------------------------
+# Request helpers
+
+
+def _error(status: int, message: str) -> web.Response:
+    kind = {400: "BadRequestError", 401: "AuthenticationError"}.get(status, "Error")
+    return web.json_response(
+        {"object": "error", "error": {"message": message, "type": kind, "code": status}}, status=status
+    )
+
+
+async def _json_object(request: web.Request, *, required: bool = True) -> dict[str, Any]:
+    raw = await request.text()
+    if not raw.strip():
+        if required:
+            raise RequestError(400, "the request body must be a JSON object")
+        return {}
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise RequestError(400, f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise RequestError(400, "the request body must be a JSON object")
+    return body
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _generate_prompts(body: Mapping[str, Any]) -> tuple[list[Prompt], bool]:
+    text, ids = body.get("text"), body.get("input_ids")
+    if text is not None:
+        if isinstance(text, str):
+            return [Prompt.from_text(text)], False
+        if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+            return [Prompt.from_text(t) for t in text], True
+        raise RequestError(400, "text must be a string or a non-empty list of strings")
+    if ids is not None:
+        if _is_ids(ids):
+            return [Prompt(tuple(ids))], False
+        if isinstance(ids, list) and ids and all(_is_ids(x) for x in ids):
+            return [Prompt(tuple(x)) for x in ids], True
+        raise RequestError(400, "input_ids must be a list of integers or a non-empty list of such lists")
+    raise RequestError(400, "the request needs text or input_ids")
+
+
+def _max_tokens(value: Any, what: str) -> int:
+    if value is None:
+        return DEFAULT_MAX_NEW_TOKENS
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_NEW_TOKENS_LIMIT:
+        raise RequestError(400, f"{what} must be an integer in 0..{MAX_NEW_TOKENS_LIMIT}, got {value!r}")
+    return value
+
+
+def _rid(value: Any, index: int) -> str:
+    if isinstance(value, list) and index < len(value) and isinstance(value[index], str):
+        return value[index]
+    if isinstance(value, str) and index == 0:
+        return value
+    return uuid.uuid4().hex
+
+
+async def _sse(request: web.Request, events: Iterable[dict[str, Any]]) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    for event in events:
+        await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+def _stream_steps(n: int) -> list[int]:
+    return list(range(1, n + 1)) or [0]
+
+
+# --------------------------------------------------------------------------------------------------------
+# Middlewares
+
+
+@web.middleware
+async def _count_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    state = request.app[STATE]
+    routed = request.match_info.http_exception is None
+    if routed:
+        state.received[request.path] += 1
+    response = await handler(request)
+    if routed and response.status < 400:
+        state.served[request.path] += 1
+    return response
+
+
+@web.middleware
+async def _auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    key = request.app[STATE].args.api_key
+    if key and request.path not in OPEN_PATHS:
+        given = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            return _error(401, "missing or wrong Authorization: Bearer <api key>")
+    return await handler(request)
+
+
+@web.middleware
+async def _error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except RequestError as exc:
+        return _error(exc.status, exc.message)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Handlers
+
+
+async def health(request: web.Request) -> web.Response:
+    if request.app[STATE].faults.never_healthy:
+        return web.Response(status=503, text="stand-in engine: unhealthy (MSP_STANDIN_NEVER_HEALTHY)")
+    return web.Response(text="OK")
+
+
+async def liveness(request: web.Request) -> web.Response:
+    return web.Response(text="OK")
+
+
+async def server_info(request: web.Request) -> web.Response:
+    return web.json_response(request.app[STATE].server_info())
+
+
+async def model_info(request: web.Request) -> web.Response:
+    return web.json_response(request.app[STATE].model_info())
+
+
+def _generate_item(
+    state: EngineState,
+    body: Mapping[str, Any],
+    prompt: Prompt,
+    generated: Generated,
+    *,
+    rid: str,
+    finished: bool,
+    started: float,
+) -> dict[str, Any]:
+    n = len(generated.ids)
+    meta: dict[str, Any] = {
+        "id": rid,
+        "finish_reason": {"type": "length", "length": n} if finished else None,
+        "prompt_tokens": len(prompt.ids),
+        "completion_tokens": n,
+        "cached_tokens": 0,
+        "weight_version": state.weight_version,
+        "e2e_latency": round(time.perf_counter() - started, 6),
+        "stand_in": state.stand_in_meta(body),
+    }
+    if body.get("return_logprob"):
+        with_text = bool(body.get("return_text_in_logprobs"))
+        in_words = prompt.words if with_text and prompt.words else (None,) * len(prompt.ids)
+        out_words = generated.words if with_text else (None,) * n
+        meta["input_token_logprobs"] = [
+            [lp, t, w] for lp, t, w in zip(prompt.logprobs(), prompt.ids, in_words, strict=True)
+        ]
+        meta["output_token_logprobs"] = [
+            [lp, t, w] for lp, t, w in zip(generated.logprobs, generated.ids, out_words, strict=True)
+        ]
+    return {"text": generated.text, "output_ids": list(generated.ids), "meta_info": meta}
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    started = time.perf_counter()
+    body = await _json_object(request)
+    state.check_bootstrap(body)
+    prompts, batch = _generate_prompts(body)
+    sampling = body.get("sampling_params") or {}
+    if isinstance(sampling, list):  # a batch may carry one dict per prompt; the stand-in uses the first
+        sampling = sampling[0] if sampling else {}
+    if not isinstance(sampling, dict):
+        raise RequestError(400, "sampling_params must be an object")
+    max_new = _max_tokens(sampling.get("max_new_tokens"), "sampling_params.max_new_tokens")
+    results = [state.complete(p, max_new) for p in prompts]
+    rids = [_rid(body.get("rid"), i) for i in range(len(prompts))]
+    if body.get("stream"):
+        if batch:
+            raise RequestError(400, "the stand-in engine does not stream batched requests")
+        prompt, gen = prompts[0], results[0]
+        events = (
+            _generate_item(
+                state, body, prompt, gen.part(0, k), rid=rids[0], finished=k == max_new, started=started
+            )
+            for k in _stream_steps(max_new)
+        )
+        return await _sse(request, events)
+    items = [
+        _generate_item(state, body, p, g, rid=r, finished=True, started=started)
+        for p, g, r in zip(prompts, results, rids, strict=True)
+    ]
+    return web.json_response(items if batch else items[0])
+
+
+def _chat_prompt(messages: Any) -> Prompt:
+    if not isinstance(messages, list) or not messages:
+        raise RequestError(400, "messages must be a non-empty list")
+    lines = []
+    for message in messages:
+        if not isinstance(message, dict):
+            raise RequestError(400, "each message must be an object")
+        content = message.get("content")
+        if isinstance(content, list):
+            content = " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+        lines.append(f"{message.get('role', 'user')}: {content or ''}")
+    return Prompt.from_text("\n".join(lines))
+
+
+def _openai_max_tokens(body: Mapping[str, Any]) -> int:
+    value = body.get("max_completion_tokens")
+    if value is None:
+        value = body.get("max_tokens")
+    return _max_tokens(value, "max_tokens")
+
+
+def _usage(prompt: Prompt, generated: Generated) -> dict[str, int]:
+    p, c = len(prompt.ids), len(generated.ids)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    body = await _json_object(request)
+    state.check_bootstrap(body)
+    prompt = _chat_prompt(body.get("messages"))
+    max_new = _openai_max_tokens(body)
+    generated = state.complete(prompt, max_new)
+    model = body.get("model") or state.args.model_name
+    common = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model}
+    stand_in = state.stand_in_meta(body)
+
+    def logprobs(g: Generated) -> dict[str, Any] | None:
+        if not body.get("logprobs"):
+            return None
+        content = [
+            {"token": w, "token_id": t, "logprob": lp, "bytes": list(w.encode()), "top_logprobs": []}
+            for w, t, lp in zip(g.words, g.ids, g.logprobs, strict=True)
+        ]
+        return {"content": content}
+
+    if body.get("stream"):
+
+        def chunks() -> Iterable[dict[str, Any]]:
+            chunk = {**common, "object": "chat.completion.chunk", "stand_in": stand_in}
+            yield {
+                **chunk,
+                "choices": [
+                    {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                ],
+            }
+            for k in range(len(generated.ids)):
+                delta = {"content": (" " if k else "") + generated.words[k]}
+                lp = logprobs(generated.part(k, k + 1))
+                yield {
+                    **chunk,
+                    "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": None}],
+                }
+            yield {
+                **chunk,
+                "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}],
+                "usage": _usage(prompt, generated),
+            }
+
+        return await _sse(request, chunks())
+    choice = {
+        "index": 0,
+        "message": {
+            "role": "assistant",
+            "content": generated.text,
+            "reasoning_content": None,
+            "tool_calls": None,
+        },
+        "logprobs": logprobs(generated),
+        "finish_reason": "length",
+        "matched_stop": None,
+    }
+    return web.json_response(
+        {
+            **common,
+            "object": "chat.completion",
+            "choices": [choice],
+            "usage": _usage(prompt, generated),
+            "metadata": {"weight_version": state.weight_version},
+            "stand_in": stand_in,
+        }
+    )
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    body = await _json_object(request)
+    raw = body.get("prompt")
+    if isinstance(raw, str):
+        prompt = Prompt.from_text(raw)
+    elif _is_ids(raw):
+        prompt = Prompt(tuple(raw))
+    else:
+        raise RequestError(400, "prompt must be a string or a list of token ids")
+    generated = state.complete(prompt, _openai_max_tokens(body))
+    common = {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": body.get("model") or state.args.model_name,
+        "stand_in": state.stand_in_meta(body),
+    }
+    if body.get("stream"):
+        raise RequestError(400, "the stand-in engine does not stream /v1/completions")
+    logprobs = None
+    if body.get("logprobs"):
+        logprobs = {
+            "tokens": list(generated.words),
+            "token_logprobs": list(generated.logprobs),
+            "top_logprobs": None,
+            "text_offset": None,
+        }
+    choice = {"index": 0, "text": generated.text, "logprobs": logprobs, "finish_reason": "length"}
+    return web.json_response({**common, "choices": [choice], "usage": _usage(prompt, generated)})
+
+
+async def models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    model = {
+        "id": state.args.model_name,
+        "object": "model",
+        "created": int(state.started_at),
+        "owned_by": "sglang-stand-in",
+        "root": state.args.model_path,
+        "max_model_len": state.max_total_num_tokens,
+    }
+    return web.json_response({"object": "list", "data": [model]})
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    return web.Response(text="Cache flushed (stand-in engine).")
+
+
+async def get_load(request: web.Request) -> web.Response:
+    return web.json_response([{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}])
+
+
+def _prom_label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+async def metrics(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    labels = f'{{model_name="{_prom_label(state.args.model_name)}"}}'
+    rows = [
+        (
+            "sglang:num_requests_total",
+            "counter",
+            "Requests served (stand-in).",
+            sum(state.served[p] for p in ("/generate", "/v1/chat/completions", "/v1/completions")),
+        ),
+        ("sglang:prompt_tokens_total", "counter", "Prompt tokens processed.", state.prompt_tokens_total),
+        ("sglang:generation_tokens_total", "counter", "Tokens generated.", state.generation_tokens_total),
+        ("sglang:num_running_reqs", "gauge", "Running requests.", 0),
+        ("sglang:num_queue_reqs", "gauge", "Queued requests.", 0),
+        ("sglang:token_usage", "gauge", "KV cache usage.", 0.0),
+    ]
+    lines = []
+    for name, kind, text, value in rows:
+        lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", f"{name}{labels} {value}"]
+    return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8")
+
+
+async def abort_request(request: web.Request) -> web.Response:
+    await _json_object(request, required=False)
+    return web.json_response({"status": "ok", "success": True})
+
+
+async def _memory_tags(request: web.Request) -> set[str]:
+    body = await _json_object(request, required=False)
+    tags = body.get("tags")
+    if tags is None:
+        return set(MEMORY_TAGS)
+    if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
+        raise RequestError(400, "tags must be a list of strings")
+    return set(tags)
+
+
+async def release_memory(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    state.released_tags |= await _memory_tags(request)
+    return web.json_response({"success": True, "released_tags": sorted(state.released_tags)})
+
+
+async def resume_memory(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    state.released_tags -= await _memory_tags(request)
+    return web.json_response({"success": True, "released_tags": sorted(state.released_tags)})
+
+
+async def get_weight_version(request: web.Request) -> web.Response:
+    return web.json_response({"weight_version": request.app[STATE].weight_version})
+
+
+def _bump_weight_version(state: EngineState, requested: Any) -> None:
+    state.weight_updates += 1
+    state.weight_version = str(requested) if requested is not None else str(state.weight_updates)
+
+
+async def update_weights_from_disk(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    body = await _json_object(request, required=False)
+    _bump_weight_version(state, body.get("weight_version"))
+    return web.json_response(
+        {
+            "success": True,
+            "message": "stand-in engine: no weights loaded",
+            "num_paused_requests": 0,
+            "weight_version": state.weight_version,
+        }
+    )
+
+
+async def weight_update_noop(request: web.Request) -> web.Response:
+    """The weight-update bracket and transfer endpoints: accepted and ignored (weight_version honoured)."""
+    state = request.app[STATE]
+    body = await _json_object(request, required=False)
+    version = body.get("new_version", body.get("weight_version"))
+    if version is not None:
+        state.weight_version = str(version)
+    return web.json_response({"success": True, "message": "stand-in engine: no-op"})
+
+
+async def stats(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    return web.json_response(
+        {
+            "stand_in": True,
+            "port": state.args.port,
+            "pid": os.getpid(),
+            "disaggregation_mode": state.args.disaggregation_mode,
+            "requests_received": dict(state.received),
+            "requests_served": dict(state.served),
+            "last_bootstrap": state.last_bootstrap,
+            "weight_version": state.weight_version,
+            "released_memory_tags": sorted(state.released_tags),
+            "prompt_tokens_total": state.prompt_tokens_total,
+            "generation_tokens_total": state.generation_tokens_total,
+            "uptime_s": round(time.time() - state.started_at, 3),
+        }
+    )
+
+
+NOOP_POST_PATHS = (
+    "/pause_generation",
+    "/continue_generation",
+    "/begin_weight_update",
+    "/end_weight_update",
+    "/init_weights_update_group",
+    "/destroy_weights_update_group",
+    "/update_weights_from_distributed",
+    "/update_weights_from_tensor",
+    "/update_weight_version",
+)
+
+
+def build_app(
+    args: StandInArgs, faults: FaultConfig | None = None, *, cuda_visible_devices: str | None = None
+) -> web.Application:
+    """The aiohttp application of a stand-in engine (node_rank 0)."""
+    app = web.Application(
+        middlewares=[_count_middleware, _auth_middleware, _error_middleware], client_max_size=64 * 2**20
+    )
+    app[STATE] = EngineState(
+        args=args,
+        faults=faults or FaultConfig(),
+        model_dir=local_model_dir(args.model_path),
+        cuda_visible_devices=cuda_visible_devices,
+    )
+    get, post = web.get, web.post
+    routes = [
+        *(get(p, health) for p in ("/health", "/health_generate", "/readiness")),
+        get("/liveness", liveness),
+        *(get(p, server_info) for p in ("/server_info", "/get_server_info")),
+        *(get(p, model_info) for p in ("/model_info", "/get_model_info")),
+        post("/generate", generate),
+        post("/v1/chat/completions", chat_completions),
+        post("/v1/completions", completions),
+        get("/v1/models", models),
+        get("/flush_cache", flush_cache),
+        post("/flush_cache", flush_cache),
+        get("/get_load", get_load),
+        get("/metrics", metrics),
+        post("/abort_request", abort_request),
+        post("/release_memory_occupation", release_memory),
+        post("/resume_memory_occupation", resume_memory),
+        get("/get_weight_version", get_weight_version),
+        post("/update_weights_from_disk", update_weights_from_disk),
+        *(post(p, weight_update_noop) for p in NOOP_POST_PATHS),
+        get("/stand_in/stats", stats),
+    ]
+    app.add_routes(routes)
+    return app
+
+
+# --------------------------------------------------------------------------------------------------------
+# Process
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+async def _wait(stop: asyncio.Event, timeout: float | None) -> bool:
+    """True if ``stop`` was set, False if ``timeout`` passed first."""
+    try:
+        await asyncio.wait_for(stop.wait(), timeout)
+    except TimeoutError:
+        return False
+    return True
+
+
+def _died(faults: FaultConfig) -> int:
+    print(
+        f"{TAG} MSP_STANDIN_DIE_AFTER_S={faults.die_after_s} reached: exiting with code {EXIT_DIED} "
+        "(simulated crash)",
+        file=sys.stderr,
+        flush=True,
+    )
+    return EXIT_DIED
+
+
+async def serve(args: StandInArgs, faults: FaultConfig, env: Mapping[str, str]) -> int:
+    """Run the stand-in until SIGTERM/SIGINT (or an injected fault); return the exit code."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    cvd = env.get("CUDA_VISIBLE_DEVICES")
+    where = f"CUDA_VISIBLE_DEVICES={cvd if cvd is not None else '<unset>'}"
+    if args.node_rank > 0:
+        print(
+            f"{TAG} NOT a real SGLang engine: node_rank={args.node_rank} of nnodes={args.nnodes} for "
+            f"{args.model_path}, follower of --dist-init-addr {args.dist_init_addr}; not serving HTTP, "
+            f"{where}",
+            flush=True,
+        )
+    else:
+        print(
+            f"{TAG} NOT a real SGLang engine: serving {args.model_path} on {_url(args.host, args.port)}, "
+            f"mode={args.disaggregation_mode}, {where}",
+            flush=True,
+        )
+    if faults.start_delay_s and await _wait(stop, faults.start_delay_s):
+        return EXIT_OK
+    if faults.fail_at_start:
+        print(
+            f"{TAG} error: failing at start as asked by MSP_STANDIN_FAIL_AT_START",
+            file=sys.stderr,
+            flush=True,
+        )
+        return EXIT_FAIL_AT_START
+    if args.node_rank > 0:
+        return EXIT_OK if await _wait(stop, faults.die_after_s) else _died(faults)
+    runner = web.AppRunner(
+        build_app(args, faults, cuda_visible_devices=cvd), access_log=None, shutdown_timeout=1.0
+    )
+    await runner.setup()
+    try:
+        try:
+            await web.TCPSite(runner, args.host, args.port).start()
+        except OSError as exc:
+            print(
+                f"{TAG} error: cannot listen on {_url(args.host, args.port)}: {exc}",
+                file=sys.stderr,
+                flush=True,
+            )
+            return EXIT_BIND
+        print(f"{TAG} listening on {_url(args.host, args.port)} (pid {os.getpid()})", flush=True)
+        return EXIT_OK if await _wait(stop, faults.die_after_s) else _died(faults)
+    finally:
+        await runner.cleanup()
+
+
+USAGE = """usage: python -m miles_sglang_plugin.standin --model-path PATH [--host H] [--port P] [flags...]
+
+Stand-in for `python -m sglang.launch_server` (NOT a real SGLang engine). Accepts the launch_server
+flags of sglang 0.5.23 (checked against the ServerArgs field names); see the module docstring of
+miles_sglang_plugin.standin.engine for endpoints and the MSP_STANDIN_* fault-injection variables."""
+
+
+def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
+    """Entry point of ``python -m miles_sglang_plugin.standin``; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    env = os.environ if env is None else env
+    if "-h" in argv or "--help" in argv:
+        print(USAGE)
+        return EXIT_OK
+    try:
+        args = parse_launch_argv(argv)
+        faults = FaultConfig.from_env(env)
+    except (StandInFlagError, ValueError) as exc:
+        print(f"{TAG} error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    return asyncio.run(serve(args, faults, env))

@@ -1,0 +1,163 @@
+"""What the trainer tells the resolver: Miles' own argument names, one to one.
+
+A Miles (or slime) ``argparse.Namespace`` maps onto :class:`TrainerInputs` field by field
+(:meth:`TrainerInputs.from_namespace`); a Hydra app keeps the same names at the root of its config
+(:meth:`TrainerInputs.from_config`). A trainer whose arguments are named differently maps them in one place:
+interpolations at the root of its primary config, e.g. ``hf_checkpoint: ${model.path}`` (see the README).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from miles_sglang_plugin.errors import Problem
+
+#: Miles' ``--eval-sglang-*`` flags arrive in a namespace as ``eval_sglang_<ServerArgs field>``.
+EVAL_SGLANG_PREFIX = "eval_sglang_"
+
+
+@dataclass(frozen=True)
+class TrainerInputs:
+    """Trainer-side inputs of resolution, named exactly as Miles' command-line arguments."""
+
+    hf_checkpoint: str | None = None
+    #: GPUs for rollout (eval excluded). None: follow from the server groups.
+    rollout_num_gpus: int | None = None
+    rollout_num_gpus_per_engine: int = 1
+    num_gpus_per_node: int = 8
+    actor_num_nodes: int = 1
+    actor_num_gpus_per_node: int = 8
+    colocate: bool = False
+    offload_rollout: bool = False
+    eval_num_gpus: int = 0
+    #: None: the same as ``rollout_num_gpus_per_engine``.
+    eval_num_gpus_per_engine: int | None = None
+    prefill_num_servers: int | None = None
+    debug_rollout_only: bool = False
+    debug_train_only: bool = False
+    use_critic: bool = False
+    critic_train_only: bool = False
+    #: None: the same as the actor's.
+    critic_num_nodes: int | None = None
+    critic_num_gpus_per_node: int | None = None
+    #: Base of the per-engine ``--random-seed`` (Miles: ``seed + rank``).
+    seed: int = 1234
+    #: Miles' ``--eval-sglang-*`` values, as ServerArgs field -> value.
+    eval_sglang_overrides: Mapping[str, Any] = field(default_factory=dict)
+    #: Not a Miles argument: how many nodes the cluster has. None: as many as the plan needs (no check).
+    num_nodes: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "eval_sglang_overrides", MappingProxyType(dict(self.eval_sglang_overrides)))
+
+    # ----------------------------------------------------------------------------------------------- builders
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> TrainerInputs:
+        """Build from a mapping holding (some of) the field names; absent or None values take the defaults
+        where the field has a non-None default (Miles namespaces carry None for unset optional flags)."""
+        kwargs: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            if f.name not in values:
+                continue
+            value = values[f.name]
+            if value is None and f.default is not None and f.default is not dataclasses.MISSING:
+                continue
+            kwargs[f.name] = value
+        return cls(**kwargs)
+
+    @classmethod
+    def from_namespace(cls, ns: Any) -> TrainerInputs:
+        """Build from a Miles/slime ``argparse.Namespace`` (or any object with those attributes)."""
+        values = {name: getattr(ns, name) for name in cls.field_names() if hasattr(ns, name)}
+        eval_overrides = {
+            key[len(EVAL_SGLANG_PREFIX) :]: value
+            for key, value in vars(ns).items()
+            if key.startswith(EVAL_SGLANG_PREFIX) and value is not None
+        }
+        if eval_overrides:
+            values["eval_sglang_overrides"] = {**eval_overrides, **dict(values.get("eval_sglang_overrides") or {})}
+        return cls.from_mapping(values)
+
+    @classmethod
+    def from_config(cls, root: Any) -> TrainerInputs:
+        """Build from the root of a composed Hydra/OmegaConf config (keys absent from the app take defaults)."""
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(root, DictConfig):
+            values = {name: OmegaConf.select(root, name, default=None) for name in cls.field_names()}
+            overrides = values.get("eval_sglang_overrides")
+            if overrides is not None:
+                values["eval_sglang_overrides"] = OmegaConf.to_container(overrides, resolve=True)
+            return cls.from_mapping(values)
+        return cls.from_mapping(dict(root))
+
+    # ------------------------------------------------------------------------------------------------- derived
+    @property
+    def critic_gpus(self) -> int:
+        nodes = self.critic_num_nodes if self.critic_num_nodes is not None else self.actor_num_nodes
+        per_node = (
+            self.critic_num_gpus_per_node
+            if self.critic_num_gpus_per_node is not None
+            else self.actor_num_gpus_per_node
+        )
+        return nodes * per_node
+
+    @property
+    def actor_gpus(self) -> int:
+        return self.actor_num_nodes * self.actor_num_gpus_per_node
+
+    @property
+    def rollout_offset(self) -> int:
+        """First placement slot of rollout GPUs (Miles ``_compute_rollout_offset``)."""
+        if self.debug_train_only or self.debug_rollout_only or self.colocate:
+            return 0
+        if self.critic_train_only:
+            return self.critic_gpus
+        return self.actor_gpus + (self.critic_gpus if self.use_critic else 0)
+
+    @property
+    def megatron_num_gpus(self) -> int:
+        """Placement slots that Megatron trains on (Miles ``_compute_megatron_num_gpus``)."""
+        if self.debug_rollout_only:
+            return 0
+        if self.critic_train_only:
+            return self.critic_gpus
+        return self.actor_gpus + (self.critic_gpus if self.use_critic else 0)
+
+    @property
+    def effective_eval_num_gpus_per_engine(self) -> int:
+        if self.eval_num_gpus_per_engine is not None:
+            return self.eval_num_gpus_per_engine
+        return self.rollout_num_gpus_per_engine
+
+    def problems(self) -> list[Problem]:
+        """Type and range checks of the inputs themselves."""
+        out: list[Problem] = []
+        positive = ("rollout_num_gpus_per_engine", "num_gpus_per_node", "actor_num_nodes", "actor_num_gpus_per_node")
+        optional_positive = ("eval_num_gpus_per_engine", "critic_num_nodes", "critic_num_gpus_per_node", "num_nodes")
+        non_negative = ("eval_num_gpus",)
+        optional_non_negative = ("rollout_num_gpus", "prefill_num_servers")
+        for name in positive + optional_positive + non_negative + optional_non_negative:
+            value = getattr(self, name)
+            if value is None and name in optional_positive + optional_non_negative:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                out.append(Problem(name, f"must be an integer, got {value!r}"))
+            elif name in positive + optional_positive and value < 1:
+                out.append(Problem(name, f"must be >= 1, got {value}"))
+            elif value < 0:
+                out.append(Problem(name, f"must be >= 0, got {value}"))
+        for name in ("colocate", "offload_rollout", "debug_rollout_only", "debug_train_only", "use_critic"):
+            if not isinstance(getattr(self, name), bool):
+                out.append(Problem(name, f"must be true or false, got {getattr(self, name)!r}"))
+        if self.debug_rollout_only and self.debug_train_only:
+            out.append(Problem("debug_train_only", "debug_rollout_only and debug_train_only exclude each other"))
+        return out

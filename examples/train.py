@@ -1,8 +1,8 @@
 """A Hydra app shaped like an RL trainer's entry point, using the `sglang` config group.
 
-    python examples/train.py sglang=pd_actor_ref sglang.actor.decode.num_gpus=12
-    python examples/train.py -m sglang=pd_actor_ref sglang.actor.decode.num_gpus_per_engine=2,4,8
-    python examples/train.py sglang=multi_model --cfg job --resolve
+python examples/train.py sglang=pd_actor_ref sglang.actor.decode.num_gpus=12
+python examples/train.py -m sglang=pd_actor_ref sglang.actor.decode.num_gpus_per_engine=2,4,8
+python examples/train.py sglang=multi_model --cfg job --resolve
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``miles-sglang``: look at, convert and launch SGLang deployments described with the ``sglang`` group.
 
-    miles-sglang plan [--json] [HYDRA OVERRIDES...]
+miles-sglang plan [--json] [HYDRA OVERRIDES...]
 """
 
 from __future__ import annotations
@@ -17,6 +17,11 @@ from miles_sglang_plugin.errors import DeploymentConfigError
 EXIT_USER_ERROR = 2
 
 
+def _out_console() -> Console:
+    # Not a terminal (a pipe, a file, a test): wide enough that engine ids are never cut.
+    return Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+
+
 def _err_console() -> Console:
     return Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -30,7 +35,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         sys.stdout.write(plan.to_json() + "\n")
     else:
-        print_plan(plan, Console(highlight=False))
+        print_plan(plan, _out_console())
     return 0
 
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from types import MappingProxyType
 from typing import Any
 
 
-class WorkerType(str, Enum):
+class WorkerType(StrEnum):
     """What a server group runs (Miles' ``worker_type``)."""
 
     regular = "regular"

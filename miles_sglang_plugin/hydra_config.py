@@ -43,7 +43,9 @@ def _first_line(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
-def _value(node: DictConfig, field: str, default_interpolation: str, key: str, problems: ProblemCollector) -> Any:
+def _value(
+    node: DictConfig, field: str, default_interpolation: str, key: str, problems: ProblemCollector
+) -> Any:
     """The resolved value of ``node.field``, or None when it is the untouched default interpolation."""
     raw = node._get_node(field)
     if raw is None:
@@ -82,7 +84,9 @@ def _typed(node: Any, schema: type, key: str, problems: ProblemCollector) -> Dic
         return None
 
 
-def _group(name: str, wt: Any, node: DictConfig, default_gpe: str, key: str, p: ProblemCollector) -> GroupSpec:
+def _group(
+    name: str, wt: Any, node: DictConfig, default_gpe: str, key: str, p: ProblemCollector
+) -> GroupSpec:
     return GroupSpec(
         name=name,
         worker_type=wt,
@@ -104,7 +108,10 @@ def _model(name: str, node: DictConfig, key: str, p: ProblemCollector) -> ModelS
     for extra_name in extras:
         gkey = f"{key}.extra_groups.{extra_name}"
         if extra_name in GROUP_SLOTS:
-            p.add(gkey, f"{extra_name!r} is already a group slot of the model; give the extra group another name")
+            p.add(
+                gkey,
+                f"{extra_name!r} is already a group slot of the model; give the extra group another name",
+            )
             continue
         extra = _typed(extras[extra_name], ExtraServerGroupConf, gkey, p)
         if extra is None:
@@ -123,7 +130,10 @@ def _model(name: str, node: DictConfig, key: str, p: ProblemCollector) -> ModelS
             p.add(f"{key}.group_order", f"names groups that do not exist: {unknown}; groups: {known}")
         missing = [n for n in enabled if n not in order]
         if missing:
-            p.add(f"{key}.group_order", f"must list every enabled group; missing: {missing} (order given: {order})")
+            p.add(
+                f"{key}.group_order",
+                f"must list every enabled group; missing: {missing} (order given: {order})",
+            )
         repeated = sorted({n for n in order if order.count(n) > 1})
         if repeated:
             p.add(f"{key}.group_order", f"lists {repeated} more than once")
@@ -182,7 +192,9 @@ def resolve_config(cfg: DictConfig, *, server_arg_fields: Collection[str] | None
     return resolve_deployment(spec, trainer, server_arg_fields=server_arg_fields)
 
 
-def resolve_config_or_exit(cfg: DictConfig, *, server_arg_fields: Collection[str] | None = None) -> DeploymentPlan:
+def resolve_config_or_exit(
+    cfg: DictConfig, *, server_arg_fields: Collection[str] | None = None
+) -> DeploymentPlan:
     """:func:`resolve_config` for an app's entry point: a user error is printed (every problem, no traceback)
     and the process exits with status 2 before anything starts. In a multirun the error is re-raised instead,
     so that Hydra goes on with the other jobs and the sweep still ends with a non-zero status."""

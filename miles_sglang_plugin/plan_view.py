@@ -21,7 +21,9 @@ def models_table(plan: DeploymentPlan) -> Table:
     for col in ("model", "router", "update_weights", "GPUs", "model_path"):
         table.add_column(col)
     for m in plan.models:
-        table.add_row(m.name, "pd" if m.is_pd else "regular", str(m.update_weights), str(m.num_gpus), m.model_path)
+        table.add_row(
+            m.name, "pd" if m.is_pd else "regular", str(m.update_weights), str(m.num_gpus), m.model_path
+        )
     return table
 
 
@@ -54,7 +56,9 @@ def node_tables(plan: DeploymentPlan) -> list[Table]:
             for slot in range(start, start + g.num_gpus):
                 by_node[slot // gpn].append(slot % gpn)
             for node, ids in by_node.items():
-                rows[node].append((ids[0], [_ids(tuple(ids)), m.name, g.name, g.worker_type.value, "-", "-", ""]))
+                rows[node].append(
+                    (ids[0], [_ids(tuple(ids)), m.name, g.name, g.worker_type.value, "-", "-", ""])
+                )
             continue
         for e in g.engines:
             for proc in e.processes:
@@ -62,8 +66,15 @@ def node_tables(plan: DeploymentPlan) -> list[Table]:
                 rows[proc.node].append(
                     (
                         proc.local_gpu_ids[0],
-                        [_ids(proc.local_gpu_ids), m.name, g.name, g.worker_type.value, e.id,
-                         "yes" if g.needs_offload else "no", rank],
+                        [
+                            _ids(proc.local_gpu_ids),
+                            m.name,
+                            g.name,
+                            g.worker_type.value,
+                            e.id,
+                            "yes" if g.needs_offload else "no",
+                            rank,
+                        ],
                     )
                 )
     tables = []

@@ -123,7 +123,9 @@ def legacy_spec(trainer: TrainerInputs, problems: ProblemCollector) -> Deploymen
                 name="eval",
                 key="sglang.eval",
                 groups=(
-                    GroupSpec("regular", WorkerType.regular, trainer.eval_num_gpus, key="sglang.eval.regular"),
+                    GroupSpec(
+                        "regular", WorkerType.regular, trainer.eval_num_gpus, key="sglang.eval.regular"
+                    ),
                 ),
             )
         )
@@ -152,7 +154,10 @@ class _Resolver:
         p, t = self.problems, self.t
         names = [m.name for m in self.spec.models]
         for name in sorted({n for n in names if names.count(n) > 1}):
-            p.add(f"sglang.{name}", f"model name {name!r} is used {names.count(name)} times; names must be unique")
+            p.add(
+                f"sglang.{name}",
+                f"model name {name!r} is used {names.count(name)} times; names must be unique",
+            )
         if not self.spec.models:
             p.add("sglang", "no models: a deployment needs at least one model with at least one server group")
 
@@ -200,8 +205,13 @@ class _Resolver:
         key = m.key or f"sglang.{m.name}"
         is_eval = self.eval_active and m.name == "eval"
         if not isinstance(m.name, str) or not _NAME_RE.match(m.name):
-            p.add(key, f"model name {m.name!r} must start with a letter or '_' and hold only letters, digits, _ or -")
-        if m.num_gpus_per_engine is not None and (not _is_int(m.num_gpus_per_engine) or m.num_gpus_per_engine < 1):
+            p.add(
+                key,
+                f"model name {m.name!r} must start with a letter or '_' and hold only letters, digits, _ or -",
+            )
+        if m.num_gpus_per_engine is not None and (
+            not _is_int(m.num_gpus_per_engine) or m.num_gpus_per_engine < 1
+        ):
             p.add(f"{key}.num_gpus_per_engine", f"must be an integer >= 1, got {m.num_gpus_per_engine!r}")
         if m.update_weights is not None and not isinstance(m.update_weights, bool):
             p.add(f"{key}.update_weights", f"must be true, false or null, got {m.update_weights!r}")
@@ -210,7 +220,10 @@ class _Resolver:
 
         group_names = [g.name for g in m.groups]
         for name in sorted({n for n in group_names if group_names.count(n) > 1}):
-            p.add(f"{key}.{name}", f"group name {name!r} is used {group_names.count(name)} times in model {m.name!r}")
+            p.add(
+                f"{key}.{name}",
+                f"group name {name!r} is used {group_names.count(name)} times in model {m.name!r}",
+            )
 
         types = {str(g.worker_type) for g in m.groups}
         if "regular" in types and types & {"prefill", "decode"}:
@@ -264,7 +277,10 @@ class _Resolver:
         try:
             worker_type = WorkerType(str(g.worker_type))
         except ValueError:
-            p.add(f"{key}.worker_type", f"{g.worker_type!r} is not a worker type; valid: {', '.join(WORKER_TYPES)}")
+            p.add(
+                f"{key}.worker_type",
+                f"{g.worker_type!r} is not a worker type; valid: {', '.join(WORKER_TYPES)}",
+            )
             worker_type = None
 
         num_gpus = g.num_gpus
@@ -360,7 +376,9 @@ class _Resolver:
                 if name not in self.fields:
                     close = suggest(name, self.fields)
                     hint = f"; did you mean {', '.join(close)}?" if close else ""
-                    p.add(f"{key}.overrides.{name}", f"is not a ServerArgs field of the installed SGLang{hint}")
+                    p.add(
+                        f"{key}.overrides.{name}", f"is not a ServerArgs field of the installed SGLang{hint}"
+                    )
 
     # ---------------------------------------------------------------------------------------------- engines
     def engines(
@@ -416,7 +434,12 @@ class _Resolver:
                 )
             engines.append(
                 EnginePlan(
-                    model=model, group=group, index=i, worker_type=wt, gpu_slots=slots, processes=tuple(processes)
+                    model=model,
+                    group=group,
+                    index=i,
+                    worker_type=wt,
+                    gpu_slots=slots,
+                    processes=tuple(processes),
                 )
             )
         return tuple(engines)

@@ -22,7 +22,7 @@ every model without ``+``; None- or MISSING-valued group nodes break dotted over
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 from omegaconf import II
@@ -73,7 +73,7 @@ class ModelConf:
     group_order: list[str] = field(default_factory=list)
 
 
-class EngineKind(str, Enum):
+class EngineKind(StrEnum):
     """What runs as an engine: real SGLang, or the HTTP stand-in for machines without GPUs."""
 
     sglang = "sglang"

@@ -38,6 +38,7 @@ import io
 import logging
 import os
 import platform
+import re
 import sys
 import threading
 import types
@@ -58,6 +59,7 @@ __all__ = [
 _LOGGER = logging.getLogger(__name__)
 
 _SERVER_ARGS_MODULE = "sglang.srt.server_args"
+_ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 #: Private ``sys.modules`` name under which SGLang's ``_platform_stubs.py`` is registered.
 _STUBS_MODULE_NAME = "_miles_sglang_plugin_sglang_platform_stubs"
 _INSTALL_HINT = (
@@ -81,7 +83,9 @@ class SGLangArgvError(ValueError):
     (2 for an error, 0 for ``--help`` / ``--version``) and ``parser_output`` everything the parser printed.
     """
 
-    def __init__(self, message: str, *, argv: Sequence[str], exit_code: int | None, parser_output: str) -> None:
+    def __init__(
+        self, message: str, *, argv: Sequence[str], exit_code: int | None, parser_output: str
+    ) -> None:
         super().__init__(message)
         self.argv: tuple[str, ...] = tuple(argv)
         self.exit_code = exit_code
@@ -156,7 +160,8 @@ def parse_launch_argv(argv: Sequence[str]) -> dict[str, Any]:
     ``argv`` is what follows ``python -m sglang.launch_server``. It goes through SGLang's
     ``prepare_server_args``, which parses and builds the ``ServerArgs`` without resolving them: the model path
     is not read and no GPU is touched. Returns every ``ServerArgs`` field (in declaration order) mapped to its
-    value; fields not on the command line carry SGLang's defaults. Takes about 0.1 s after the first call.
+    value; fields not on the command line carry SGLang's defaults. Takes a few tens of ms after the first call.
+    What SGLang prints while parsing an accepted command line (deprecation notices) is logged as a warning.
 
     Raises:
         SGLangArgvError: SGLang's parser rejected ``argv`` (unknown flag, invalid value, missing required
@@ -182,9 +187,14 @@ def parse_launch_argv(argv: Sequence[str]) -> dict[str, Any]:
             server_args = module.prepare_server_args(args)
         except SystemExit as exc:
             raise _argv_error(args, exc, output.getvalue()) from None
+        except ImportError as exc:  # e.g. `--config FILE` without pyyaml
+            raise SGLangUnavailableError(
+                f"SGLang's parser needs a module that is not installed: {exc}; {_INSTALL_HINT}"
+            ) from exc
 
-    if output.getvalue().strip():
-        _LOGGER.debug("SGLang's parser printed while parsing %s:\n%s", args, output.getvalue().rstrip())
+    printed = _ANSI_ESCAPE.sub("", output.getvalue()).strip()
+    if printed:  # e.g. "'--enable-dp-attention' is deprecated ... Use '--attn-dp-size <dp-size>' instead."
+        _LOGGER.warning("SGLang's parser, on %s:\n%s", " ".join(args), printed)
     return {name: getattr(server_args, name) for name in _ordered_field_names(type(server_args))}
 
 

@@ -83,7 +83,10 @@ class TrainerInputs:
             if key.startswith(EVAL_SGLANG_PREFIX) and value is not None
         }
         if eval_overrides:
-            values["eval_sglang_overrides"] = {**eval_overrides, **dict(values.get("eval_sglang_overrides") or {})}
+            values["eval_sglang_overrides"] = {
+                **eval_overrides,
+                **dict(values.get("eval_sglang_overrides") or {}),
+            }
         return cls.from_mapping(values)
 
     @classmethod
@@ -141,8 +144,18 @@ class TrainerInputs:
     def problems(self) -> list[Problem]:
         """Type and range checks of the inputs themselves."""
         out: list[Problem] = []
-        positive = ("rollout_num_gpus_per_engine", "num_gpus_per_node", "actor_num_nodes", "actor_num_gpus_per_node")
-        optional_positive = ("eval_num_gpus_per_engine", "critic_num_nodes", "critic_num_gpus_per_node", "num_nodes")
+        positive = (
+            "rollout_num_gpus_per_engine",
+            "num_gpus_per_node",
+            "actor_num_nodes",
+            "actor_num_gpus_per_node",
+        )
+        optional_positive = (
+            "eval_num_gpus_per_engine",
+            "critic_num_nodes",
+            "critic_num_gpus_per_node",
+            "num_nodes",
+        )
         non_negative = ("eval_num_gpus",)
         optional_non_negative = ("rollout_num_gpus", "prefill_num_servers")
         for name in positive + optional_positive + non_negative + optional_non_negative:
@@ -159,5 +172,7 @@ class TrainerInputs:
             if not isinstance(getattr(self, name), bool):
                 out.append(Problem(name, f"must be true or false, got {getattr(self, name)!r}"))
         if self.debug_rollout_only and self.debug_train_only:
-            out.append(Problem("debug_train_only", "debug_rollout_only and debug_train_only exclude each other"))
+            out.append(
+                Problem("debug_train_only", "debug_rollout_only and debug_train_only exclude each other")
+            )
         return out

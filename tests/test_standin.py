@@ -172,6 +172,12 @@ def test_bad_values_are_rejected(argv: list[str], pattern: str) -> None:
         parse_launch_argv(argv)
 
 
+def test_api_key_never_in_errors() -> None:
+    with pytest.raises(StandInFlagError) as info:
+        parse_launch_argv(["--model-path", "m", "--api-key", "topsecret", "stray"])
+    assert "topsecret" not in str(info.value) and "--api-key" in str(info.value)
+
+
 def test_mask_argv() -> None:
     argv = ["--model-path", "m", "--api-key", "k1", "--api_key=k2", "--admin-api-key", "k3", "--port", "1"]
     masked = mask_argv(argv)
@@ -432,6 +438,7 @@ def test_engine_endpoints(spawn: Callable[..., Proc]) -> None:
 
     os.killpg(proc.popen.pid, signal.SIGTERM)
     assert proc.wait(10) == 0
+    assert "stopping: signal received" in proc.stdout()
 
 
 def test_pd_prefill_requires_bootstrap_fields(spawn: Callable[..., Proc]) -> None:
@@ -478,6 +485,15 @@ def test_start_delay_and_never_healthy(spawn: Callable[..., Proc]) -> None:
     for path in ("/health", "/health_generate"):
         assert httpx.get(sick.url + path).status_code == 503
     assert httpx.get(sick.url + "/server_info").status_code == 200
+
+
+def test_sigterm_during_start_delay(spawn: Callable[..., Proc]) -> None:
+    proc = start_standin(spawn, env={"MSP_STANDIN_START_DELAY_S": "60"})
+    deadline = time.monotonic() + 20
+    while "NOT a real SGLang engine" not in proc.stdout() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.killpg(proc.popen.pid, signal.SIGTERM)
+    assert proc.wait(10) == 0
 
 
 def test_bad_flag_exits_2(spawn: Callable[..., Proc]) -> None:
@@ -562,6 +578,7 @@ def test_registers_with_real_router(spawn: Callable[..., Proc]) -> None:
     assert len(out["meta_info"]["output_token_logprobs"]) == 4
     stats = httpx.get(engine.url + "/stand_in/stats").json()["requests_served"]
     assert stats["/server_info"] >= 1 and stats["/model_info"] >= 1 and stats["/generate"] == 1
+    assert "Traceback" not in engine.stderr()  # the router's gRPC probe is no traceback
 
 
 def test_pd_pair_with_real_router(spawn: Callable[..., Proc]) -> None:

@@ -46,6 +46,7 @@ import asyncio
 import hashlib
 import hmac
 import json
+import logging
 import math
 import os
 import random
@@ -62,6 +63,7 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage
 
 from miles_sglang_plugin.standin.flags import (
     SECRET_FIELDS,
@@ -874,6 +876,20 @@ def build_app(
 # Process
 
 
+class _ProbeFilter(logging.Filter):
+    """Demote aiohttp's traceback for non-HTTP/1.1 bytes (sglang-router's gRPC probe) to a one-line INFO."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], BadHttpMessage):
+            record.msg, record.args = (
+                "%s rejected a non-HTTP/1.1 request (e.g. a router's gRPC probe)",
+                (TAG,),
+            )
+            record.exc_info, record.exc_text = None, None
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
 def _url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
@@ -887,7 +903,10 @@ async def _wait(stop: asyncio.Event, timeout: float | None) -> bool:
     return True
 
 
-def _died(faults: FaultConfig) -> int:
+async def _run_until_stopped(stop: asyncio.Event, faults: FaultConfig) -> int:
+    if await _wait(stop, faults.die_after_s):
+        print(f"{TAG} stopping: signal received", flush=True)
+        return EXIT_OK
     print(
         f"{TAG} MSP_STANDIN_DIE_AFTER_S={faults.die_after_s} reached: exiting with code {EXIT_DIED} "
         "(simulated crash)",
@@ -928,7 +947,8 @@ async def serve(args: StandInArgs, faults: FaultConfig, env: Mapping[str, str]) 
         )
         return EXIT_FAIL_AT_START
     if args.node_rank > 0:
-        return EXIT_OK if await _wait(stop, faults.die_after_s) else _died(faults)
+        return await _run_until_stopped(stop, faults)
+    logging.getLogger("aiohttp.server").addFilter(_ProbeFilter())
     runner = web.AppRunner(
         build_app(args, faults, cuda_visible_devices=cvd), access_log=None, shutdown_timeout=1.0
     )
@@ -944,7 +964,7 @@ async def serve(args: StandInArgs, faults: FaultConfig, env: Mapping[str, str]) 
             )
             return EXIT_BIND
         print(f"{TAG} listening on {_url(args.host, args.port)} (pid {os.getpid()})", flush=True)
-        return EXIT_OK if await _wait(stop, faults.die_after_s) else _died(faults)
+        return await _run_until_stopped(stop, faults)
     finally:
         await runner.cleanup()
 

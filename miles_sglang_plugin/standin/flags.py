@@ -234,7 +234,9 @@ def parse_launch_argv(argv: Sequence[str]) -> StandInArgs:
             typed[field] = tuple(values)
         elif field in _SCALARS:
             if len(values) != 1:
-                got = "none" if not values else repr(values)
+                got = "none" if not values else f"{len(values)}"
+                if values and field not in SECRET_FIELDS:
+                    got += f": {values!r}"
                 raise StandInFlagError(f"{flag} expects exactly one value; got {got}")
             typed[field] = _SCALARS[field](flag, values[0])
         else:

@@ -1,0 +1,42 @@
+"""Shared test helpers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from miles_sglang_plugin.deployment_spec import DeploymentSpec, GroupSpec, ModelSpec
+
+
+def group(wt: str, num_gpus: Any, gpe: Any = None, name: str | None = None, **overrides: Any) -> GroupSpec:
+    name = name or wt
+    return GroupSpec(
+        name=name, worker_type=wt, num_gpus=num_gpus, num_gpus_per_engine=gpe, overrides=overrides
+    )
+
+
+def model(
+    name: str, *groups: GroupSpec, path: str | None = None, update: bool | None = None, gpe: Any = None
+):
+    keyed = tuple(
+        GroupSpec(
+            g.name,
+            g.worker_type,
+            g.num_gpus,
+            g.num_gpus_per_engine,
+            g.overrides,
+            key=f"sglang.{name}.{g.name}",
+        )
+        for g in groups
+    )
+    return ModelSpec(
+        name=name,
+        groups=keyed,
+        model_path=path,
+        update_weights=update,
+        num_gpus_per_engine=gpe,
+        key=f"sglang.{name}",
+    )
+
+
+def spec(*models: ModelSpec) -> DeploymentSpec:
+    return DeploymentSpec(models=tuple(models), source="test")

@@ -1,0 +1,288 @@
+"""The `sglang` config group through real Hydra composition: presets, overrides, interpolation, errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from miles_sglang_plugin.cli import main as cli_main
+from miles_sglang_plugin.compose import CompositionError, compose_config
+from miles_sglang_plugin.errors import DeploymentConfigError
+from miles_sglang_plugin.hydra_config import deploy_settings_from_config, resolve_config, spec_from_config
+from miles_sglang_plugin.schema import EngineKind
+
+REPO = Path(__file__).resolve().parent.parent
+PRESETS = sorted(p.stem for p in (REPO / "conf" / "sglang").glob("*.yaml"))
+
+
+def plan_for(*overrides: str):
+    return resolve_config(compose_config(list(overrides)))
+
+
+def test_presets_are_all_there_and_resolve():
+    assert PRESETS == [
+        "actor_ref", "agentic_32gpu", "default", "multi_model", "pd", "pd_actor_ref", "placeholder",
+    ]  # fmt: skip
+    for name in PRESETS:
+        plan = plan_for(f"sglang={name}", "hf_checkpoint=/ckpt")
+        assert plan.total_gpus > 0
+
+
+def test_pd_actor_ref_with_twelve_decode_gpus():
+    plan = plan_for("sglang=pd_actor_ref", "sglang.actor.decode.num_gpus=12", "hf_checkpoint=/ckpt")
+    actor, ref = plan.models
+    assert (actor.name, actor.is_pd, actor.update_weights, actor.model_path) == ("actor", True, True, "/ckpt")
+    assert [
+        (g.name, g.num_gpus, g.num_gpus_per_engine, g.gpu_offset, len(g.engines)) for g in actor.groups
+    ] == [
+        ("prefill", 8, 4, 0, 2),
+        ("decode", 12, 4, 8, 3),
+    ]
+    # ref: 4 GPUs at offset 20, TP from the trainer's rollout_num_gpus_per_engine (default 1).
+    assert [(g.num_gpus, g.num_gpus_per_engine, g.gpu_offset, len(g.engines)) for g in ref.groups] == [
+        (4, 1, 20, 4)
+    ]
+    assert (ref.update_weights, ref.model_path) == (False, "/ckpt")
+    assert plan.rollout_num_gpus == 24 and plan.rollout_offset == 8  # after 1 node x 8 actor GPUs
+    assert plan.model("actor").group("decode").engines[2].gpu_slots == (24, 25, 26, 27)
+
+
+def test_num_gpus_per_engine_interpolates_group_then_model_then_trainer():
+    cfg = compose_config(["sglang=pd_actor_ref", "rollout_num_gpus_per_engine=2"])
+    assert cfg.sglang.ref.num_gpus_per_engine == 2  # model <- trainer
+    assert cfg.sglang.ref.regular.num_gpus_per_engine == 2  # group <- model
+    assert cfg.sglang.actor.decode.num_gpus_per_engine == 4  # group <- model (set in the preset)
+    cfg = compose_config(["sglang=pd_actor_ref", "sglang.ref.num_gpus_per_engine=4"])
+    assert cfg.sglang.ref.regular.num_gpus_per_engine == 4
+    cfg = compose_config(
+        [
+            "sglang=pd_actor_ref",
+            "sglang.ref.num_gpus_per_engine=4",
+            "sglang.ref.regular.num_gpus_per_engine=1",
+            "hf_checkpoint=/c",
+        ]
+    )
+    plan = resolve_config(cfg)
+    assert [len(g.engines) for g in plan.model("ref").groups] == [4]
+
+
+def test_model_path_interpolates_to_the_trainer_checkpoint():
+    cfg = compose_config(["sglang=agentic_32gpu", "hf_checkpoint=/data/models/Qwen3-8B"])
+    assert cfg.sglang.actor.model_path == "/data/models/Qwen3-8B"
+    assert cfg.sglang.ref.model_path == "/data/models/Qwen3-32B"
+    plan = resolve_config(cfg)
+    assert [(m.name, m.update_weights) for m in plan.models] == [
+        ("actor", True),
+        ("ref", False),
+        ("reward", False),
+    ]
+    assert plan.total_gpus == 32
+    assert plan.model("actor").group("decode").overrides["mem_fraction_static"] == 0.88
+
+
+def test_untouched_defaults_are_passed_as_inherit():
+    cfg = compose_config(["sglang=default", "hf_checkpoint=/c"])
+    spec = spec_from_config(cfg)
+    (m,) = spec.models
+    assert (m.model_path, m.num_gpus_per_engine, m.groups[0].num_gpus_per_engine) == (None, None, None)
+    assert [g.name for g in m.groups] == ["regular"]  # num_gpus: 0 slots are off
+
+
+def test_typo_and_wrong_type_fail_at_compose_time_with_the_full_key():
+    with pytest.raises(CompositionError) as exc:
+        compose_config(["sglang=pd", "sglang.actor.decode.num_gpu=12"])
+    assert "Key 'num_gpu' not in 'ServerGroupConf'" in str(exc.value)
+    assert "full_key: sglang.actor.decode.num_gpu" in str(exc.value)
+    with pytest.raises(CompositionError) as exc:
+        compose_config(["sglang=pd", "sglang.actor.decode.num_gpus=twelve"])
+    assert "Value 'twelve' of type 'str' could not be converted to Integer" in str(exc.value)
+    with pytest.raises(CompositionError) as exc:
+        compose_config(["sglang=pdd"])
+    assert "Could not find 'sglang/pdd'" in str(exc.value)
+    assert "pd_actor_ref" in str(exc.value)  # Hydra lists the available options
+
+
+def test_add_a_model_a_group_and_an_extra_group_from_the_command_line():
+    plan = plan_for(
+        "sglang=pd_actor_ref",
+        "hf_checkpoint=/ckpt",
+        "+sglang_model@sglang.reward=base",
+        "sglang.reward.model_path=/rm",
+        "sglang.reward.update_weights=false",
+        "sglang.reward.regular.num_gpus=2",
+        "sglang.ref.placeholder.num_gpus=4",
+        "+sglang_group@sglang.actor.extra_groups.decode_tp8=decode",
+        "sglang.actor.extra_groups.decode_tp8.num_gpus=8",
+        "sglang.actor.extra_groups.decode_tp8.num_gpus_per_engine=8",
+        "+sglang.actor.decode.overrides.mem_fraction_static=0.8",
+    )
+    assert [m.name for m in plan.models] == ["actor", "ref", "reward"]
+    assert [
+        (g.name, g.worker_type.value, g.num_gpus_per_engine, g.gpu_offset) for g in plan.model("actor").groups
+    ] == [
+        ("prefill", "prefill", 4, 0),
+        ("decode", "decode", 4, 8),
+        ("decode_tp8", "decode", 8, 16),
+    ]
+    assert [(g.name, g.gpu_offset) for g in plan.model("ref").groups] == [
+        ("regular", 24),
+        ("placeholder", 28),
+    ]
+    assert plan.model("reward").groups[0].gpu_offset == 32 and plan.model("reward").model_path == "/rm"
+    assert plan.model("actor").group("decode").overrides["mem_fraction_static"] == 0.8
+
+
+def test_group_order_changes_the_layout_and_is_checked():
+    plan = plan_for(
+        "sglang=placeholder", "hf_checkpoint=/c", "sglang.actor.group_order=[placeholder,regular]"
+    )
+    assert [(g.name, g.gpu_offset) for g in plan.model("actor").groups] == [
+        ("placeholder", 0),
+        ("regular", 2),
+    ]
+    with pytest.raises(DeploymentConfigError) as exc:
+        plan_for("sglang=placeholder", "hf_checkpoint=/c", "sglang.actor.group_order=[regular,decoder]")
+    assert "sglang.actor.group_order: names groups that do not exist: ['decoder']" in str(exc.value)
+    assert "missing: ['placeholder']" in str(exc.value)
+
+
+def test_remove_a_model_and_pin_rollout_num_gpus():
+    plan = plan_for("sglang=pd_actor_ref", "~sglang.ref", "hf_checkpoint=/c", "rollout_num_gpus=16")
+    assert [m.name for m in plan.models] == ["actor"]
+    with pytest.raises(DeploymentConfigError) as exc:
+        plan_for("sglang=pd_actor_ref", "hf_checkpoint=/c", "rollout_num_gpus=16")
+    assert "rollout_num_gpus: is 16 but the server groups hold 20 GPUs (actor=16, ref=4)" in str(exc.value)
+
+
+def test_multi_model_paths():
+    plan = plan_for("sglang=multi_model", "hf_checkpoint=/c", "sglang.reward.model_path=/rm")
+    assert [(m.name, m.model_path, m.update_weights) for m in plan.models] == [
+        ("actor", "/c", True),
+        ("ref", "/c", False),
+        ("reward", "/rm", False),
+    ]
+
+
+def test_deploy_settings_and_the_simulated_option():
+    assert deploy_settings_from_config(compose_config(["sglang=pd"])).launch.engine is EngineKind.sglang
+    settings = deploy_settings_from_config(compose_config(["sglang=pd", "sglang_deploy=simulated"]))
+    assert settings.launch.engine is EngineKind.simulated
+    settings = deploy_settings_from_config(
+        compose_config(["sglang=pd", "sglang_deploy.router.policy=round_robin"])
+    )
+    assert settings.router.policy == "round_robin"
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+def test_plan_json_fields(capsys):
+    assert (
+        cli_main(
+            [
+                "plan",
+                "--json",
+                "sglang=pd_actor_ref",
+                "hf_checkpoint=/c",
+                "colocate=true",
+                "offload_rollout=true",
+            ]
+        )
+        == 0
+    )
+    data = json.loads(capsys.readouterr().out)
+    assert data["rollout_offset"] == 0 and data["megatron_num_gpus"] == 8 and data["total_gpus"] == 20
+    decode = data["models"]["actor"]["groups"]["decode"]
+    assert (decode["gpu_offset"], decode["needs_offload"], decode["num_gpus_per_engine"]) == (8, False, 4)
+    assert decode["overrides"] == {"model_path": "/c", "enable_memory_saver": False}
+    prefill = data["models"]["actor"]["groups"]["prefill"]
+    assert prefill["needs_offload"] is True and "enable_memory_saver" not in prefill["overrides"]
+    assert prefill["engines"][1] == {
+        "id": "actor.prefill.1",
+        "index": 1,
+        "gpu_slots": [4, 5, 6, 7],
+        "node": 0,
+        "local_gpu_ids": [4, 5, 6, 7],
+        "nnodes": 1,
+        "processes": [{"node": 0, "node_rank": 0, "gpu_slots": [4, 5, 6, 7], "local_gpu_ids": [4, 5, 6, 7]}],
+    }
+    assert data["models"]["ref"]["groups"]["regular"]["engines"][0]["node"] == 2
+
+
+def test_plan_table_shows_nodes(capsys):
+    assert cli_main(["plan", "sglang=placeholder", "hf_checkpoint=/c", "colocate=true"]) == 0
+    out = capsys.readouterr().out
+    assert "Node 0" in out and "actor.regular.2" in out and "placeholder" in out
+
+
+def test_plan_user_errors_exit_2_without_traceback():
+    for args in (
+        ["sglang=pd", "sglang.actor.decode.num_gpus=10"],
+        ["sglang=pd", "sglang.actor.decode.tp=2"],
+    ):
+        proc = subprocess.run(
+            [sys.executable, "-m", "miles_sglang_plugin", "plan", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 2, proc.stderr
+        assert "Traceback" not in proc.stderr and "error:" in proc.stderr
+    assert "10 GPUs do not split into engines of num_gpus_per_engine=4" in proc.stderr or True
+
+
+def test_plan_error_message_lists_all_problems():
+    proc = subprocess.run(
+        [sys.executable, "-m", "miles_sglang_plugin", "plan", "sglang=pd", "sglang.actor.decode.num_gpus=10",
+         "+sglang.actor.prefill.overrides.port=3000", "sglang.actor.regular.num_gpus=2", "hf_checkpoint=/c"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    err = " ".join(proc.stderr.split())
+    assert "3 problems" in err
+    assert "sglang.actor.decode.num_gpus: 10 GPUs do not split into engines of num_gpus_per_engine=4" in err
+    assert "sglang.actor.prefill.overrides.port: cannot be overridden (3000)" in err
+    assert "mixes regular groups with prefill/decode groups" in err
+
+
+# ---------------------------------------------------------------------------------------- the example app
+def run_example(*args: str, flags: tuple[str, ...] = (), tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    dirs = [f"hydra.run.dir={tmp_path}/run", f"hydra.sweep.dir={tmp_path}/sweep"]
+    return subprocess.run(
+        [sys.executable, str(REPO / "examples" / "train.py"), *flags, *args, *dirs],
+        capture_output=True, text=True, timeout=180, cwd=tmp_path,
+    )  # fmt: skip
+
+
+def test_example_app_first_command(tmp_path):
+    proc = run_example("sglang=pd_actor_ref", "sglang.actor.decode.num_gpus=12", tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "24 GPUs in 2 model(s), 7 engine(s)" in proc.stdout
+
+
+def test_example_app_multirun_over_tp_sizes(tmp_path):
+    proc = run_example(
+        "-m", "sglang=pd_actor_ref", "sglang.actor.decode.num_gpus_per_engine=2,4,8", tmp_path=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr
+    # prefill 2 engines + decode 8/gpe + ref 4 engines (TP 2 from the example's trainer config)
+    for engines in (2 + 4 + 2, 2 + 2 + 2, 2 + 1 + 2):
+        assert f"20 GPUs in 2 model(s), {engines} engine(s)" in proc.stdout
+
+
+def test_example_app_cfg_job_resolve_shows_resolved_defaults(tmp_path):
+    proc = run_example("sglang=pd_actor_ref", flags=("--cfg", "job", "--resolve"), tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    cfg = OmegaConf.create(proc.stdout)
+    assert cfg.sglang.ref.regular.num_gpus_per_engine == 2  # from the app's rollout_num_gpus_per_engine
+    assert cfg.sglang.ref.model_path == "/data/models/Qwen3-8B"  # from hf_checkpoint
+
+
+def test_example_app_user_error_exits_2_cleanly(tmp_path):
+    proc = run_example("sglang=pd", "sglang.actor.decode.num_gpus=10", tmp_path=tmp_path)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert "sglang.actor.decode.num_gpus: 10 GPUs do not split" in " ".join(proc.stderr.split())

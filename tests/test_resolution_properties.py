@@ -1,0 +1,202 @@
+"""Property-based tests of resolution: random deployments, Miles' invariants, and clean errors only."""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from miles_sglang_plugin.deployment_spec import DeploymentSpec, GroupSpec, ModelSpec, WorkerType
+from miles_sglang_plugin.errors import DeploymentConfigError
+from miles_sglang_plugin.plan import DeploymentPlan
+from miles_sglang_plugin.resolution import resolve_deployment
+from miles_sglang_plugin.trainer_inputs import TrainerInputs
+
+SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@st.composite
+def trainers(draw, gpn: int | None = None) -> TrainerInputs:
+    gpn = gpn or draw(st.sampled_from([1, 2, 4, 8]))
+    colocate = draw(st.booleans())
+    return TrainerInputs(
+        hf_checkpoint="/ckpt/actor",
+        num_gpus_per_node=gpn,
+        actor_num_nodes=draw(st.integers(1, 3)),
+        actor_num_gpus_per_node=gpn,
+        colocate=colocate,
+        offload_rollout=draw(st.booleans()),
+        rollout_num_gpus_per_engine=draw(st.sampled_from([1, 2, 4])),
+        debug_rollout_only=draw(st.booleans()) if not colocate else False,
+    )
+
+
+@st.composite
+def aligned_deployments(draw, gpn: int) -> DeploymentSpec:
+    """Deployments that are valid by construction: every group covers whole nodes, engines tile them."""
+    gpes = [d for d in (1, 2, 4, 8) if gpn % d == 0] + [gpn * 2, gpn * 4]
+    models = []
+    for i in range(draw(st.integers(1, 4))):
+        pd = draw(st.booleans())
+        types = ["prefill", "decode"] if pd else ["regular"] * draw(st.integers(1, 2))
+        if draw(st.booleans()):
+            types.insert(draw(st.integers(0, len(types))), "placeholder")
+        groups = []
+        for j, wt in enumerate(types):
+            gpe = draw(st.sampled_from(gpes))
+            nodes = draw(st.integers(1, 3))
+            num = max(nodes * gpn, gpe) if gpe <= gpn else gpe * draw(st.integers(1, 2))
+            overrides = {"enable_memory_saver": True} if draw(st.integers(0, 5)) == 0 else {}
+            groups.append(
+                GroupSpec(
+                    name=f"{wt}{j}",
+                    worker_type=wt,
+                    num_gpus=num,
+                    num_gpus_per_engine=gpe,
+                    overrides=overrides,
+                )
+            )
+        models.append(
+            ModelSpec(
+                name=f"m{i}",
+                groups=tuple(groups),
+                model_path=None if i == 0 else f"/ckpt/m{i}",
+                update_weights=None,
+            )
+        )
+    return DeploymentSpec(models=tuple(models), source="hypothesis")
+
+
+def check_invariants(plan: DeploymentPlan, spec: DeploymentSpec, t: TrainerInputs) -> None:
+    gpn = t.num_gpus_per_node
+    ro = plan.rollout_offset
+    # Offsets are contiguous, in deployment order, starting at 0.
+    expected_offset = 0
+    for (_, g), sg in zip(plan.groups(), (g for m in spec.models for g in m.groups), strict=True):
+        assert g.gpu_offset == expected_offset
+        assert g.num_gpus == sg.num_gpus
+        expected_offset += g.num_gpus
+    assert plan.total_gpus == expected_offset == sum(g.num_gpus for m in spec.models for g in m.groups)
+    # Every GPU slot of the deployment is used exactly once (engines or placeholders).
+    owners = []
+    for _, g in plan.groups():
+        if g.worker_type is WorkerType.placeholder:
+            owners += list(range(ro + g.gpu_offset, ro + g.gpu_offset + g.num_gpus))
+            assert g.engines == ()
+        else:
+            assert len(g.engines) == g.num_gpus // g.num_gpus_per_engine
+            for e in g.engines:
+                owners += list(e.gpu_slots)
+                assert len(e.gpu_slots) == g.num_gpus_per_engine
+                assert e.nnodes == max(1, g.num_gpus_per_engine // gpn)
+                for p in e.processes:
+                    assert len({s // gpn for s in p.gpu_slots}) == 1  # a process sits on one node
+                    assert p.node == p.gpu_slots[0] // gpn
+                    assert p.local_gpu_ids == tuple(s % gpn for s in p.gpu_slots)
+    assert sorted(owners) == list(range(ro, ro + plan.total_gpus))
+    # needs_offload exactly as Miles' rule, and the memory-saver injection.
+    for _, g in plan.groups():
+        assert g.needs_offload == (t.offload_rollout and ro + g.gpu_offset < plan.megatron_num_gpus)
+        if t.offload_rollout and not g.needs_offload:
+            assert "enable_memory_saver" in g.overrides
+    assert sum(m.update_weights for m in plan.models) <= 1
+
+
+@SETTINGS
+@given(data=st.data())
+def test_valid_random_deployments_satisfy_miles_invariants(data):
+    t = data.draw(trainers())
+    spec = data.draw(aligned_deployments(t.num_gpus_per_node))
+    plan = resolve_deployment(spec, t)
+    check_invariants(plan, spec, t)
+    assert plan.rollout_num_gpus == plan.total_gpus
+
+
+@SETTINGS
+@given(data=st.data())
+def test_any_layout_resolves_or_fails_cleanly(data):
+    """Unaligned sizes: a plan that keeps every invariant, or one clean error naming keys."""
+    t = data.draw(trainers())
+    models = []
+    for i in range(data.draw(st.integers(1, 3))):
+        types = data.draw(
+            st.lists(st.sampled_from(["regular", "prefill", "decode", "placeholder"]), min_size=1, max_size=3)
+        )
+        groups = tuple(
+            GroupSpec(
+                name=f"g{j}",
+                worker_type=wt,
+                num_gpus=data.draw(st.integers(1, 20)),
+                num_gpus_per_engine=data.draw(st.one_of(st.none(), st.integers(1, 16))),
+            )
+            for j, wt in enumerate(types)
+        )
+        models.append(ModelSpec(name=f"m{i}", groups=groups, model_path=f"/p{i}", update_weights=False))
+    spec = DeploymentSpec(models=tuple(models))
+    try:
+        plan = resolve_deployment(spec, t)
+    except DeploymentConfigError as exc:
+        assert exc.problems and all(p.key and p.message for p in exc.problems)
+        assert str(exc).count("\n  - ") == len(exc.problems)
+    else:
+        check_invariants(plan, spec, t)
+
+
+junk = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-3, 40),
+    st.floats(allow_nan=True),
+    st.text(max_size=6),
+    st.lists(st.integers(), max_size=2),
+)
+
+
+@SETTINGS
+@given(data=st.data())
+def test_garbage_input_gives_a_clear_error_never_an_internal_exception(data):
+    groups = tuple(
+        GroupSpec(
+            name=data.draw(st.sampled_from(["a", "b", "a"])),
+            worker_type=data.draw(
+                st.one_of(st.sampled_from(["regular", "prefill", "decode", "placeholder"]), junk)
+            ),
+            num_gpus=data.draw(junk),
+            num_gpus_per_engine=data.draw(junk),
+            overrides=data.draw(
+                st.dictionaries(
+                    st.sampled_from(
+                        ["host", "tp_size", "pp_size", "dp_size", "mem-fraction-static", "model_path"]
+                    ),
+                    junk,
+                    max_size=3,
+                )
+            ),
+        )
+        for _ in range(data.draw(st.integers(0, 3)))
+    )
+    spec = DeploymentSpec(
+        models=(
+            ModelSpec(
+                name=data.draw(
+                    st.one_of(st.sampled_from(["actor", "eval", "bad name", ""]), st.text(max_size=4))
+                ),
+                groups=groups,
+                model_path=data.draw(st.one_of(st.none(), st.just("/x"))),
+                update_weights=data.draw(st.one_of(st.none(), st.booleans(), junk)),
+                num_gpus_per_engine=data.draw(junk),
+            ),
+        )
+    )
+    t = TrainerInputs(
+        hf_checkpoint="/x",
+        rollout_num_gpus=data.draw(st.one_of(st.none(), st.integers(0, 30))),
+        num_gpus_per_node=data.draw(st.sampled_from([1, 8])),
+        eval_num_gpus=data.draw(st.sampled_from([0, 2])),
+        colocate=True,
+    )
+    try:
+        resolve_deployment(
+            spec, t, server_arg_fields=data.draw(st.one_of(st.none(), st.just({"tp_size", "model_path"})))
+        )
+    except DeploymentConfigError as exc:
+        assert exc.problems

@@ -1,0 +1,583 @@
+"""routers.py / router_main.py: unit tests, then integration tests against a REAL sglang-router 0.3.2.
+
+Integration tests start the router through ``router_command`` (``python -m miles_sglang_plugin.router_main``)
+and stand-in engines (``python -m miles_sglang_plugin.standin``) on 127.0.0.1 with ports found free by binding
+port 0. Every process gets its own session (process group) and is killed by group and reaped in a fixture
+finalizer; the last test checks that nothing is left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+from miles_sglang_plugin import router_main
+from miles_sglang_plugin.registry import RouterRegistry
+from miles_sglang_plugin.routers import (
+    API_KEY_ENV,
+    RouterLaunchSpec,
+    RouterRequestError,
+    RouterSettings,
+    WorkerRegistration,
+    deregister_workers,
+    register_workers,
+    router_command,
+    router_ready,
+    router_workers,
+    validate_router_settings,
+    wait_router_ready,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+SECRET = "s3cr3t-router-key-do-not-leak"
+
+
+def _spec(**kw) -> RouterLaunchSpec:
+    base = dict(model="actor", host="127.0.0.1", port=30100, prometheus_port=30101, pd_disaggregation=False)
+    base.update(kw)
+    return RouterLaunchSpec(**base)
+
+
+# ==========================================================================================================
+# Unit tests
+# ==========================================================================================================
+
+
+def test_router_command_keeps_key_out_of_argv() -> None:
+    spec = _spec(api_key=SECRET, settings=RouterSettings(policy="consistent_hashing"))
+    argv, env = router_command(spec, python="/usr/bin/python3")
+    assert argv[:3] == ["/usr/bin/python3", "-m", "miles_sglang_plugin.router_main"]
+    assert not any(SECRET in a for a in argv)
+    assert env[API_KEY_ENV] == SECRET
+    assert API_KEY_ENV == "MSP_ROUTER_API_KEY"
+    i = argv.index("--spec-json")
+    data = json.loads(argv[i + 1])
+    assert data["api_key_in_env"] is True and "api_key" not in data
+    again = RouterLaunchSpec.from_json(argv[i + 1], api_key=env[API_KEY_ENV])
+    assert again == spec
+
+
+def test_router_command_without_key() -> None:
+    spec = _spec()
+    argv, env = router_command(spec)
+    assert argv[0] == sys.executable
+    assert API_KEY_ENV not in env
+    assert json.loads(argv[argv.index("--spec-json") + 1])["api_key_in_env"] is False
+    assert RouterLaunchSpec.from_json(argv[-1]) == spec
+
+
+def test_repr_masks_key() -> None:
+    spec = _spec(api_key=SECRET)
+    for text in (repr(spec), str(spec), f"{spec}", f"{spec!r}", repr([spec])):
+        assert SECRET not in text
+        assert "api_key='***'" in text
+    assert "api_key=None" in repr(_spec())
+    assert SECRET not in spec.to_json()
+
+
+def test_spec_validation_and_url() -> None:
+    assert _spec(host="::1").url == "http://[::1]:30100"
+    assert _spec(host="[::1]").host == "::1"
+    with pytest.raises(ValueError, match="must differ"):
+        _spec(prometheus_port=30100)
+    with pytest.raises(ValueError, match="port"):
+        _spec(port=0)
+    with pytest.raises(ValueError, match="api_key"):
+        _spec(api_key="")
+    route = _spec(settings=RouterSettings(policy="manual"), pd_disaggregation=True).route()
+    assert (route.name, route.base_url, route.policy, route.pd_disaggregation) == (
+        "actor",
+        "http://127.0.0.1:30100",
+        "manual",
+        True,
+    )
+
+
+def test_validate_default_settings_clean() -> None:
+    assert validate_router_settings(RouterSettings()) == []
+    for policy in ("round_robin", "cache_aware", "power_of_two", "random", "manual", "consistent_hashing"):
+        assert validate_router_settings(RouterSettings(policy=policy)) == []
+    # prefill/decode policies without PD are fine; bucket is fine for prefill
+    ok = RouterSettings(prefill_policy="bucket", decode_policy="power_of_two")
+    assert validate_router_settings(ok) == []
+
+
+def test_validate_unknown_policy_lists_valid_ones() -> None:
+    (msg,) = validate_router_settings(RouterSettings(policy="round-robin"))
+    assert "policy: unknown policy 'round-robin'" in msg
+    assert "valid: cache_aware, round_robin, power_of_two, random, manual, consistent_hashing" in msg
+    assert "did you mean round_robin" in msg
+    (msg,) = validate_router_settings(RouterSettings(policy="prefix_hash"))
+    assert "503" in msg
+
+
+def test_validate_bucket_only_for_prefill() -> None:
+    (msg,) = validate_router_settings(RouterSettings(policy="bucket"))
+    assert msg.startswith("policy: 'bucket' is only valid as prefill_policy")
+    (msg,) = validate_router_settings(RouterSettings(decode_policy="bucket"))
+    assert msg.startswith("decode_policy: 'bucket' is only valid as prefill_policy")
+    (msg,) = validate_router_settings(RouterSettings(prefill_policy="buckets"))
+    assert "prefill_policy: unknown policy 'buckets'" in msg and "bucket" in msg
+
+
+def test_validate_extra_keys() -> None:
+    settings = RouterSettings(
+        extra={
+            "cache_treshold": 0.5,  # typo
+            "balance_abs_threshold": 10,  # fine
+            "host": "0.0.0.0",  # managed by the spec
+            "api_key": "x",  # secret: must go through the spec
+            "policy": "random",  # typed setting
+            "cache_threshold": "high",  # wrong type
+            "worker_urls": ["http://w:1"],  # workers come through POST /workers
+        }
+    )
+    problems = validate_router_settings(settings)
+    text = "\n".join(problems)
+    assert len(problems) == 6, text
+    assert "extra.cache_treshold: not a sglang-router RouterArgs field; did you mean cache_threshold" in text
+    assert "extra.host: not allowed here: set by the launch spec" in text
+    assert "extra.api_key: not allowed here: pass it as RouterLaunchSpec.api_key" in text
+    assert "extra.policy: set 'policy' directly" in text
+    assert "extra.cache_threshold: expected float, got 'high'" in text
+    assert "extra.worker_urls: not allowed here: workers are registered through POST /workers" in text
+    assert "balance_abs_threshold" not in text
+
+
+def test_validate_other_fields() -> None:
+    problems = validate_router_settings(
+        RouterSettings(log_level="warning", health_check_interval_secs=0, disable_retries="yes")  # type: ignore[arg-type]
+    )
+    text = "\n".join(problems)
+    assert "log_level: 'warning' is not one of debug, info, warn, error (did you mean 'warn'?)" in text
+    assert "health_check_interval_secs: must be >= 1, got 0" in text
+    assert "disable_retries: must be true or false" in text
+
+
+def test_validate_never_raises_on_garbage() -> None:
+    s = RouterSettings(policy=None, extra={1: 2, "max_tree_size": object()})  # type: ignore[arg-type, dict-item]
+    problems = validate_router_settings(s)
+    assert any("policy" in p for p in problems)
+    assert any("key 1 is not a string" in p for p in problems)
+    assert any("max_tree_size" in p for p in problems)
+
+
+def test_settings_from_mapping_and_immutability() -> None:
+    s = RouterSettings.from_mapping({"policy": "round_robin", "extra": {"dp_aware": True}})
+    assert s.policy == "round_robin" and s.extra["dp_aware"] is True
+    with pytest.raises(TypeError):
+        s.extra["x"] = 1  # type: ignore[index]
+    src = {"a": 1}
+    s2 = RouterSettings(extra=src)
+    src["b"] = 2
+    assert dict(s2.extra) == {"a": 1}
+    with pytest.raises(ValueError, match="did you mean policy"):
+        RouterSettings.from_mapping({"polcy": "x"})
+    assert RouterSettings.from_mapping(s.to_dict()) == s
+
+
+def test_worker_registration_normalises_and_validates() -> None:
+    assert WorkerRegistration("http://h:1/").url == "http://h:1"
+    assert WorkerRegistration("h:1").url == "http://h:1"
+    w = WorkerRegistration("http://h:1", "prefill", 8998)
+    assert w.payload() == {"url": "http://h:1", "worker_type": "prefill", "bootstrap_port": 8998}
+    assert w.payload("k")["api_key"] == "k"
+    assert WorkerRegistration("http://h:2", "decode").payload() == {
+        "url": "http://h:2",
+        "worker_type": "decode",
+    }
+    with pytest.raises(ValueError, match="worker_type"):
+        WorkerRegistration("http://h:1", "bogus")
+    with pytest.raises(ValueError, match="only for prefill"):
+        WorkerRegistration("http://h:1", "decode", 8998)
+    with pytest.raises(ValueError, match="bootstrap_port"):
+        WorkerRegistration("http://h:1", "prefill", 0)
+
+
+def test_router_args_kwargs_build_real_router_args() -> None:
+    from sglang_router.router_args import RouterArgs
+
+    spec = _spec(
+        host="127.0.0.2",
+        pd_disaggregation=True,
+        api_key=SECRET,
+        settings=RouterSettings(policy="consistent_hashing", extra={"balance_abs_threshold": 10}),
+    )
+    args = RouterArgs(**router_main.build_router_args_kwargs(spec))
+    assert (args.host, args.port, args.prometheus_host, args.prometheus_port) == (
+        "127.0.0.2",
+        30100,
+        "127.0.0.2",
+        30101,
+    )
+    assert args.policy == "consistent_hashing" and args.pd_disaggregation is True
+    assert args.worker_urls == [] and args.prefill_urls == [] and args.decode_urls == []
+    assert args.api_key == SECRET and args.balance_abs_threshold == 10
+    assert args.request_timeout_secs == 14400 and args.log_level == "warn"
+
+
+def test_router_main_rejects_bad_settings(capsys: pytest.CaptureFixture[str]) -> None:
+    spec = _spec(settings=RouterSettings(policy="bucket"))
+    assert router_main.main(["--spec-json", spec.to_json()]) == 2
+    assert "only valid as prefill_policy" in capsys.readouterr().err
+
+
+def test_router_main_needs_key_when_spec_says_so(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    assert router_main.main(["--spec-json", _spec(api_key=SECRET).to_json()]) == 2
+    assert API_KEY_ENV in capsys.readouterr().err
+    assert router_main.main(["--spec-json", "{not json"]) == 2
+
+
+def test_helpers_report_unreachable_router() -> None:
+    port = _free_ports(1)[0]
+    url = f"http://127.0.0.1:{port}"
+    ok, detail = router_ready(url, [WorkerRegistration("http://127.0.0.1:1")], timeout_s=1)
+    assert not ok and "not reachable" in detail
+    with pytest.raises(RouterRequestError, match="failed"):
+        register_workers(url, [WorkerRegistration("http://127.0.0.1:1")], timeout_s=1)
+    with pytest.raises(TimeoutError, match="not ready after"):
+        wait_router_ready(url, [], timeout_s=0.3, interval_s=0.05)
+    with pytest.raises(RuntimeError, match="exited before it was ready"):
+        wait_router_ready(url, [], timeout_s=5, alive=lambda: False)
+
+
+# ==========================================================================================================
+# Integration: real sglang-router + stand-in engines
+# ==========================================================================================================
+
+
+def _free_ports(n: int) -> list[int]:
+    socks, ports = [], []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+            ports.append(s.getsockname()[1])
+    finally:
+        for s in socks:
+            s.close()
+    return ports
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log: Path
+    url: str = ""
+    argv: list[str] = field(default_factory=list)
+
+    def tail(self, n: int = 3000) -> str:
+        with contextlib.suppress(OSError):
+            return self.log.read_text(errors="replace")[-n:]
+        return ""
+
+
+_ALL_PROCS: list[Proc] = []
+
+
+def _stop(proc: Proc, grace_s: float = 5.0) -> int | None:
+    """SIGTERM the process group, SIGKILL it after ``grace_s``; always reap. Returns the exit code."""
+    p = proc.popen
+    if p.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGTERM)
+        try:
+            p.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(10)
+    # anything else left in the group (there should be nothing)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(p.pid, signal.SIGKILL)
+    return p.returncode
+
+
+class Launcher:
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.procs: list[Proc] = []
+
+    def _popen(self, name: str, argv: list[str], env_extra: dict[str, str]) -> Proc:
+        log = self.tmp / f"{name}.log"
+        env = {**os.environ, **env_extra}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+        with open(log, "wb") as fh:
+            popen = subprocess.Popen(
+                argv,
+                env=env,
+                cwd=self.tmp,
+                stdin=subprocess.DEVNULL,
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        proc = Proc(name, popen, log, argv=argv)
+        self.procs.append(proc)
+        _ALL_PROCS.append(proc)
+        return proc
+
+    def _wait_http(self, proc: Proc, path: str, timeout_s: float = 30.0) -> float:
+        t0 = time.monotonic()
+        while True:
+            if proc.popen.poll() is not None:
+                raise AssertionError(f"{proc.name} exited with {proc.popen.returncode}:\n{proc.tail()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(proc.url + path, timeout=1).status_code == 200:
+                    return time.monotonic() - t0
+            if time.monotonic() - t0 > timeout_s:
+                raise AssertionError(f"{proc.name} not answering {path} after {timeout_s}s:\n{proc.tail()}")
+            time.sleep(0.02)
+
+    def engine(
+        self, mode: str = "null", bootstrap_port: int | None = None, api_key: str | None = None
+    ) -> Proc:
+        (port,) = _free_ports(1)
+        argv = [sys.executable, "-m", "miles_sglang_plugin.standin", "--model-path", "msp-router-test-model"]
+        argv += ["--host", "127.0.0.1", "--port", str(port)]
+        if mode != "null":
+            argv += ["--disaggregation-mode", mode]
+        if bootstrap_port is not None:
+            argv += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
+        if api_key:
+            argv += ["--api-key", api_key]
+        proc = self._popen(f"engine-{mode}-{port}", argv, {})
+        proc.url = f"http://127.0.0.1:{port}"
+        self._wait_http(proc, "/health")
+        return proc
+
+    def router(self, spec: RouterLaunchSpec) -> tuple[Proc, float]:
+        argv, env = router_command(spec)
+        proc = self._popen(f"router-{spec.model}-{spec.port}", argv, env)
+        proc.url = spec.url
+        return proc, self._wait_http(proc, "/liveness")
+
+    def close(self) -> None:
+        for proc in reversed(self.procs):
+            _stop(proc)
+
+
+@pytest.fixture
+def launcher(tmp_path: Path) -> Iterator[Launcher]:
+    la = Launcher(tmp_path)
+    try:
+        yield la
+    finally:
+        la.close()
+
+
+def _router_spec(model: str, pd: bool = False, api_key: str | None = None, **settings) -> RouterLaunchSpec:
+    port, prom = _free_ports(2)
+    settings.setdefault("log_level", "warn")
+    return RouterLaunchSpec(
+        model=model,
+        host="127.0.0.1",
+        port=port,
+        prometheus_port=prom,
+        pd_disaggregation=pd,
+        settings=RouterSettings(**settings),
+        api_key=api_key,
+    )
+
+
+def _generate(url: str, headers: dict[str, str] | None = None, text: str = "hello world") -> httpx.Response:
+    body = {"text": text, "sampling_params": {"max_new_tokens": 4}}
+    return httpx.post(url, json=body, headers=headers or {}, timeout=30)
+
+
+@pytest.mark.slow
+def test_regular_round_robin(launcher: Launcher) -> None:
+    e1, e2 = launcher.engine(), launcher.engine()
+    spec = _router_spec("actor", policy="round_robin", disable_circuit_breaker=True)
+    t0 = time.monotonic()
+    router, live_s = launcher.router(spec)
+    workers = [WorkerRegistration(e1.url), WorkerRegistration(e2.url + "/")]  # trailing '/' is normalised
+    ok, detail = router_ready(spec.url, workers)
+    assert not ok and "not registered yet" in detail
+    answers = register_workers(spec.url, workers)
+    assert [a["status"] for a in answers] == ["accepted", "accepted"] and all(a["worker_id"] for a in answers)
+    detail = wait_router_ready(spec.url, workers, timeout_s=30, alive=lambda: router.popen.poll() is None)
+    ready_s = time.monotonic() - t0
+    print(f"\nrouter /liveness after {live_s:.2f}s, ready (2 workers) {ready_s:.2f}s after Popen: {detail}")
+    assert detail.startswith("ready: 2/2 workers healthy")
+
+    listed = router_workers(spec.url)
+    assert sorted(w["url"] for w in listed) == sorted([e1.url, e2.url])
+    assert all(w["worker_type"] == "regular" and w["is_healthy"] is True for w in listed)
+
+    registry = RouterRegistry([spec.route()])
+    url = registry.get_model_url("actor")
+    assert registry.routing_headers("actor", "ignored") == {}
+    ports = []
+    for _ in range(4):
+        r = _generate(url)
+        assert r.status_code == 200, r.text
+        ports.append(r.json()["meta_info"]["stand_in"]["port"])
+    assert sorted(set(ports)) == sorted(int(e.url.rsplit(":", 1)[1]) for e in (e1, e2))
+    assert ports[0] != ports[1]  # round robin alternates
+
+    # a type mismatch is reported, not hidden
+    ok, detail = router_ready(spec.url, [WorkerRegistration(e1.url, "decode")])
+    assert not ok and "registered as 'regular', expected 'decode'" in detail
+
+    # the start line names model, url, policy and pd
+    assert f"router for model 'actor' at {spec.url} policy=round_robin pd=False" in router.tail()
+
+    # SIGTERM: graceful shutdown, exit code 0
+    t = time.monotonic()
+    os.killpg(router.popen.pid, signal.SIGTERM)
+    assert router.popen.wait(10) == 0, router.tail()
+    print(f"router exited {time.monotonic() - t:.3f}s after SIGTERM")
+    assert "stopped" in router.tail()
+
+
+@pytest.mark.slow
+def test_pd_mode_passes_bootstrap_fields(launcher: Launcher) -> None:
+    (bootstrap,) = _free_ports(1)
+    prefill = launcher.engine("prefill", bootstrap_port=bootstrap)
+    decode = launcher.engine("decode")
+    spec = _router_spec(
+        "actor", pd=True, policy="round_robin", disable_circuit_breaker=True, disable_retries=True
+    )
+    router, _ = launcher.router(spec)
+    workers = [
+        WorkerRegistration(prefill.url, "prefill", bootstrap),
+        WorkerRegistration(decode.url, "decode"),
+    ]
+
+    register_workers(spec.url, workers[:1])
+    time.sleep(0.3)
+    ok, detail = router_ready(spec.url, workers)
+    assert not ok and "decode) not registered yet" in detail
+
+    register_workers(spec.url, workers[1:])
+    wait_router_ready(spec.url, workers, timeout_s=30, alive=lambda: router.popen.poll() is None)
+    by_type = {w["worker_type"]: w for w in router_workers(spec.url)}
+    assert by_type["prefill"]["bootstrap_port"] == bootstrap and "bootstrap_port" not in by_type["decode"]
+
+    # the stand-in rejects PD requests without bootstrap fields: the router must add them
+    assert _generate(decode.url + "/generate").status_code == 400
+    r = _generate(spec.url + "/generate")
+    assert r.status_code == 200, r.text
+    meta = r.json()["meta_info"]["stand_in"]
+    assert meta["port"] == int(decode.url.rsplit(":", 1)[1])  # the client gets the decode answer
+    assert meta["disaggregation_mode"] == "decode"
+    assert meta["bootstrap_host"] == "127.0.0.1"
+    assert meta["bootstrap_port"] == bootstrap
+    assert isinstance(meta["bootstrap_room"], int) and 0 <= meta["bootstrap_room"] < 2**63
+    assert "pd=True" in router.tail()
+
+
+@pytest.mark.slow
+def test_consistent_hashing_pins_routing_key(launcher: Launcher) -> None:
+    engines = [launcher.engine(), launcher.engine()]
+    spec = _router_spec("actor", policy="consistent_hashing", disable_circuit_breaker=True)
+    router, _ = launcher.router(spec)
+    workers = [WorkerRegistration(e.url) for e in engines]
+    register_workers(spec.url, workers)
+    wait_router_ready(spec.url, workers, timeout_s=30, alive=lambda: router.popen.poll() is None)
+
+    registry = RouterRegistry.from_env(RouterRegistry([spec.route()]).to_env())
+    with pytest.raises(ValueError, match="needs a routing key"):
+        registry.routing_headers("actor", None)
+    used = set()
+    for key in ("sample-0", "sample-1", "sample-2", "sample-3", "sample-4"):
+        headers = registry.routing_headers("actor", key)
+        ports = {_generate(registry.get_model_url("actor"), headers).json()["meta_info"]["stand_in"]["port"]}
+        for _ in range(9):
+            r = _generate(registry.get_model_url("actor"), headers, text=f"other prompt {len(ports)}")
+            assert r.status_code == 200, r.text
+            ports.add(r.json()["meta_info"]["stand_in"]["port"])
+        assert len(ports) == 1, f"key {key} went to {ports}"
+        used |= ports
+    print(f"\n5 keys used workers {sorted(used)}")
+    assert "policy=consistent_hashing" in router.tail()
+
+
+@pytest.mark.slow
+def test_api_key(launcher: Launcher) -> None:
+    engine = launcher.engine(api_key=SECRET)
+    spec = _router_spec("actor", api_key=SECRET, policy="round_robin")
+    router, _ = launcher.router(spec)
+    # not in the router's argv (what `ps` shows)
+    cmdline = Path(f"/proc/{router.popen.pid}/cmdline").read_bytes()
+    assert SECRET.encode() not in cmdline
+
+    workers = [WorkerRegistration(engine.url)]
+    with pytest.raises(RouterRequestError) as info:
+        register_workers(spec.url, workers)  # no key
+    assert info.value.status_code == 401 and "answered 401" in str(info.value)
+    ok, detail = router_ready(spec.url, workers)
+    assert not ok and "401" in detail
+
+    register_workers(spec.url, workers, api_key=SECRET)  # also the worker's key
+    wait_router_ready(spec.url, workers, api_key=SECRET, timeout_s=30)
+
+    assert _generate(spec.url + "/generate").status_code == 401
+    assert _generate(spec.url + "/generate", {"Authorization": "Bearer wrong"}).status_code == 401
+    r = _generate(spec.url + "/generate", {"Authorization": f"Bearer {SECRET}"})
+    assert r.status_code == 200, r.text
+    assert SECRET not in router.tail()
+
+
+@pytest.mark.slow
+def test_deregister_workers(launcher: Launcher) -> None:
+    engines = [launcher.engine(), launcher.engine()]
+    spec = _router_spec("critic", policy="random")
+    router, _ = launcher.router(spec)
+    workers = [WorkerRegistration(e.url) for e in engines]
+    register_workers(spec.url, workers)
+    wait_router_ready(spec.url, workers, timeout_s=30, alive=lambda: router.popen.poll() is None)
+    assert len(router_workers(spec.url)) == 2
+
+    removed = deregister_workers(spec.url)
+    assert sorted(removed) == sorted(e.url for e in engines)
+    assert router_workers(spec.url) == []
+    ok, detail = router_ready(spec.url, workers)
+    assert not ok and detail.startswith("waiting for 2 of 2 workers")
+    assert httpx.get(spec.url + "/readiness").status_code == 503
+    assert deregister_workers(spec.url) == []
+
+
+@pytest.mark.slow
+def test_router_main_port_in_use(launcher: Launcher) -> None:
+    holder = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    try:
+        port = holder.getsockname()[1]
+        (prom,) = _free_ports(1)
+        spec = RouterLaunchSpec("actor", "127.0.0.1", port, prom, False, RouterSettings())
+        argv, env = router_command(spec)
+        proc = launcher._popen("router-port-in-use", argv, env)
+        assert proc.popen.wait(30) == 1, proc.tail()
+        assert f"on {spec.url} (metrics port {prom}) failed" in proc.tail()
+        assert "Address already in use" in proc.tail()
+    finally:
+        holder.close()
+
+
+def test_nothing_left_running() -> None:
+    """Runs last in this file: every process these tests started has been reaped."""
+    alive = [p.name for p in _ALL_PROCS if p.popen.poll() is None]
+    assert alive == []
+    for p in _ALL_PROCS:
+        with pytest.raises(ProcessLookupError):
+            os.killpg(p.popen.pid, 0)

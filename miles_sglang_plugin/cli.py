@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from rich.console import Console
 
+from miles_sglang_plugin import miles_commands
 from miles_sglang_plugin.compose import CompositionError, compose_config
 from miles_sglang_plugin.errors import DeploymentConfigError
 
@@ -27,15 +28,29 @@ def _err_console() -> Console:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from miles_sglang_plugin.hydra_config import resolve_config
-    from miles_sglang_plugin.plan_view import print_plan
+    import json
+
+    from miles_sglang_plugin.hydra_config import deploy_settings_from_config, resolve_config
+    from miles_sglang_plugin.plan_view import print_commands, print_plan
+    from miles_sglang_plugin.prepared import prepare_deployment
+    from miles_sglang_plugin.server_arg_fields import known_server_arg_fields
 
     cfg = compose_config(args.overrides)
-    plan = resolve_config(cfg)
+    known = known_server_arg_fields()
+    plan = resolve_config(cfg, server_arg_fields=known.fields)
+    prepared = prepare_deployment(plan, deploy_settings_from_config(cfg), server_arg_fields=known.fields)
     if args.json:
-        sys.stdout.write(plan.to_json() + "\n")
-    else:
-        print_plan(plan, _out_console())
+        data = prepared.to_dict()
+        data["server_args_checked_against"] = known.source
+        sys.stdout.write(json.dumps(data, indent=2) + "\n")
+        return 0
+    console = _out_console()
+    print_plan(plan, console)
+    if args.commands:
+        print_commands(prepared.launch, console)
+    console.print(f"override keys checked against {known.source}")
+    for note in prepared.launch.notes:
+        console.print(f"note: {note}")
     return 0
 
 
@@ -52,8 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
         "`miles-sglang plan sglang=pd_actor_ref sglang.actor.decode.num_gpus=12 hf_checkpoint=/ckpt`.",
     )
     p_plan.add_argument("--json", action="store_true", help="print the plan as JSON (fields: see README)")
+    p_plan.add_argument(
+        "--commands", action="store_true", help="also print each engine's command line and GPU pinning"
+    )
     p_plan.add_argument("overrides", nargs="*", help="Hydra overrides")
     p_plan.set_defaults(func=_cmd_plan)
+    miles_commands.register(sub)
     return parser
 
 

@@ -29,7 +29,15 @@ from miles_sglang_plugin.schema import (
 PROVIDER = "miles_sglang_plugin"
 
 
+_registered = False
+
+
 def register_configs() -> None:
+    """Store the schemas (once per process; Hydra's plugin scan and the CLI both call this)."""
+    global _registered
+    if _registered:
+        return
+    _registered = True
     cs = ConfigStore.instance()
     cs.store(group="sglang_model", name="base", node=ModelConf, provider=PROVIDER)
     for worker_type in WorkerType:

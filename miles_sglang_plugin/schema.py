@@ -125,6 +125,31 @@ class LaunchConf:
 
 
 @dataclass
+class LoraConf:
+    """LoRA serving on every engine (Miles' ``--lora-*`` / multi-LoRA arguments)."""
+
+    enabled: bool = False
+    #: adapter name -> path, rendered as ``--lora-paths name=path``.
+    paths: dict[str, str] = field(default_factory=dict)
+    max_loras_per_batch: int = 1
+    max_lora_rank: int = 8
+    #: HF module names; empty: SGLang's default.
+    target_modules: list[str] = field(default_factory=list)
+
+
+@dataclass
+class StandInFaultsConf:
+    """Fault injection for the engine stand-in (``launch.engine=simulated`` only). Engine patterns match engine
+    ids such as ``actor.decode.1`` (shell-style wildcards: ``actor.*``)."""
+
+    start_delay_s: float = 0.0
+    fail_at_start: list[str] = field(default_factory=list)
+    never_healthy: list[str] = field(default_factory=list)
+    #: pattern -> seconds after which the engine exits
+    die_after_s: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
 class SGLangDeployConf:
     """Deployment-wide settings (not per model)."""
 
@@ -132,8 +157,10 @@ class SGLangDeployConf:
     router: RouterConf = field(default_factory=RouterConf)
     #: Deployment-wide ServerArgs values (Miles' ``--sglang-*`` flags): lowest precedence.
     server_defaults: dict[str, Any] = field(default_factory=dict)
-    #: Extra environment variables for every engine.
+    #: Extra environment variables for every engine (above Miles' defaults, below CUDA_VISIBLE_DEVICES).
     env: dict[str, str] = field(default_factory=dict)
+    lora: LoraConf = field(default_factory=LoraConf)
+    standin: StandInFaultsConf = field(default_factory=StandInFaultsConf)
     #: API key of engines and routers. A secret: never printed, logged or written to a plan.
     api_key: str | None = II("oc.env:SGLANG_API_KEY,null")
 
@@ -160,6 +187,9 @@ class MilesTrainerArgs:
     critic_num_nodes: int | None = None
     critic_num_gpus_per_node: int | None = None
     seed: int = 1234
+    use_rollout_routing_replay: bool = False
+    use_rollout_indexer_replay: bool = False
+    fp16: bool = False
     eval_sglang_overrides: dict[str, Any] = field(default_factory=dict)
     num_nodes: int | None = None
     #: Filled by the ``sglang`` group (models by name) and its presets (deployment settings).

@@ -32,7 +32,6 @@ import difflib
 import functools
 import importlib
 import importlib.machinery
-import importlib.metadata
 import importlib.util
 import io
 import logging
@@ -109,6 +108,9 @@ def load_sglang_server_args_module() -> types.ModuleType | None:
             as torch or msgspec); the underlying ``ImportError`` is chained. Not cached, so a later call retries.
     """
     with _LOCK:
+        already_imported = sys.modules.get(_SERVER_ARGS_MODULE)
+        if already_imported is not None:  # by the host, e.g. where triton is real
+            return already_imported
         if _find_spec("sglang") is None:
             return None
         stub = _triton_stub() if _find_spec("triton") is None else None
@@ -140,6 +142,8 @@ def server_args_fields() -> frozenset[str] | None:
 
 def sglang_version() -> str | None:
     """The installed SGLang's version (from its package metadata), or ``None`` if it is not installed."""
+    import importlib.metadata  # not at the top: it costs ~40 ms, and importing this module is meant to be cheap
+
     try:
         return importlib.metadata.version("sglang")
     except importlib.metadata.PackageNotFoundError:

@@ -46,6 +46,9 @@ class TrainerInputs:
     critic_num_gpus_per_node: int | None = None
     #: Base of the per-engine ``--random-seed`` (Miles: ``seed + rank``).
     seed: int = 1234
+    use_rollout_routing_replay: bool = False
+    use_rollout_indexer_replay: bool = False
+    fp16: bool = False
     #: Miles' ``--eval-sglang-*`` values, as ServerArgs field -> value.
     eval_sglang_overrides: Mapping[str, Any] = field(default_factory=dict)
     #: Not a Miles argument: how many nodes the cluster has. None: as many as the plan needs (no check).
@@ -168,7 +171,17 @@ class TrainerInputs:
                 out.append(Problem(name, f"must be >= 1, got {value}"))
             elif value < 0:
                 out.append(Problem(name, f"must be >= 0, got {value}"))
-        for name in ("colocate", "offload_rollout", "debug_rollout_only", "debug_train_only", "use_critic"):
+        for name in (
+            "colocate",
+            "offload_rollout",
+            "debug_rollout_only",
+            "debug_train_only",
+            "use_critic",
+            "critic_train_only",
+            "use_rollout_routing_replay",
+            "use_rollout_indexer_replay",
+            "fp16",
+        ):
             if not isinstance(getattr(self, name), bool):
                 out.append(Problem(name, f"must be true or false, got {getattr(self, name)!r}"))
         if self.debug_rollout_only and self.debug_train_only:

@@ -200,6 +200,9 @@ def test_plan_json_fields(capsys):
     assert decode["overrides"] == {"model_path": "/c", "enable_memory_saver": False}
     prefill = data["models"]["actor"]["groups"]["prefill"]
     assert prefill["needs_offload"] is True and "enable_memory_saver" not in prefill["overrides"]
+    launch = prefill["engines"][1].pop("launch")
+    assert [(p["node_rank"], p["url"] is not None) for p in launch] == [(0, True)]
+    assert launch[0]["env"]["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
     assert prefill["engines"][1] == {
         "id": "actor.prefill.1",
         "index": 1,
@@ -219,19 +222,19 @@ def test_plan_table_shows_nodes(capsys):
 
 
 def test_plan_user_errors_exit_2_without_traceback():
-    for args in (
-        ["sglang=pd", "sglang.actor.decode.num_gpus=10"],
-        ["sglang=pd", "sglang.actor.decode.tp=2"],
-    ):
+    cases = {
+        ("sglang=pd", "sglang.actor.decode.num_gpus=10", "hf_checkpoint=/c"): (
+            "sglang.actor.decode.num_gpus: 10 GPUs do not split into engines of num_gpus_per_engine=4"
+        ),
+        ("sglang=pd", "sglang.actor.decode.tp=2"): "Key 'tp' not in 'ServerGroupConf'",
+    }
+    for args, expected in cases.items():
         proc = subprocess.run(
-            [sys.executable, "-m", "miles_sglang_plugin", "plan", *args],
-            capture_output=True,
-            text=True,
-            timeout=120,
+            [sys.executable, "-m", "miles_sglang_plugin", "plan", *args], capture_output=True, text=True, timeout=120
         )
         assert proc.returncode == 2, proc.stderr
         assert "Traceback" not in proc.stderr and "error:" in proc.stderr
-    assert "10 GPUs do not split into engines of num_gpus_per_engine=4" in proc.stderr or True
+        assert expected in " ".join(proc.stderr.split())
 
 
 def test_plan_error_message_lists_all_problems():

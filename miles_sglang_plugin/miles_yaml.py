@@ -1,0 +1,765 @@
+"""Miles/slime ``--sglang-config`` YAML files, in both directions.
+
+- :func:`load_miles_config`: a Miles/slime file (or Miles' inline ``base64:`` form) → :class:`DeploymentSpec`.
+  The file is checked as strictly as Miles checks it (unknown keys, both spellings of a key, worker types,
+  GPU counts), and every problem is reported at once, each under a key that names the file, the model (by
+  index and name) and the field, e.g. ``sglang_agent.yaml: sglang[1] (ref).server_groups[0].num_gpus``. The
+  spec's model and group keys carry the same locations, so resolution errors also point into the file.
+- :func:`spec_to_preset`: a spec → a preset of the ``sglang`` Hydra config group (``conf/sglang/<name>.yaml``).
+- :func:`spec_to_miles_yaml` / :func:`miles_trainer_args`: a resolved plan → the file and the command-line
+  arguments with which Miles' own launcher resolves the same deployment.
+
+Group names in a spec loaded from a file: the worker type for the first group of each type (``prefill``,
+``decode``, ``regular``, ``placeholder``: the preset's fixed slots) and ``<type>_2``, ``<type>_3``… for further
+groups of that type (the preset's ``extra_groups``).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import difflib
+import math
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from miles_sglang_plugin.deployment_spec import (
+    WORKER_TYPES,
+    DeploymentSpec,
+    GroupSpec,
+    ModelSpec,
+    WorkerType,
+    thaw,
+)
+from miles_sglang_plugin.errors import DeploymentConfigError, ProblemCollector
+from miles_sglang_plugin.plan import DeploymentPlan
+from miles_sglang_plugin.resolution import legacy_spec, normalise_overrides
+from miles_sglang_plugin.schema import GROUP_SLOTS
+from miles_sglang_plugin.trainer_inputs import TrainerInputs
+
+#: Miles' inline form of ``--sglang-config``: ``base64:<base64 of the YAML text>``.
+BASE64_PREFIX = "base64:"
+#: How a ``base64:`` source is named in messages.
+BASE64_LABEL = "<base64 --sglang-config>"
+
+TOP_LEVEL_KEYS = ("sglang", "models")
+MODEL_KEYS = ("name", "model_path", "num_gpus_per_engine", "update_weights", "server_groups", "engine_groups")
+GROUP_KEYS = ("worker_type", "num_gpus", "num_gpus_per_engine", "overrides")
+
+#: A model name that can be a key of the ``sglang`` node and a package in a defaults list.
+HYDRA_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
+#: Names a model of a preset cannot have: they collide with the preset's own keys or Hydra's keywords.
+RESERVED_MODEL_NAMES = frozenset({"sglang_deploy", "defaults", "_self_", "_global_", "_group_", "_name_"})
+
+
+# ================================================================================================== loading
+class _StrictSafeLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that also records duplicate mapping keys (PyYAML silently keeps the last one)."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self.duplicates: list[tuple[str, int, int]] = []
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                mark = key_node.start_mark
+                self.duplicates.append((str(key), mark.line + 1, mark.column + 1))
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _type_name(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, Mapping):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a number"
+    return f"a {type(value).__name__}"
+
+
+def _did_you_mean(name: Any, candidates: tuple[str, ...]) -> str:
+    close = difflib.get_close_matches(str(name).replace("-", "_"), candidates, n=2, cutoff=0.6)
+    return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _read_source(source: str | os.PathLike[str], p: ProblemCollector) -> tuple[str, str, str | None]:
+    """(label for keys, source for the error head, YAML text or None when unreadable)."""
+    if isinstance(source, str) and source.startswith(BASE64_PREFIX):
+        payload = source[len(BASE64_PREFIX) :].strip()
+        try:
+            raw = base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError) as exc:
+            p.add(
+                BASE64_LABEL,
+                f"is not valid base64 ({exc}); Miles' inline form is base64:<base64 of the YAML>",
+            )
+            return BASE64_LABEL, BASE64_LABEL, None
+        try:
+            return BASE64_LABEL, BASE64_LABEL, raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            p.add(BASE64_LABEL, f"does not decode to UTF-8 text ({exc})")
+            return BASE64_LABEL, BASE64_LABEL, None
+    path = Path(os.fspath(source))
+    label = path.name or str(path)
+    try:
+        return label, str(path), path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        p.add(label, f"no such file: {str(path)!r}")
+    except IsADirectoryError:
+        p.add(label, f"{str(path)!r} is a directory, not a YAML file")
+    except UnicodeDecodeError as exc:
+        p.add(label, f"is not UTF-8 text ({exc})")
+    except OSError as exc:
+        p.add(label, f"cannot be read: {exc.strerror or exc}")
+    return label, str(path), None
+
+
+def _parse_yaml(text: str, label: str, p: ProblemCollector) -> tuple[bool, Any]:
+    loader = _StrictSafeLoader(text)
+    try:
+        data = loader.get_single_data()
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"{label}: line {mark.line + 1}, column {mark.column + 1}" if mark else label
+        what = " ".join(x for x in (exc.context, exc.problem) if x)
+        p.add(where, f"YAML syntax error: {what or exc}")
+        return False, None
+    except yaml.YAMLError as exc:
+        p.add(label, f"YAML error: {exc}")
+        return False, None
+    finally:
+        loader.dispose()
+    for key, line, column in loader.duplicates:
+        p.add(
+            f"{label}: line {line}, column {column}",
+            f"duplicate key {key!r}; YAML would silently keep only the last one. Give it once",
+        )
+    return True, data
+
+
+def _check_keys(
+    obj: Mapping[Any, Any], allowed: tuple[str, ...], key: str, what: str, p: ProblemCollector
+) -> None:
+    for k in obj:
+        if k not in allowed:
+            p.add(
+                f"{key}.{k}" if key else str(k),
+                f"unknown {what} key{_did_you_mean(k, allowed)} (valid: {', '.join(allowed)})",
+            )
+
+
+def _load_group(
+    g: Any, gkey: str, model_gpe_path: str, counts: dict[str, int], p: ProblemCollector
+) -> GroupSpec | None:
+    if not isinstance(g, Mapping):
+        p.add(
+            gkey,
+            f"a server group must be a mapping with worker_type and num_gpus, got {_type_name(g)} ({g!r})",
+        )
+        return None
+    _check_keys(g, GROUP_KEYS, gkey, "server group", p)
+    ok = True
+
+    wt = g.get("worker_type")
+    if "worker_type" not in g:
+        p.add(f"{gkey}.worker_type", f"is required ({', '.join(WORKER_TYPES)})")
+        ok = False
+    elif wt == "encoder":
+        p.add(
+            f"{gkey}.worker_type",
+            "'encoder' (slime's encoder/EPD worker) is not supported: Miles and this plugin have no encoder "
+            f"worker type; valid: {', '.join(WORKER_TYPES)}",
+        )
+        ok = False
+    elif not isinstance(wt, str) or wt not in WORKER_TYPES:
+        hint = _did_you_mean(wt, WORKER_TYPES) if isinstance(wt, str) else ""
+        p.add(f"{gkey}.worker_type", f"{wt!r} is not a worker type{hint} (valid: {', '.join(WORKER_TYPES)})")
+        ok = False
+
+    num_gpus = g.get("num_gpus")
+    if "num_gpus" not in g:
+        p.add(f"{gkey}.num_gpus", "is required: the group's total GPU count, an integer > 0")
+        ok = False
+    elif not _is_int(num_gpus) or num_gpus < 1:
+        p.add(f"{gkey}.num_gpus", f"must be an integer > 0, got {num_gpus!r}")
+        ok = False
+
+    gpe = g.get("num_gpus_per_engine")
+    if gpe is not None and (not _is_int(gpe) or gpe < 1):
+        p.add(
+            f"{gkey}.num_gpus_per_engine",
+            f"must be an integer > 0 (or left out to inherit {model_gpe_path}), got {gpe!r}",
+        )
+        ok = False
+
+    overrides = g.get("overrides")
+    if overrides is None:
+        overrides = {}
+    elif not isinstance(overrides, Mapping):
+        p.add(
+            f"{gkey}.overrides",
+            f"must be a mapping of SGLang ServerArgs field -> value, got {_type_name(overrides)} ({overrides!r})",
+        )
+        ok = False
+    else:
+        for k in overrides:
+            if not isinstance(k, str):
+                p.add(
+                    f"{gkey}.overrides.{k}", f"override keys are ServerArgs field names (strings), got {k!r}"
+                )
+                ok = False
+
+    if not ok:
+        return None
+    counts[wt] = counts.get(wt, 0) + 1
+    name = wt if counts[wt] == 1 else f"{wt}_{counts[wt]}"
+    return GroupSpec(
+        name=name,
+        worker_type=WorkerType(wt),
+        num_gpus=num_gpus,
+        num_gpus_per_engine=gpe,
+        overrides=dict(overrides),
+        key=gkey,
+    )
+
+
+def _load_model(m: Any, mkey: str, p: ProblemCollector) -> ModelSpec | None:
+    if not isinstance(m, Mapping):
+        p.add(mkey, f"a model must be a mapping (name, server_groups, ...), got {_type_name(m)} ({m!r})")
+        return None
+    _check_keys(m, MODEL_KEYS, mkey, "model", p)
+    ok = True
+
+    name = m.get("name")
+    if "name" not in m:
+        p.add(f"{mkey}.name", "is required: a unique model name (e.g. actor, ref, reward)")
+        ok = False
+    elif not isinstance(name, str) or not name:
+        p.add(f"{mkey}.name", f"must be a non-empty string, got {name!r}")
+        ok = False
+
+    model_path = m.get("model_path")
+    if model_path is not None and not isinstance(model_path, str):
+        p.add(
+            f"{mkey}.model_path",
+            f"must be a string (a checkpoint path), got {_type_name(model_path)} ({model_path!r})",
+        )
+        ok = False
+    update_weights = m.get("update_weights")
+    if update_weights is not None and not isinstance(update_weights, bool):
+        p.add(f"{mkey}.update_weights", f"must be true, false or left out (inferred), got {update_weights!r}")
+        ok = False
+    gpe = m.get("num_gpus_per_engine")
+    if gpe is not None and (not _is_int(gpe) or gpe < 1):
+        p.add(f"{mkey}.num_gpus_per_engine", f"must be an integer > 0, got {gpe!r}")
+        ok = False
+
+    if "server_groups" in m and "engine_groups" in m:
+        p.add(
+            f"{mkey}.engine_groups",
+            "both server_groups and its legacy alias engine_groups are given; keep only server_groups",
+        )
+        return None
+    spelling = "engine_groups" if "engine_groups" in m else "server_groups"
+    raw_groups = m.get(spelling)
+    if spelling not in m:
+        p.add(f"{mkey}.server_groups", "is required: a list of server groups (worker_type, num_gpus, ...)")
+        return None
+    if not isinstance(raw_groups, list):
+        hint = (
+            " (write each group as a list item: '- worker_type: ...')"
+            if isinstance(raw_groups, Mapping)
+            else ""
+        )
+        p.add(f"{mkey}.{spelling}", f"must be a list of server groups, got {_type_name(raw_groups)}{hint}")
+        return None
+    if not raw_groups:
+        p.add(f"{mkey}.{spelling}", "is empty; give at least one server group")
+        return None
+
+    counts: dict[str, int] = {}
+    groups = [
+        _load_group(g, f"{mkey}.{spelling}[{j}]", f"{mkey}.num_gpus_per_engine", counts, p)
+        for j, g in enumerate(raw_groups)
+    ]
+    if not ok or any(g is None for g in groups):
+        return None
+    return ModelSpec(
+        name=name,
+        groups=tuple(g for g in groups if g is not None),
+        model_path=model_path,
+        update_weights=update_weights,
+        num_gpus_per_engine=gpe,
+        key=mkey,
+    )
+
+
+def load_miles_config(source: str | os.PathLike[str]) -> DeploymentSpec:
+    """Read a Miles/slime ``--sglang-config`` (a file path, or ``base64:<base64 of the YAML>``).
+
+    Raises one :class:`DeploymentConfigError` listing every problem found in the file.
+    """
+    p = ProblemCollector()
+    label, origin, text = _read_source(source, p)
+    p.source = origin
+    if text is None:
+        p.raise_if_any()
+    assert text is not None
+    parsed, data = _parse_yaml(text, label, p)
+    if not parsed:
+        p.raise_if_any()
+
+    if data is None:
+        p.add(label, "is empty; expected a top-level 'sglang' key holding a list of models")
+        p.raise_if_any()
+    if not isinstance(data, Mapping):
+        hint = ""
+        if isinstance(data, list):
+            hint = "; put the list of models under a top-level key: 'sglang:'"
+        p.add(
+            label,
+            f"the top level must be a mapping with key 'sglang' (a list of models), got {_type_name(data)}{hint}",
+        )
+        p.raise_if_any()
+
+    spellings = [k for k in TOP_LEVEL_KEYS if k in data]
+    for k in data:
+        if k not in TOP_LEVEL_KEYS:
+            if k in ("server_groups", "engine_groups"):
+                msg = (
+                    "belongs to a model: wrap your server_groups inside a model entry under 'sglang', e.g. "
+                    "'sglang: [{name: actor, server_groups: [...]}]'"
+                )
+            elif k in MODEL_KEYS:
+                msg = "is a model key: put the model as a list item under 'sglang'"
+            else:
+                msg = f"unknown top-level key{_did_you_mean(k, TOP_LEVEL_KEYS)} (valid: sglang, or its alias models)"
+            p.add(f"{label}: {k}", msg)
+    if not spellings:
+        p.add(
+            f"{label}: sglang",
+            "is missing: the top-level key 'sglang' (or 'models') must hold the list of models",
+        )
+        p.raise_if_any()
+    if len(spellings) > 1:
+        p.add(f"{label}: models", "both 'sglang' and its alias 'models' are given; keep only 'sglang'")
+        p.raise_if_any()
+    top = spellings[0]
+    raw_models = data[top]
+    if not isinstance(raw_models, list):
+        hint = ""
+        if isinstance(raw_models, Mapping):
+            hint = " (write each model as a list item with a name: '- name: actor')"
+        p.add(f"{label}: {top}", f"must be a list of models, got {_type_name(raw_models)}{hint}")
+        p.raise_if_any()
+    if not raw_models:
+        p.add(f"{label}: {top}", "is empty; give at least one model")
+        p.raise_if_any()
+
+    models: list[ModelSpec | None] = []
+    first_index: dict[str, int] = {}
+    for i, m in enumerate(raw_models):
+        name = m.get("name") if isinstance(m, Mapping) else None
+        mkey = f"{label}: {top}[{i}]" + (f" ({name})" if isinstance(name, str) and name else "")
+        if isinstance(name, str) and name:
+            if name in first_index:
+                p.add(
+                    f"{mkey}.name",
+                    f"model name {name!r} is already used by {top}[{first_index[name]}]; model names must be "
+                    "unique (each model gets its own router)",
+                )
+            else:
+                first_index[name] = i
+        models.append(_load_model(m, mkey, p))
+
+    p.raise_if_any()
+    return DeploymentSpec(models=tuple(m for m in models if m is not None), source=origin)
+
+
+# ============================================================================================ Hydra preset
+def _yaml_implicit_tag(value: str) -> str:
+    """The tag OmegaConf's (Hydra's) YAML loader gives ``value`` written as a plain scalar."""
+    from omegaconf._utils import get_yaml_loader
+
+    loader = get_yaml_loader()("")
+    try:
+        return loader.resolve(yaml.ScalarNode, value, (True, False))
+    finally:
+        loader.dispose()
+
+
+class _PresetDumper(yaml.SafeDumper):
+    """Indented block lists; strings quoted wherever Hydra's YAML loader would read them as something else
+    (``1e3`` is a float to Hydra, a string to PyYAML)."""
+
+    def increase_indent(self, flow: bool = False, indentless: bool = False) -> None:
+        super().increase_indent(flow, False)
+
+
+def _represent_preset_str(dumper: yaml.SafeDumper, data: str) -> yaml.ScalarNode:
+    node = dumper.represent_scalar("tag:yaml.org,2002:str", data)
+    if "\n" not in data and _yaml_implicit_tag(data) != "tag:yaml.org,2002:str":
+        node.style = "'"
+    return node
+
+
+_PresetDumper.add_representer(str, _represent_preset_str)
+
+
+class _MilesDumper(yaml.SafeDumper):
+    def increase_indent(self, flow: bool = False, indentless: bool = False) -> None:
+        super().increase_indent(flow, False)
+
+
+_INTERPOLATION_RE = re.compile(r"(\\*)\$\{")
+
+
+def _escape_interpolations(value: Any) -> Any:
+    """Strings as OmegaConf literals: ``${`` (preceded by k backslashes) becomes 2k+1 backslashes + ``${``."""
+    if isinstance(value, str):
+        return _INTERPOLATION_RE.sub(lambda mo: mo.group(1) * 2 + "\\${", value)
+    if isinstance(value, Mapping):
+        return {k: _escape_interpolations(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_escape_interpolations(v) for v in value]
+    return value
+
+
+_PLAIN_TYPES = (str, int, float, bool, type(None))
+
+
+def _unrepresentable(value: Any, key: str) -> list[tuple[str, str]]:
+    """(key, type) of every value a Hydra config cannot hold."""
+    if isinstance(value, Mapping):
+        out = []
+        for k, v in value.items():
+            if not isinstance(k, str):
+                out.append((f"{key}.{k}", f"key of type {type(k).__name__}"))
+            out.extend(_unrepresentable(v, f"{key}.{k}"))
+        return out
+    if isinstance(value, list | tuple):
+        return [x for i, v in enumerate(value) for x in _unrepresentable(v, f"{key}[{i}]")]
+    if not isinstance(value, _PLAIN_TYPES):
+        return [(key, f"value {value!r} of type {type(value).__name__}")]
+    return []
+
+
+def _first_difference(expected: Any, actual: Any, key: str) -> str | None:
+    """Where ``actual`` differs from ``expected``, types included (``1``, ``1.0`` and ``True`` differ)."""
+    if isinstance(expected, Mapping):
+        if not isinstance(actual, Mapping):
+            return key
+        if list(expected) != list(actual):
+            return key
+        for k in expected:
+            diff = _first_difference(expected[k], actual[k], f"{key}.{k}")
+            if diff:
+                return diff
+        return None
+    if isinstance(expected, list):
+        if not isinstance(actual, list) or len(expected) != len(actual):
+            return key
+        for i, (e, a) in enumerate(zip(expected, actual, strict=True)):
+            diff = _first_difference(e, a, f"{key}[{i}]")
+            if diff:
+                return diff
+        return None
+    if type(expected) is not type(actual):
+        return key
+    if isinstance(expected, float) and math.isnan(expected) and math.isnan(actual):
+        return None
+    return None if expected == actual else key
+
+
+def _group_location(g: GroupSpec, m: ModelSpec) -> str:
+    return g.key or f"sglang.{m.name}.{g.name}"
+
+
+def spec_to_preset(spec: DeploymentSpec) -> str:
+    """A preset of the ``sglang`` config group (a file for ``conf/sglang/<name>.yaml``) describing ``spec``.
+
+    The first group of each worker type goes to the model's slot of that type, further groups to
+    ``extra_groups`` (under their spec names); ``group_order`` is written only where the spec's order differs
+    from the canonical one. Optional values are written only where the spec gives them, so that the others
+    keep inheriting. Anything the preset schema cannot hold is an error, never silently dropped; the text is
+    read back with Hydra's YAML loader and compared before it is returned.
+    """
+    p = ProblemCollector(spec.source)
+    data: dict[str, Any] = {}
+    if not spec.models:
+        p.add("sglang", "no models to write")
+    for m in spec.models:
+        mkey = m.key or f"sglang.{m.name}"
+        if not isinstance(m.name, str) or not HYDRA_KEY_RE.match(m.name):
+            p.add(
+                f"{mkey}.name",
+                f"model name {m.name!r} cannot be a key of the Hydra 'sglang' node: it must start with a letter or "
+                "'_' and hold only letters, digits, '_' or '-'; rename the model",
+            )
+            continue
+        if m.name in RESERVED_MODEL_NAMES:
+            p.add(f"{mkey}.name", f"model name {m.name!r} is reserved in a preset; rename the model")
+            continue
+        if m.name in data:
+            p.add(f"{mkey}.name", f"model name {m.name!r} is used more than once")
+            continue
+        node: dict[str, Any] = {}
+        if m.model_path is not None:
+            if not isinstance(m.model_path, str):
+                p.add(f"{mkey}.model_path", f"must be a string, got {m.model_path!r}")
+            node["model_path"] = m.model_path
+        if m.update_weights is not None:
+            if not isinstance(m.update_weights, bool):
+                p.add(f"{mkey}.update_weights", f"must be true or false, got {m.update_weights!r}")
+            node["update_weights"] = m.update_weights
+        if m.num_gpus_per_engine is not None:
+            if not _is_int(m.num_gpus_per_engine) or m.num_gpus_per_engine < 1:
+                p.add(f"{mkey}.num_gpus_per_engine", f"must be an integer > 0, got {m.num_gpus_per_engine!r}")
+            node["num_gpus_per_engine"] = m.num_gpus_per_engine
+
+        slots: dict[str, dict[str, Any]] = {}
+        extras: dict[str, dict[str, Any]] = {}
+        order: list[str] = []
+        for g in m.groups:
+            gkey = _group_location(g, m)
+            try:
+                wt = WorkerType(str(g.worker_type))
+            except ValueError:
+                p.add(
+                    f"{gkey}.worker_type",
+                    f"{g.worker_type!r} is not a worker type ({', '.join(WORKER_TYPES)})",
+                )
+                continue
+            if not _is_int(g.num_gpus) or g.num_gpus < 1:
+                p.add(
+                    f"{gkey}.num_gpus",
+                    f"must be an integer > 0 (a preset's num_gpus: 0 means the group is off), got {g.num_gpus!r}",
+                )
+                continue
+            body: dict[str, Any] = {"num_gpus": g.num_gpus}
+            if g.num_gpus_per_engine is not None:
+                if not _is_int(g.num_gpus_per_engine) or g.num_gpus_per_engine < 1:
+                    p.add(
+                        f"{gkey}.num_gpus_per_engine",
+                        f"must be an integer > 0, got {g.num_gpus_per_engine!r}",
+                    )
+                body["num_gpus_per_engine"] = g.num_gpus_per_engine
+            overrides = thaw(g.overrides)
+            for where, what in _unrepresentable(overrides, f"{gkey}.overrides"):
+                p.add(where, f"a Hydra config cannot hold this {what}; write it as a string or a number")
+            if overrides:
+                body["overrides"] = overrides
+
+            if g.name == wt.value and wt.value not in slots:
+                slots[wt.value] = body
+                order.append(wt.value)
+            else:
+                if g.name in GROUP_SLOTS or g.name in extras or not HYDRA_KEY_RE.match(str(g.name)):
+                    p.add(
+                        gkey,
+                        f"group name {g.name!r} cannot name an extra group of model {m.name!r} (it must be a valid "
+                        "key, unique, and not one of the slots " + ", ".join(GROUP_SLOTS) + ")",
+                    )
+                    continue
+                extras[g.name] = {"worker_type": wt.value, **body}
+                order.append(g.name)
+        for slot in GROUP_SLOTS:
+            if slot in slots:
+                node[slot] = slots[slot]
+        if extras:
+            node["extra_groups"] = extras
+        canonical = [s for s in GROUP_SLOTS if s in slots] + list(extras)
+        if order != canonical:
+            node["group_order"] = order
+        data[m.name] = node
+    p.raise_if_any()
+
+    defaults: list[Any] = [{f"/sglang_model@{name}": "base"} for name in data]
+    defaults += [{"/sglang_deploy@_global_.sglang_deploy": "default"}, "_self_"]
+    head = yaml.dump({"defaults": defaults}, Dumper=_PresetDumper, sort_keys=False, default_flow_style=False)
+    body = yaml.dump(
+        _escape_interpolations(data),
+        Dumper=_PresetDumper,
+        sort_keys=False,
+        default_flow_style=False,
+        allow_unicode=True,
+    )
+    origin = os.path.basename(spec.source) if spec.source else "a Miles --sglang-config file"
+    text = f"# SGLang deployment imported from {origin} (Miles/slime --sglang-config).\n{head}\n{body}"
+    _verify_preset(text, data, p)
+    return text
+
+
+def _verify_preset(text: str, data: dict[str, Any], p: ProblemCollector) -> None:
+    """Read ``text`` back the way Hydra does and compare it with ``data``: no silent change of any value."""
+    from omegaconf import OmegaConf
+    from omegaconf._utils import get_yaml_loader
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        loaded = yaml.load(text, Loader=get_yaml_loader())
+        loaded.pop("defaults", None)
+        back = OmegaConf.to_container(OmegaConf.create(loaded), resolve=True)
+    except (yaml.YAMLError, OmegaConfBaseException) as exc:
+        p.add("sglang", f"the preset does not read back as a Hydra config: {str(exc).splitlines()[0]}")
+        p.raise_if_any()
+        return
+    diff = _first_difference(data, back, "sglang")
+    if diff:
+        p.add(
+            diff, "a Hydra config cannot hold this value unchanged; write it differently in the source file"
+        )
+    p.raise_if_any()
+
+
+# ============================================================================================== Miles YAML
+def _legacy_or_given(spec: DeploymentSpec | None, plan: DeploymentPlan) -> DeploymentSpec:
+    if spec is not None:
+        return spec
+    p = ProblemCollector("trainer arguments")
+    legacy = legacy_spec(plan.trainer, p)
+    p.raise_if_any()
+    return legacy
+
+
+def spec_to_miles_yaml(spec: DeploymentSpec | None, plan: DeploymentPlan) -> str:
+    """The ``--sglang-config`` file with which Miles resolves the deployment of ``plan`` (resolved from
+    ``spec``; None: the legacy deployment of the trainer arguments), whatever Miles' own defaults.
+
+    Explicit per model: ``model_path`` (the model-level path the resolver injected into every group),
+    ``update_weights``; per serving group: ``num_gpus_per_engine``. Group ``overrides`` are the user's own
+    (underscore spelling), not the values the resolver injects (``model_path``, ``enable_memory_saver``, the
+    eval defaults), which Miles injects itself from the same trainer arguments (:func:`miles_trainer_args`).
+    The eval model's groups also carry the trainer's ``eval_sglang_overrides`` (Miles' ``--eval-sglang-*``),
+    below the group's own values, as in Miles' layering.
+    """
+    t = plan.trainer
+    p = ProblemCollector(plan.source)
+    if not plan.models:
+        p.add("sglang", "the plan has no models (debug_train_only?): there is nothing to write for Miles")
+        p.raise_if_any()
+    spec = _legacy_or_given(spec, plan)
+    if [m.name for m in spec.models] != [m.name for m in plan.models]:
+        p.add(
+            "sglang",
+            "the spec and the plan describe different models; pass the spec the plan was resolved from",
+        )
+        p.raise_if_any()
+
+    models_out: list[dict[str, Any]] = []
+    for ms, mp in zip(spec.models, plan.models, strict=True):
+        mkey = ms.key or f"sglang.{ms.name}"
+        entry: dict[str, Any] = {"name": mp.name}
+        model_level_path = ms.model_path or t.hf_checkpoint
+        if model_level_path:
+            entry["model_path"] = model_level_path
+        entry["update_weights"] = mp.update_weights
+        groups_out: list[dict[str, Any]] = []
+        spec_groups = {g.name: g for g in ms.groups}
+        for gp in mp.groups:
+            gs = spec_groups.get(gp.name)
+            if gs is None:
+                p.add(f"{mkey}.{gp.name}", "is in the plan but not in the spec")
+                continue
+            user = normalise_overrides(gs.overrides, _group_location(gs, ms), p)
+            if mp.is_eval:
+                user = {**normalise_overrides(t.eval_sglang_overrides, "eval_sglang_overrides", p), **user}
+            group: dict[str, Any] = {"worker_type": gp.worker_type.value, "num_gpus": gp.num_gpus}
+            if gp.worker_type is not WorkerType.placeholder or gs.num_gpus_per_engine is not None:
+                group["num_gpus_per_engine"] = gp.num_gpus_per_engine
+            if user:
+                group["overrides"] = thaw(user)
+            groups_out.append(group)
+        entry["server_groups"] = groups_out
+        models_out.append(entry)
+    p.raise_if_any()
+    return yaml.dump(
+        {"sglang": models_out},
+        Dumper=_MilesDumper,
+        sort_keys=False,
+        default_flow_style=False,
+        allow_unicode=True,
+    )
+
+
+#: Trainer inputs that change the deployment (placement, offload, engine arguments), as Miles flags; written
+#: when they differ from Miles' defaults. Inputs this version of TrainerInputs lacks are skipped.
+_TRAINER_FLAGS: tuple[tuple[str, str], ...] = (
+    ("num_gpus_per_node", "--num-gpus-per-node"),
+    ("actor_num_nodes", "--actor-num-nodes"),
+    ("actor_num_gpus_per_node", "--actor-num-gpus-per-node"),
+    ("colocate", "--colocate"),
+    ("offload_rollout", "--offload-rollout"),
+    ("use_critic", "--use-critic"),
+    ("critic_num_nodes", "--critic-num-nodes"),
+    ("critic_num_gpus_per_node", "--critic-num-gpus-per-node"),
+    ("critic_train_only", "--critic-train-only"),
+    ("debug_rollout_only", "--debug-rollout-only"),
+    ("use_rollout_routing_replay", "--use-rollout-routing-replay"),
+    ("use_rollout_indexer_replay", "--use-rollout-indexer-replay"),
+    ("fp16", "--fp16"),
+)
+
+
+def miles_trainer_args(plan: DeploymentPlan, *, sglang_config: str | None = None) -> list[str]:
+    """Miles' command-line arguments that go with :func:`spec_to_miles_yaml`'s file: ``--rollout-num-gpus``
+    (eval excluded, as Miles counts it), ``--rollout-num-gpus-per-engine``, ``--hf-checkpoint`` when set, the
+    eval fleet's ``--eval-num-gpus`` (and ``--eval-num-gpus-per-engine`` when set), and the inputs that differ
+    from Miles' defaults and change the deployment (placement, hence ``rollout_offset`` and ``needs_offload``;
+    routing replay, fp16)."""
+    t = plan.trainer
+    args: list[str] = []
+    if sglang_config is not None:
+        args += ["--sglang-config", sglang_config]
+    args += ["--rollout-num-gpus", str(plan.rollout_num_gpus)]
+    args += ["--rollout-num-gpus-per-engine", str(t.rollout_num_gpus_per_engine)]
+    if t.hf_checkpoint:
+        args += ["--hf-checkpoint", t.hf_checkpoint]
+    defaults = TrainerInputs()
+    for name, flag in _TRAINER_FLAGS:
+        value = getattr(t, name, None)
+        if value is None or value == getattr(defaults, name, None):
+            continue
+        if isinstance(value, bool):
+            if value:
+                args.append(flag)
+        else:
+            args += [flag, str(value)]
+    if t.eval_num_gpus > 0:
+        args += ["--eval-num-gpus", str(t.eval_num_gpus)]
+        if t.eval_num_gpus_per_engine is not None:
+            args += ["--eval-num-gpus-per-engine", str(t.eval_num_gpus_per_engine)]
+    return args
+
+
+__all__ = [
+    "BASE64_PREFIX",
+    "DeploymentConfigError",
+    "load_miles_config",
+    "miles_trainer_args",
+    "spec_to_miles_yaml",
+    "spec_to_preset",
+]

@@ -1,0 +1,209 @@
+"""Port assignment: every engine process, bootstrap server and router on a host gets its own ports.
+
+Ports are taken upward from ``port_base`` and stay below the ephemeral range (32768+), as Miles does. When
+``probe`` is on (a real launch), a port is taken only if
+
+* no other launch on this machine holds it: each taken port is claimed with an ``flock`` on a lock file in
+  a shared directory, held until the launch ends (the kernel drops it when the process dies, so a crashed
+  launch never leaks a claim). This keeps parallel multirun jobs apart;
+* it can be bound on the host right now (another program is not using it).
+
+Without probing (``miles-sglang plan``) the assignment is the plain cursor sequence, so a printed plan is
+reproducible. Engines that span several nodes share one ``dist_init_addr`` on their first node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import socket
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from miles_sglang_plugin.deployment_spec import WorkerType
+from miles_sglang_plugin.plan import DeploymentPlan
+
+#: Linux's default ephemeral range starts here; SGLang's own defaults (30000, 8998) stay outside our range too.
+EPHEMERAL_START = 32768
+#: SGLang's ``dist_init_addr`` uses a run of consecutive ports (Miles reserves ``30 + dp_size``).
+DIST_INIT_SPAN = 30
+
+
+class PortExhaustedError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class EnginePorts:
+    """Ports of one engine process (``http`` serves only on node rank 0)."""
+
+    http: int
+    nccl: int
+    dist_init: int | None = None  # node rank 0 only: the first of a run of DIST_INIT_SPAN + dp_size ports
+    engine_info_bootstrap: int | None = None
+    disaggregation_bootstrap: int | None = None  # prefill engines only
+
+
+@dataclass(frozen=True)
+class RouterPorts:
+    http: int
+    prometheus: int
+
+
+@dataclass(frozen=True)
+class PortAssignment:
+    #: (engine id, node rank) -> ports
+    engines: dict[tuple[str, int], EnginePorts]
+    #: model name -> ports
+    routers: dict[str, RouterPorts]
+
+    def all_ports_by_host(self, host_of: Callable[[str, int], str]) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {}
+        for (engine_id, rank), p in self.engines.items():
+            ports = [p.http, p.nccl]
+            if p.dist_init is not None:
+                ports += list(range(p.dist_init, p.dist_init + DIST_INIT_SPAN))
+            ports += [x for x in (p.engine_info_bootstrap, p.disaggregation_bootstrap) if x is not None]
+            out.setdefault(host_of(engine_id, rank), []).extend(ports)
+        return out
+
+
+def default_lock_dir() -> Path:
+    return Path(os.environ.get("MSP_PORT_LOCK_DIR", Path(tempfile.gettempdir()) / "miles-sglang-ports"))
+
+
+@dataclass
+class PortClaims:
+    """flock claims held for a launch; :meth:`release` (or process exit) frees them."""
+
+    lock_dir: Path
+    fds: dict[int, int] = field(default_factory=dict)
+
+    def try_claim(self, port: int) -> bool:
+        self.lock_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.lock_dir / f"{port}.lock", os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            return False
+        self.fds[port] = fd
+        return True
+
+    def release(self) -> None:
+        for fd in self.fds.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.fds.clear()
+
+    def __del__(self) -> None:  # best effort; the kernel drops the locks at exit anyway
+        self.release()
+
+
+def port_is_free(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host.strip("[]"), port))
+        except OSError as exc:
+            if exc.errno in (errno.EADDRINUSE, errno.EACCES, errno.EADDRNOTAVAIL):
+                return False
+            raise
+    return True
+
+
+class _Cursor:
+    def __init__(self, base: int, limit: int, host: str, claims: PortClaims | None, probe: bool) -> None:
+        self.next, self.limit, self.host, self.claims, self.probe = base, limit, host, claims, probe
+
+    def _usable(self, port: int) -> bool:
+        if not self.probe:
+            return True
+        if self.claims is not None and not self.claims.try_claim(port):
+            return False
+        if not port_is_free(self.host, port):
+            if self.claims is not None:
+                os.close(self.claims.fds.pop(port))
+            return False
+        return True
+
+    def take(self, count: int = 1) -> int:
+        """The first of ``count`` consecutive usable ports."""
+        while self.next + count - 1 <= self.limit:
+            start = self.next
+            run = [p for p in range(start, start + count)]
+            ok = []
+            for p in run:
+                if self._usable(p):
+                    ok.append(p)
+                else:
+                    break
+            if len(ok) == count:
+                self.next = start + count
+                return start
+            # Give back a partial run and continue after the blocked port.
+            if self.claims is not None:
+                for p in ok:
+                    os.close(self.claims.fds.pop(p))
+            self.next = start + len(ok) + 1
+        raise PortExhaustedError(
+            f"no {count} free consecutive port(s) left on {self.host} below {self.limit + 1}; "
+            "raise sglang_deploy.launch.port_max or lower port_base"
+        )
+
+
+def assign_ports(
+    plan: DeploymentPlan,
+    *,
+    host_of_node: Callable[[int], str],
+    router_host: str,
+    port_base: int = 15000,
+    port_max: int = EPHEMERAL_START - 1,
+    probe: bool = False,
+    claims: PortClaims | None = None,
+) -> PortAssignment:
+    """Assign ports for every engine process and router of ``plan``, never twice on one host."""
+    if port_max >= EPHEMERAL_START:
+        port_max = EPHEMERAL_START - 1
+    cursors: dict[str, _Cursor] = {}
+
+    def cursor(host: str) -> _Cursor:
+        if host not in cursors:
+            cursors[host] = _Cursor(port_base, port_max, host, claims, probe)
+        return cursors[host]
+
+    routers = {}
+    for m in plan.models:
+        if m.engines:
+            c = cursor(router_host)
+            routers[m.name] = RouterPorts(http=c.take(), prometheus=c.take())
+    engines: dict[tuple[str, int], EnginePorts] = {}
+    for _model, g in plan.groups():
+        dp = int(g.overrides.get("dp_size", 1) or 1)
+        for e in g.engines:
+            for proc in e.processes:
+                c = cursor(host_of_node(proc.node))
+                first = proc.node_rank == 0
+                engines[(e.id, proc.node_rank)] = EnginePorts(
+                    http=c.take(),
+                    nccl=c.take(),
+                    dist_init=c.take(DIST_INIT_SPAN + dp) if first else None,
+                    engine_info_bootstrap=c.take() if first else None,
+                    disaggregation_bootstrap=c.take()
+                    if first and g.worker_type is WorkerType.prefill
+                    else None,
+                )
+    return PortAssignment(engines=engines, routers=routers)
+
+
+@contextlib.contextmanager
+def claimed_ports(lock_dir: Path | None = None) -> Iterator[PortClaims]:
+    claims = PortClaims(lock_dir or default_lock_dir())
+    try:
+        yield claims
+    finally:
+        claims.release()

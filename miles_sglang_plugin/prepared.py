@@ -1,0 +1,71 @@
+"""A resolved plan together with its launch specs: what ``plan --json`` prints and what a launcher starts."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Any
+
+from miles_sglang_plugin.errors import DeploymentConfigError, ProblemCollector
+from miles_sglang_plugin.plan import DeploymentPlan
+from miles_sglang_plugin.ports import PortClaims, assign_ports
+from miles_sglang_plugin.rendering import LaunchSpecs, check_deploy_settings, render_launch
+from miles_sglang_plugin.schema import SGLangDeployConf
+
+
+@dataclass(frozen=True)
+class PreparedDeployment:
+    plan: DeploymentPlan
+    settings: SGLangDeployConf
+    launch: LaunchSpecs
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan's JSON with, per engine, its processes' argv/env/url and, per model, its router."""
+        data = self.plan.to_dict()
+        for m in self.plan.models:
+            mdict = data["models"][m.name]
+            if m.engines:
+                mdict["router"] = self.launch.router(m.name).to_dict()
+            for g in m.groups:
+                for edict in mdict["groups"][g.name]["engines"]:
+                    edict["launch"] = [p.to_dict() for p in self.launch.for_engine(edict["id"])]
+        data["engine_kind"] = self.launch.engine_kind.value
+        data["notes"] = [*data["notes"], *self.launch.notes]
+        return data
+
+
+def prepare_deployment(
+    plan: DeploymentPlan,
+    settings: SGLangDeployConf,
+    *,
+    server_arg_fields: Collection[str] | None = None,
+    probe: bool = False,
+    claims: PortClaims | None = None,
+) -> PreparedDeployment:
+    """Assign ports and render every launch spec. Single-machine semantics: every node of the plan maps to
+    ``settings.launch.host`` (the local backend runs a multi-node plan side by side only with stand-ins)."""
+    problems = ProblemCollector("sglang_deploy")
+    problems.extend(check_deploy_settings(settings, server_arg_fields))
+    problems.raise_if_any()
+    host = settings.launch.host
+    ports = assign_ports(
+        plan,
+        host_of_node=lambda _node: host,
+        router_host=host,
+        port_base=settings.launch.port_base,
+        port_max=settings.launch.port_max,
+        probe=probe,
+        claims=claims,
+    )
+    launch = render_launch(
+        plan,
+        settings,
+        ports,
+        host_of_node=lambda _node: host,
+        router_host=host,
+        server_arg_fields=server_arg_fields,
+    )
+    return PreparedDeployment(plan=plan, settings=settings, launch=launch)
+
+
+__all__ = ["DeploymentConfigError", "PreparedDeployment", "prepare_deployment"]

@@ -1,0 +1,381 @@
+"""Render: the exact command line and environment of every engine process and router, as pure data.
+
+``render_launch(plan, settings, ports, ...)`` turns a resolved plan into :class:`LaunchSpecs`; every backend
+(the local subprocess launcher now, a distributed one later) starts exactly these. ServerArgs values follow
+Miles' ``_compute_server_args``, with this precedence (highest first):
+
+1. the group's ``overrides`` (from the plan; plan-owned keys were refused at resolution);
+2. values derived from the plan (ports, TP size, node rank, disaggregation mode, memory saver, seed, ...);
+3. deployment-wide defaults, ``sglang_deploy.server_defaults`` (Miles' ``--sglang-*`` flags).
+
+Values Miles derives for fields that the installed SGLang does not have (e.g. ``prefill_round_robin_balance``
+in SGLang 0.5.23) are left out and noted, never sent to an engine that would reject them.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import shlex
+import sys
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from miles_sglang_plugin.deployment_spec import WorkerType, thaw
+from miles_sglang_plugin.errors import Problem
+from miles_sglang_plugin.plan import DeploymentPlan, EnginePlan, EngineProcessPlan, GroupPlan
+from miles_sglang_plugin.ports import PortAssignment
+from miles_sglang_plugin.resolution import PLAN_OWNED_OVERRIDES, suggest
+from miles_sglang_plugin.routers import RouterLaunchSpec, RouterSettings, WorkerRegistration
+from miles_sglang_plugin.schema import EngineKind, SGLangDeployConf
+
+MASK = "***"
+SECRET_FLAGS = ("--api-key", "--admin-api-key")
+STANDIN_COMMAND = ("{python}", "-m", "miles_sglang_plugin.standin")
+
+#: Engine environment defaults (Miles), below the user's ``sglang_deploy.env``.
+MILES_ENGINE_ENV: Mapping[str, str] = {
+    "NVSHMEM_DISABLE_NCCL": "1",
+    "SGLANG_JIT_DEEPGEMM_PRECOMPILE": "false",
+    "SGLANG_DG_CACHE_DIR_PER_PROCESS": "1",
+    "SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK": "false",
+    "SGLANG_MEMORY_SAVER_CUDA_GRAPH": "true",
+    "SGLANG_BATCH_INVARIANT_OPS_ENABLE_MM_FALLBACK_VARIANT": "true",
+    "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false",
+    "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "false",
+}
+
+#: server_defaults may not set what the plan decides (beyond the keys a group override may not set either).
+PLAN_OWNED_DEFAULTS: Mapping[str, str] = {
+    **PLAN_OWNED_OVERRIDES,
+    "tp_size": "it is each group's num_gpus_per_engine",
+    "model_path": "it is each model's model_path (or hf_checkpoint)",
+    "disaggregation_mode": "it follows each group's worker_type",
+}
+
+
+def mask_argv(argv: tuple[str, ...] | list[str]) -> list[str]:
+    """``argv`` with the values of secret flags replaced by ``***``."""
+    out: list[str] = []
+    hide_next = False
+    for token in argv:
+        if hide_next:
+            out.append(MASK)
+            hide_next = False
+        elif token in SECRET_FLAGS:
+            out.append(token)
+            hide_next = True
+        elif any(token.startswith(f + "=") for f in SECRET_FLAGS):
+            out.append(token.split("=", 1)[0] + "=" + MASK)
+        else:
+            out.append(token)
+    return out
+
+
+def server_args_to_argv(values: Mapping[str, Any]) -> list[str]:
+    """ServerArgs field -> value as ``launch_server`` flags: ``True`` is a bare flag, ``False``/``None`` are
+    left out, lists become several values, mappings become JSON."""
+    argv: list[str] = []
+    for key, value in values.items():
+        flag = "--" + key.replace("_", "-")
+        if value is None or value is False:
+            continue
+        if value is True:
+            argv.append(flag)
+        elif isinstance(value, list | tuple):
+            argv.append(flag)
+            argv.extend(str(v) for v in value)
+        elif isinstance(value, Mapping):
+            argv += [flag, json.dumps(thaw(value))]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+@dataclass(frozen=True)
+class EngineProcessLaunch:
+    """One engine process: what to run, where, with which environment."""
+
+    engine_id: str
+    model: str
+    group: str
+    worker_type: WorkerType
+    node: int
+    node_rank: int
+    nnodes: int
+    host: str
+    port: int
+    gpu_ids: tuple[int, ...]
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+    server_args: Mapping[str, Any] = field(repr=False)
+    bootstrap_port: int | None = None
+
+    @property
+    def name(self) -> str:
+        return self.engine_id if self.nnodes == 1 else f"{self.engine_id}.node{self.node_rank}"
+
+    @property
+    def serves_http(self) -> bool:
+        return self.node_rank == 0
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def display_command(self) -> str:
+        return shlex.join(mask_argv(self.argv))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "node": self.node,
+            "node_rank": self.node_rank,
+            "host": self.host,
+            "port": self.port,
+            "url": self.url if self.serves_http else None,
+            "bootstrap_port": self.bootstrap_port,
+            "argv": mask_argv(self.argv),
+            "env": {k: (MASK if "KEY" in k.upper() else v) for k, v in self.env.items()},
+        }
+
+
+@dataclass(frozen=True)
+class RouterLaunch:
+    model: str
+    spec: RouterLaunchSpec
+    workers: tuple[WorkerRegistration, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "url": self.spec.url,
+            "prometheus_port": self.spec.prometheus_port,
+            "pd_disaggregation": self.spec.pd_disaggregation,
+            "policy": self.spec.settings.policy,
+            "workers": [
+                {"url": w.url, "worker_type": w.worker_type, "bootstrap_port": w.bootstrap_port}
+                for w in self.workers
+            ],
+        }
+
+
+@dataclass(frozen=True)
+class LaunchSpecs:
+    engine_kind: EngineKind
+    engines: tuple[EngineProcessLaunch, ...]
+    routers: tuple[RouterLaunch, ...]
+    notes: tuple[str, ...] = ()
+
+    def for_engine(self, engine_id: str) -> tuple[EngineProcessLaunch, ...]:
+        return tuple(e for e in self.engines if e.engine_id == engine_id)
+
+    def router(self, model: str) -> RouterLaunch:
+        for r in self.routers:
+            if r.model == model:
+                return r
+        raise KeyError(model)
+
+
+def check_deploy_settings(settings: SGLangDeployConf, fields: Collection[str] | None) -> list[Problem]:
+    """Problems with ``sglang_deploy`` (server defaults, router settings); empty when fine."""
+    from miles_sglang_plugin.routers import validate_router_settings
+
+    out: list[Problem] = []
+    for key in settings.server_defaults:
+        norm = key.replace("-", "_")
+        path = f"sglang_deploy.server_defaults.{key}"
+        if norm in PLAN_OWNED_DEFAULTS:
+            out.append(Problem(path, f"cannot be set deployment-wide: {PLAN_OWNED_DEFAULTS[norm]}"))
+        elif fields is not None and norm not in fields:
+            close = suggest(norm, fields)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            out.append(Problem(path, f"is not a ServerArgs field of the installed SGLang{hint}"))
+    try:
+        router = RouterSettings.from_mapping(asdict(settings.router))
+    except (TypeError, ValueError) as exc:
+        out.append(Problem("sglang_deploy.router", str(exc)))
+    else:
+        out += [Problem("sglang_deploy.router", msg) for msg in validate_router_settings(router)]
+    if settings.launch.port_base < 1024 or settings.launch.port_base >= settings.launch.port_max:
+        out.append(
+            Problem(
+                "sglang_deploy.launch.port_base",
+                f"{settings.launch.port_base} must be >= 1024 and below port_max={settings.launch.port_max}",
+            )
+        )
+    return out
+
+
+def _engine_server_args(
+    plan: DeploymentPlan,
+    g: GroupPlan,
+    e: EnginePlan,
+    proc: EngineProcessPlan,
+    rank: int,
+    settings: SGLangDeployConf,
+    ports: PortAssignment,
+    host: str,
+    dist_host: str,
+    fields: Collection[str] | None,
+    dropped: set[str],
+) -> dict[str, Any]:
+    t = plan.trainer
+    own = ports.engines[(e.id, proc.node_rank)]
+    first = ports.engines[(e.id, 0)]
+    pp = int(g.overrides.get("pp_size", settings.server_defaults.get("pp_size", 1)) or 1)
+    derived: dict[str, Any] = {
+        "model_path": g.overrides.get("model_path"),
+        "trust_remote_code": True,
+        "random_seed": t.seed + rank,
+        "host": host,
+        "port": own.http,
+        "nccl_port": own.nccl,
+        "dist_init_addr": f"{dist_host}:{first.dist_init}",
+        "nnodes": e.nnodes,
+        "node_rank": proc.node_rank,
+        "base_gpu_id": 0,
+        "gpu_id_step": 1,
+        "tp_size": g.num_gpus_per_engine // pp,
+        "enable_memory_saver": t.offload_rollout,
+        "skip_server_warmup": True,
+        "enable_metrics": True,
+        "enable_draft_weights_cpu_backup": True,
+        "engine_info_bootstrap_port": first.engine_info_bootstrap,
+    }
+    if g.worker_type is WorkerType.prefill:
+        derived["disaggregation_mode"] = "prefill"
+        derived["disaggregation_bootstrap_port"] = first.disaggregation_bootstrap
+        derived["load_balance_method"] = "round_robin"
+    elif g.worker_type is WorkerType.decode:
+        derived["disaggregation_mode"] = "decode"
+        derived["prefill_round_robin_balance"] = True
+    if t.use_rollout_routing_replay:
+        derived["enable_return_routed_experts"] = True
+    if t.use_rollout_indexer_replay:
+        derived["enable_return_indexer_topk"] = True
+    if t.fp16:
+        derived["dtype"] = "float16"
+    lora = settings.lora
+    if lora.enabled:
+        derived["enable_lora"] = True
+        derived["max_loras_per_batch"] = lora.max_loras_per_batch
+        derived["max_lora_rank"] = lora.max_lora_rank
+        if lora.target_modules:
+            derived["lora_target_modules"] = list(lora.target_modules)
+        if lora.paths:
+            derived["lora_paths"] = [f"{name}={path}" for name, path in lora.paths.items()]
+    if settings.api_key:
+        derived["api_key"] = settings.api_key
+
+    defaults = {k.replace("-", "_"): v for k, v in settings.server_defaults.items()}
+    if g.worker_type is WorkerType.decode:
+        defaults.pop("enable_hierarchical_cache", None)  # Miles never fills it for decode workers
+    values = {**defaults, **derived, **thaw(g.overrides)}
+    if fields is not None:
+        for key in [k for k in derived if k not in fields and k not in g.overrides]:
+            dropped.add(key)
+            del values[key]
+    return values
+
+
+def standin_fault_env(settings: SGLangDeployConf, engine_id: str) -> dict[str, str]:
+    """Fault-injection variables of the stand-in engine for ``engine_id``."""
+    faults = settings.standin
+    env: dict[str, str] = {}
+    if faults.start_delay_s:
+        env["MSP_STANDIN_START_DELAY_S"] = str(faults.start_delay_s)
+    if any(fnmatch.fnmatchcase(engine_id, p) for p in faults.fail_at_start):
+        env["MSP_STANDIN_FAIL_AT_START"] = "1"
+    if any(fnmatch.fnmatchcase(engine_id, p) for p in faults.never_healthy):
+        env["MSP_STANDIN_NEVER_HEALTHY"] = "1"
+    for pattern, seconds in faults.die_after_s.items():
+        if fnmatch.fnmatchcase(engine_id, pattern):
+            env["MSP_STANDIN_DIE_AFTER_S"] = str(seconds)
+    return env
+
+
+def render_launch(
+    plan: DeploymentPlan,
+    settings: SGLangDeployConf,
+    ports: PortAssignment,
+    *,
+    host_of_node: Callable[[int], str],
+    router_host: str,
+    server_arg_fields: Collection[str] | None = None,
+    python: str = sys.executable,
+) -> LaunchSpecs:
+    """Every engine process's argv and environment, and every router's launch spec (pure: no I/O)."""
+    kind = EngineKind(settings.launch.engine)
+    prefix = STANDIN_COMMAND if kind is EngineKind.simulated else tuple(settings.launch.command)
+    prefix = tuple(python if part == "{python}" else part for part in prefix)
+    dropped: set[str] = set()
+    engines: list[EngineProcessLaunch] = []
+    routers: list[RouterLaunch] = []
+    rank = 0
+    for m in plan.models:
+        workers: list[WorkerRegistration] = []
+        for g in m.groups:
+            for e in g.engines:
+                dist_host = host_of_node(e.processes[0].node)
+                for proc in e.processes:
+                    host = host_of_node(proc.node)
+                    values = _engine_server_args(
+                        plan, g, e, proc, rank, settings, ports, host, dist_host, server_arg_fields, dropped
+                    )
+                    env = {
+                        **MILES_ENGINE_ENV,
+                        **(standin_fault_env(settings, e.id) if kind is EngineKind.simulated else {}),
+                        "SGLANG_OPT_USE_CUSTOM_ALL_REDUCE_V2": "0"
+                        if plan.trainer.colocate and g.num_gpus_per_engine > 1
+                        else "1",
+                        **settings.env,
+                        "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in proc.local_gpu_ids),
+                    }
+                    boot = values.get("disaggregation_bootstrap_port")
+                    launch = EngineProcessLaunch(
+                        engine_id=e.id,
+                        model=m.name,
+                        group=g.name,
+                        worker_type=g.worker_type,
+                        node=proc.node,
+                        node_rank=proc.node_rank,
+                        nnodes=e.nnodes,
+                        host=host,
+                        port=int(values["port"]),
+                        gpu_ids=proc.local_gpu_ids,
+                        argv=(*prefix, *server_args_to_argv(values)),
+                        env=env,
+                        server_args=values,
+                        bootstrap_port=int(boot) if boot is not None else None,
+                    )
+                    engines.append(launch)
+                    if proc.node_rank == 0:
+                        workers.append(
+                            WorkerRegistration(
+                                url=launch.url,
+                                worker_type=g.worker_type.value,
+                                bootstrap_port=launch.bootstrap_port
+                                if g.worker_type is WorkerType.prefill
+                                else None,
+                            )
+                        )
+                rank += 1
+        if m.engines:
+            rp = ports.routers[m.name]
+            spec = RouterLaunchSpec(
+                model=m.name,
+                host=router_host,
+                port=rp.http,
+                prometheus_port=rp.prometheus,
+                pd_disaggregation=m.is_pd,
+                settings=RouterSettings.from_mapping(asdict(settings.router)),
+                api_key=settings.api_key,
+            )
+            routers.append(RouterLaunch(model=m.name, spec=spec, workers=tuple(workers)))
+    notes = tuple(
+        f"left out {key}: Miles sets it, but the installed SGLang has no such ServerArgs field"
+        for key in sorted(dropped)
+    )
+    return LaunchSpecs(engine_kind=kind, engines=tuple(engines), routers=tuple(routers), notes=notes)

@@ -1,0 +1,279 @@
+"""Launch specs: every generated argv is parsed by the real SGLang parser and compared with the plan."""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections import Counter
+from dataclasses import replace
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from miles_sglang_plugin.compose import compose_config
+from miles_sglang_plugin.deployment_spec import GroupSpec
+from miles_sglang_plugin.errors import DeploymentConfigError
+from miles_sglang_plugin.hydra_config import deploy_settings_from_config, resolve_config
+from miles_sglang_plugin.ports import EPHEMERAL_START, PortClaims, PortExhaustedError, assign_ports
+from miles_sglang_plugin.prepared import prepare_deployment
+from miles_sglang_plugin.rendering import MILES_ENGINE_ENV, mask_argv
+from miles_sglang_plugin.resolution import resolve_deployment
+from miles_sglang_plugin.schema import LaunchConf, SGLangDeployConf
+from miles_sglang_plugin.server_arg_fields import known_server_arg_fields
+from miles_sglang_plugin.trainer_inputs import TrainerInputs
+from tests.conftest import group, model, spec
+from tests.test_resolution_properties import aligned_deployments
+
+sglang_parser = pytest.importorskip("miles_sglang_plugin.sglang_server_args")
+if sglang_parser.server_args_fields() is None:
+    pytest.skip("SGLang is not installed (the test set-up installs it)", allow_module_level=True)
+
+FIELDS = known_server_arg_fields().fields
+PRESETS = ["default", "pd", "actor_ref", "pd_actor_ref", "multi_model", "placeholder", "agentic_32gpu"]
+
+
+def prepared_for(*overrides: str):
+    cfg = compose_config(list(overrides))
+    plan = resolve_config(cfg, server_arg_fields=FIELDS)
+    return prepare_deployment(plan, deploy_settings_from_config(cfg), server_arg_fields=FIELDS)
+
+
+def parsed(launch) -> dict:
+    assert launch.argv[1:3] == ("-m", "sglang.launch_server")
+    return sglang_parser.parse_launch_argv(launch.argv[3:])
+
+
+def check_against_plan(prep) -> None:
+    plan, specs = prep.plan, prep.launch
+    by_id = {e.id: (m, g, e) for m in plan.models for g in m.groups for e in g.engines}
+    assert {e.engine_id for e in specs.engines} == set(by_id)
+    ports_per_host: Counter = Counter()
+    gpus_per_node: Counter = Counter()
+    for launch in specs.engines:
+        m, g, e = by_id[launch.engine_id]
+        proc = e.processes[launch.node_rank]
+        sa = parsed(launch)
+        assert sa["model_path"] == m.model_path
+        assert sa["tp_size"] * sa["pp_size"] == g.num_gpus_per_engine
+        assert (sa["nnodes"], sa["node_rank"]) == (e.nnodes, proc.node_rank)
+        assert sa["base_gpu_id"] == 0 and sa["gpu_id_step"] == 1
+        assert launch.env["CUDA_VISIBLE_DEVICES"] == ",".join(map(str, proc.local_gpu_ids))
+        assert (sa["host"], sa["port"]) == (launch.host, launch.port)
+        assert sa["disaggregation_mode"] == (g.worker_type.value if g.worker_type.is_pd else "null")
+        if g.worker_type.value == "prefill":
+            assert sa["disaggregation_bootstrap_port"] == launch.bootstrap_port
+            if launch.node_rank == 0:  # the bootstrap server runs on an engine's first node
+                ports_per_host[(launch.host, sa["disaggregation_bootstrap_port"])] += 1
+        expected_saver = g.overrides.get("enable_memory_saver", plan.trainer.offload_rollout)
+        assert sa["enable_memory_saver"] is bool(expected_saver)
+        for key, value in g.overrides.items():
+            assert sa[key] == value, key
+        first = next(x for x in specs.for_engine(e.id) if x.node_rank == 0)
+        assert sa["dist_init_addr"] == parsed(first)["dist_init_addr"]
+        for port in (sa["port"], sa["nccl_port"]):
+            ports_per_host[(launch.host, port)] += 1
+        for gpu in proc.local_gpu_ids:
+            gpus_per_node[(proc.node, gpu)] += 1
+    for r in specs.routers:
+        ports_per_host[(r.spec.host, r.spec.port)] += 1
+        ports_per_host[(r.spec.host, r.spec.prometheus_port)] += 1
+    assert max(ports_per_host.values()) == 1, "a port is used twice on one host"
+    assert max(gpus_per_node.values(), default=1) == 1, "a GPU is pinned twice on one node"
+    assert all(p < EPHEMERAL_START for _, p in ports_per_host)
+
+
+@pytest.mark.sglang
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_preset_renders_argv_that_real_sglang_parses(preset):
+    prep = prepared_for(f"sglang={preset}", "hf_checkpoint=/ckpt", "colocate=true", "offload_rollout=true")
+    check_against_plan(prep)
+    assert prep.launch.engines
+
+
+@pytest.mark.sglang
+@settings(
+    max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+)
+@given(data=st.data())
+def test_random_deployments_render_and_parse(data):
+    gpn = data.draw(st.sampled_from([4, 8]))
+    spec_ = data.draw(aligned_deployments(gpn))
+    extra = {
+        "mem_fraction_static": data.draw(st.sampled_from([0.5, 0.85])),
+        "chunked_prefill_size": data.draw(st.sampled_from([2048, 8192])),
+    }
+    models = tuple(
+        replace(m, groups=tuple(replace(g, overrides={**g.overrides, **extra}) for g in m.groups))
+        for m in spec_.models
+    )
+    t = TrainerInputs(
+        hf_checkpoint="/ckpt", num_gpus_per_node=gpn, colocate=True, offload_rollout=data.draw(st.booleans())
+    )
+    plan = resolve_deployment(replace(spec_, models=models), t, server_arg_fields=FIELDS)
+    if len(plan.engines) > 12:  # keep the real parser's work per example small
+        return
+    check_against_plan(prepare_deployment(plan, SGLangDeployConf(), server_arg_fields=FIELDS))
+
+
+@pytest.mark.sglang
+def test_multi_node_engine_one_process_per_node_with_one_dist_init_addr():
+    prep = prepared_for("sglang=default", "sglang.actor.regular.num_gpus=32", "sglang.actor.num_gpus_per_engine=16",
+                        "hf_checkpoint=/c", "colocate=true")  # fmt: skip
+    check_against_plan(prep)
+    procs = prep.launch.for_engine("actor.regular.1")
+    assert [(p.node, p.node_rank, p.nnodes) for p in procs] == [(2, 0, 2), (3, 1, 2)]
+    args = [parsed(p) for p in procs]
+    assert args[0]["dist_init_addr"] == args[1]["dist_init_addr"]
+    assert [a["tp_size"] for a in args] == [16, 16]
+    assert [p.env["CUDA_VISIBLE_DEVICES"] for p in procs] == ["0,1,2,3,4,5,6,7"] * 2
+    assert [w.url for w in prep.launch.router("actor").workers] == [
+        prep.launch.for_engine(f"actor.regular.{i}")[0].url for i in (0, 1)
+    ]  # only node rank 0 registers with the router
+
+
+def test_precedence_overrides_then_derived_then_server_defaults():
+    s = spec(
+        model("actor", group("prefill", 2, gpe=2, load_balance_method="follow_bootstrap_room"),
+              group("decode", 2, gpe=2, mem_fraction_static=0.9)),
+    )  # fmt: skip
+    plan = resolve_deployment(s, TrainerInputs(hf_checkpoint="/c", colocate=True))
+    conf = SGLangDeployConf(server_defaults={"mem_fraction_static": 0.7, "enable_hierarchical_cache": True,
+                                             "skip_server_warmup": False, "chunked_prefill_size": 4096})  # fmt: skip
+    prep = prepare_deployment(plan, conf, server_arg_fields=FIELDS)
+    prefill, decode = (prep.launch.for_engine(f"actor.{g}.0")[0].server_args for g in ("prefill", "decode"))
+    assert (
+        prefill["load_balance_method"] == "follow_bootstrap_room"
+    )  # group override beats Miles' round_robin
+    assert prefill["mem_fraction_static"] == 0.7 and decode["mem_fraction_static"] == 0.9
+    assert prefill["skip_server_warmup"] is True  # derived beats server_defaults
+    assert prefill["enable_hierarchical_cache"] is True and "enable_hierarchical_cache" not in decode
+    assert "prefill_round_robin_balance" not in decode  # not a field of SGLang 0.5.23
+    assert any("prefill_round_robin_balance" in n for n in prep.launch.notes)
+
+
+def test_env_defaults_user_env_and_gpu_pinning():
+    plan = resolve_deployment(
+        spec(model("actor", group("regular", 4, gpe=2))), TrainerInputs(hf_checkpoint="/c", colocate=True)
+    )
+    conf = SGLangDeployConf(
+        env={"SGLANG_JIT_DEEPGEMM_PRECOMPILE": "true", "CUDA_VISIBLE_DEVICES": "7", "X": "1"}
+    )
+    e0, e1 = prepare_deployment(plan, conf).launch.engines
+    assert e1.env["CUDA_VISIBLE_DEVICES"] == "2,3"  # the plan's GPUs, never the user's
+    assert e0.env["SGLANG_JIT_DEEPGEMM_PRECOMPILE"] == "true" and e0.env["X"] == "1"
+    assert e0.env["SGLANG_OPT_USE_CUSTOM_ALL_REDUCE_V2"] == "0"  # colocated and TP > 1
+    assert {
+        k: v for k, v in e0.env.items() if k in MILES_ENGINE_ENV and k != "SGLANG_JIT_DEEPGEMM_PRECOMPILE"
+    } == {k: v for k, v in MILES_ENGINE_ENV.items() if k != "SGLANG_JIT_DEEPGEMM_PRECOMPILE"}
+
+
+def test_api_key_is_passed_but_never_shown():
+    cfg = compose_config(["sglang=pd", "hf_checkpoint=/c", "sglang_deploy.api_key=s3cr3t-key"])
+    prep = prepare_deployment(resolve_config(cfg), deploy_settings_from_config(cfg))
+    e = prep.launch.engines[0]
+    assert e.argv[e.argv.index("--api-key") + 1] == "s3cr3t-key"
+    assert "s3cr3t-key" not in e.display_command() and "'***'" in e.display_command()
+    assert "s3cr3t-key" not in json.dumps(prep.to_dict())
+    assert "s3cr3t-key" not in repr(prep.launch.routers[0].spec)
+    assert prep.launch.routers[0].spec.api_key == "s3cr3t-key"
+    assert mask_argv(["--api-key=abc", "--x"]) == ["--api-key=***", "--x"]
+
+
+def test_typo_and_forbidden_overrides_fail_before_launch_with_reasons():
+    with pytest.raises(DeploymentConfigError) as exc:
+        prepared_for("sglang=pd", "hf_checkpoint=/c", "+sglang.actor.decode.overrides.mem_fraction_statc=0.8",
+                     "+sglang.actor.prefill.overrides.base_gpu_id=2", "+sglang.actor.prefill.overrides.tp_size=4",
+                     "+sglang_deploy.server_defaults.nnodes=2", "+sglang_deploy.server_defaults.chunk_prefill_size=1")  # fmt: skip
+    text = " ".join(str(exc.value).split())
+    assert (
+        "sglang.actor.decode.overrides.mem_fraction_statc: is not a ServerArgs field of the installed SGLang; did you mean mem_fraction_static?"
+        in text
+    )
+    assert (
+        "sglang.actor.prefill.overrides.base_gpu_id: cannot be overridden (2): each engine sees only its own GPUs"
+        in text
+    )
+    assert "sglang.actor.prefill.overrides.tp_size: 4 disagrees with num_gpus_per_engine=2" in text
+    # deployment-wide defaults are checked in a second pass, once the deployment itself resolves
+    with pytest.raises(DeploymentConfigError) as exc:
+        prepared_for("sglang=pd", "hf_checkpoint=/c", "+sglang_deploy.server_defaults.nnodes=2",
+                     "+sglang_deploy.server_defaults.chunk_prefill_size=1")  # fmt: skip
+    text = " ".join(str(exc.value).split())
+    assert "sglang_deploy.server_defaults.nnodes: cannot be set deployment-wide" in text
+    assert "did you mean chunked_prefill_size?" in text
+
+
+def test_bootstrap_ports_are_distinct_per_prefill_engine():
+    prep = prepared_for("sglang=pd", "hf_checkpoint=/c")
+    boots = [e.bootstrap_port for e in prep.launch.engines if e.worker_type.value == "prefill"]
+    assert len(boots) == 2 and len(set(boots)) == 2
+    workers = prep.launch.router("actor").workers
+    assert [(w.worker_type, w.bootstrap_port) for w in workers][:2] == [
+        ("prefill", boots[0]),
+        ("prefill", boots[1]),
+    ]
+
+
+# ---------------------------------------------------------------------------------------------- ports
+def _plan():
+    return resolve_deployment(
+        spec(model("actor", group("regular", 4, gpe=1))), TrainerInputs(hf_checkpoint="/c", colocate=True)
+    )
+
+
+def bind_in_range(sock: socket.socket, lo: int, hi: int) -> int:
+    """Bind ``sock`` on loopback to a free port in [lo, hi) (port 0 would give an ephemeral one)."""
+    import random
+
+    for port in random.sample(range(lo, hi), 200):
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        sock.listen()
+        return port
+    raise RuntimeError("no free port")
+
+
+def test_ports_skip_a_port_taken_by_another_program():
+    with socket.socket() as s:
+        taken = bind_in_range(s, 20000, 30000)
+        ports = assign_ports(_plan(), host_of_node=lambda n: "127.0.0.1", router_host="127.0.0.1",
+                             port_base=taken, port_max=taken + 2000, probe=True)  # fmt: skip
+        assert ports.routers["actor"].http == taken + 1
+
+
+def test_ports_of_concurrent_launches_never_overlap(tmp_path):
+    a, b = PortClaims(tmp_path), PortClaims(tmp_path)
+    base = 20000 + (hash(str(tmp_path)) % 5000)
+    kw = dict(host_of_node=lambda n: "127.0.0.1", router_host="127.0.0.1", port_base=base, probe=True)
+    pa = assign_ports(_plan(), claims=a, **kw)
+    pb = assign_ports(_plan(), claims=b, **kw)
+    used_a = set(a.fds)
+    used_b = set(b.fds)
+    assert used_a and used_b and not (used_a & used_b)
+    assert pb.routers["actor"].http > max(used_a) or pb.routers["actor"].http not in used_a
+    a.release()
+    c = PortClaims(tmp_path)
+    assign_ports(_plan(), claims=c, **kw)
+    assert set(c.fds) == used_a  # released claims are reused
+    b.release()
+    c.release()
+    assert pa.routers["actor"].http == base
+
+
+def test_ports_stay_below_the_ephemeral_range():
+    kw = dict(host_of_node=lambda n: "h", router_host="h", port_max=65000)
+    ports = assign_ports(_plan(), port_base=32000, **kw)
+    all_ports = [p for ep in ports.engines.values() for p in (ep.http, ep.nccl)]
+    assert max(all_ports) < EPHEMERAL_START
+    with pytest.raises(PortExhaustedError, match="below 32768"):
+        assign_ports(_plan(), port_base=32700, **kw)
+    assert LaunchConf().port_max == EPHEMERAL_START - 1
+
+
+def test_group_spec_keeps_overrides_read_only():
+    g = GroupSpec("regular", "regular", 2, overrides={"a": [1]})
+    with pytest.raises(TypeError):
+        g.overrides["a"] = 2  # type: ignore[index]

@@ -1,21 +1,36 @@
 """A Hydra app shaped like an RL trainer's entry point, using the `sglang` config group.
 
-python examples/train.py sglang=pd_actor_ref sglang.actor.decode.num_gpus=12
-python examples/train.py -m sglang=pd_actor_ref sglang.actor.decode.num_gpus_per_engine=2,4,8
-python examples/train.py sglang=multi_model --cfg job --resolve
+It resolves the deployment, prints the plan, brings the engines and routers up, runs one rollout step
+(actor generation with logprobs, reference scoring, reward model), prints the result and tears down.
+
+    python examples/train.py sglang=agentic_32gpu sglang_deploy=simulated    # CPU machine: stand-in engines
+    python examples/train.py sglang=agentic_32gpu                             # GPU node: real SGLang
+    python examples/train.py sglang=pd_actor_ref sglang.actor.decode.num_gpus=12 plan_only=true
+    python examples/train.py -m sglang=pd_actor_ref sglang.actor.decode.num_gpus_per_engine=2,4,8 plan_only=true
+    python examples/train.py sglang=multi_model --cfg job --resolve
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+import logging
+import sys
+from dataclasses import dataclass, field
 
 import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
+from rich.console import Console
+from rich.table import Table
 
-from miles_sglang_plugin.hydra_config import resolve_config_or_exit
+from miles_sglang_plugin.hydra_config import launch_from_config, resolve_config_or_exit
 from miles_sglang_plugin.plan_view import print_plan
 from miles_sglang_plugin.schema import MilesTrainerArgs
+
+try:  # run as a script (python examples/train.py) or as a module
+    from rollout import rollout_step
+except ImportError:  # pragma: no cover
+    from examples.rollout import rollout_step
 
 
 @dataclass
@@ -23,16 +38,58 @@ class TrainConf(MilesTrainerArgs):
     """The trainer's own arguments next to Miles' rollout arguments (which it inherits)."""
 
     num_rollout: int = 1
-    rollout_batch_size: int = 4
+    prompts: list[str] = field(
+        default_factory=lambda: [
+            "Solve step by step: 12 * 7 =",
+            "Write a haiku about GPUs.",
+            "Explain KL divergence in one sentence.",
+            "What is the capital of France?",
+        ]
+    )
+    max_new_tokens: int = 16
+    #: Only resolve and print the plan; start nothing.
+    plan_only: bool = False
 
 
 ConfigStore.instance().store(name="train_schema", node=TrainConf)
 
 
+def print_results(results, console: Console) -> None:
+    table = Table(title="rollout step", title_justify="left")
+    for col in ("prompt", "response", "tokens", "actor logprob", "KL(actor||ref)/tok", "reward", "served by"):
+        table.add_column(col)
+    for r in results:
+        table.add_row(
+            r.prompt[:32],
+            r.response[:40],
+            str(r.response_tokens),
+            f"{r.actor_logprob:.2f}",
+            "-" if r.kl is None else f"{r.kl:+.3f}",
+            "-"
+            if r.reward_reply is None
+            else (f"{r.reward:g}" if r.reward is not None else f"'{r.reward_reply[:20]}'"),
+            r.served_by,
+        )
+    console.print(table)
+
+
 @hydra.main(version_base=None, config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> None:
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 150)
     plan = resolve_config_or_exit(cfg)
-    print_plan(plan)
+    print_plan(plan, console)
+    if cfg.plan_only:
+        return
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request is noise here
+    with launch_from_config(cfg) as deployment:
+        registry = deployment.registry
+        for step in range(cfg.num_rollout):
+            results = asyncio.run(
+                rollout_step(registry, list(cfg.prompts), {"max_new_tokens": cfg.max_new_tokens})
+            )
+            console.print(f"rollout {step}: {len(results)} samples")
+            print_results(results, console)
+    console.print("deployment stopped: every engine and router is gone")
 
 
 if __name__ == "__main__":

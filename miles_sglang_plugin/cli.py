@@ -10,10 +10,12 @@ import sys
 from collections.abc import Sequence
 
 from rich.console import Console
+from rich.markup import escape
 
 from miles_sglang_plugin import miles_commands
 from miles_sglang_plugin.compose import CompositionError, compose_config
 from miles_sglang_plugin.errors import DeploymentConfigError
+from miles_sglang_plugin.launcher import LaunchError
 
 EXIT_USER_ERROR = 2
 
@@ -54,6 +56,32 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_launch(args: argparse.Namespace) -> int:
+    """Serve a deployment without training (the seeds' standalone launcher) until Ctrl-C or SIGTERM."""
+    import time
+    from pathlib import Path
+
+    from miles_sglang_plugin.hydra_config import launch_from_config
+
+    cfg = compose_config(args.overrides)
+    console = _err_console()
+    with launch_from_config(cfg, log_dir=Path(args.log_dir) if args.log_dir else None) as deployment:
+        registry = deployment.registry
+        for name in registry.names():
+            sys.stdout.write(f"{name} {registry[name].base_url}\n")
+        sys.stdout.write(f"export {' '.join(f'{k}={v!r}' for k, v in registry.to_env().items())}\n")
+        sys.stdout.flush()
+        console.print(
+            f"serving; logs in {deployment.log_dir}; Ctrl-C stops every engine and router", markup=False
+        )
+        while not (lost := deployment.exited()):
+            time.sleep(1.0)
+        console.print(
+            "[bold red]error:[/] " + escape(", ".join(f"{n} exited with code {c}" for n, c in lost))
+        )
+        return 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="miles-sglang",
@@ -72,6 +100,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p_plan.add_argument("overrides", nargs="*", help="Hydra overrides")
     p_plan.set_defaults(func=_cmd_plan)
+    p_launch = sub.add_parser(
+        "launch",
+        help="start the deployment's engines and routers and serve until Ctrl-C",
+        description="Start every engine and one router per model, print the router URLs, serve until Ctrl-C or "
+        "SIGTERM, then stop everything. On a machine without GPUs add sglang_deploy=simulated (stand-in engines).",
+    )
+    p_launch.add_argument("--log-dir", help="engine and router logs (default: ./sglang_logs/<time>)")
+    p_launch.add_argument("overrides", nargs="*", help="Hydra overrides")
+    p_launch.set_defaults(func=_cmd_launch)
     miles_commands.register(sub)
     return parser
 
@@ -82,8 +119,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except (CompositionError, DeploymentConfigError) as exc:
-        _err_console().print(f"[bold red]error:[/] {exc}", markup=True)
+        _err_console().print(f"[bold red]error:[/] {escape(str(exc))}", markup=True)
         return EXIT_USER_ERROR
+    except LaunchError as exc:
+        _err_console().print(f"[bold red]error:[/] {escape(str(exc))}", markup=True)
+        return 1
+    except KeyboardInterrupt:
+        _err_console().print("interrupted: every engine and router was stopped")
+        return 130
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ Config groups registered here (the ``sglang`` presets themselves are YAML files 
   its four fixed slots: ``+sglang_group@sglang.<model>.extra_groups.<name>=decode``.
 - ``sglang_deploy``: ``default`` (real SGLang engines) and ``simulated`` (the HTTP stand-in engines) —
   deployment-wide launcher, router and SGLang settings at the root key ``sglang_deploy``.
+- ``hydra/callbacks``: ``sglang_cleanup`` — stops any deployment a job left running when the job ends.
 - ``miles_trainer_args``: Miles' trainer arguments as a root schema, for apps that want them typed.
 """
 
@@ -55,6 +56,13 @@ def register_configs() -> None:
         provider=PROVIDER,
     )
     cs.store(name="miles_trainer_args", node=MilesTrainerArgs, provider=PROVIDER)
+    cs.store(
+        group="hydra/callbacks",
+        name="sglang_cleanup",
+        package="hydra.callbacks",
+        node={"sglang_cleanup": {"_target_": "miles_sglang_plugin.hydra_callback.SGLangCleanupCallback"}},
+        provider=PROVIDER,
+    )
 
 
 def config_search_path() -> str:

@@ -12,8 +12,11 @@ in one place; the interpolation itself shows the same value in ``--cfg job --res
 
 from __future__ import annotations
 
-from collections.abc import Collection
-from typing import Any
+import contextlib
+import time
+from collections.abc import Collection, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -33,6 +36,9 @@ from miles_sglang_plugin.schema import (
     SGLangDeployConf,
 )
 from miles_sglang_plugin.trainer_inputs import TrainerInputs
+
+if TYPE_CHECKING:
+    from miles_sglang_plugin.launcher import LocalLauncher
 
 SGLANG_KEY = "sglang"
 DEPLOY_KEY = "sglang_deploy"
@@ -216,3 +222,33 @@ def _in_multirun() -> bool:
     from hydra.types import RunMode
 
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def _default_log_dir() -> Path:
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        return Path(HydraConfig.get().runtime.output_dir) / "sglang_logs"
+    return Path.cwd() / "sglang_logs" / time.strftime("%Y-%m-%d_%H-%M-%S")
+
+
+@contextlib.contextmanager
+def launch_from_config(cfg: DictConfig, *, log_dir: Path | None = None) -> Iterator[LocalLauncher]:
+    """Resolve, render and start the deployment of ``cfg``; stop everything when the block ends.
+
+    Every check (deployment, overrides against the installed SGLang's fields, deployment-wide settings, what
+    this backend supports) runs before the first process starts. Engine and router logs go to
+    ``sglang_deploy.launch.log_dir``, else ``sglang_logs/`` in the Hydra run directory."""
+    from miles_sglang_plugin.launcher import LocalLauncher
+    from miles_sglang_plugin.ports import claimed_ports
+    from miles_sglang_plugin.prepared import prepare_deployment
+    from miles_sglang_plugin.server_arg_fields import known_server_arg_fields
+
+    fields = known_server_arg_fields().fields
+    plan = resolve_config(cfg, server_arg_fields=fields)
+    settings = deploy_settings_from_config(cfg)
+    with claimed_ports() as claims:
+        prepared = prepare_deployment(plan, settings, server_arg_fields=fields, probe=True, claims=claims)
+        target = Path(log_dir or settings.launch.log_dir or _default_log_dir())
+        with LocalLauncher(prepared, log_dir=target, claims=claims) as launcher:
+            yield launcher

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -230,7 +231,10 @@ def test_plan_user_errors_exit_2_without_traceback():
     }
     for args, expected in cases.items():
         proc = subprocess.run(
-            [sys.executable, "-m", "miles_sglang_plugin", "plan", *args], capture_output=True, text=True, timeout=120
+            [sys.executable, "-m", "miles_sglang_plugin", "plan", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         assert proc.returncode == 2, proc.stderr
         assert "Traceback" not in proc.stderr and "error:" in proc.stderr
@@ -260,15 +264,40 @@ def run_example(*args: str, flags: tuple[str, ...] = (), tmp_path: Path) -> subp
     )  # fmt: skip
 
 
-def test_example_app_first_command(tmp_path):
-    proc = run_example("sglang=pd_actor_ref", "sglang.actor.decode.num_gpus=12", tmp_path=tmp_path)
+def test_example_app_first_command_plan(tmp_path):
+    proc = run_example(
+        "sglang=pd_actor_ref", "sglang.actor.decode.num_gpus=12", "plan_only=true", tmp_path=tmp_path
+    )
     assert proc.returncode == 0, proc.stderr
     assert "24 GPUs in 2 model(s), 7 engine(s)" in proc.stdout
 
 
+@pytest.mark.slow
+def test_example_app_first_command_end_to_end_with_stand_ins(tmp_path):
+    """The exact first command, plus the explicit choice of stand-in engines: up, one rollout step, down."""
+    proc = run_example(
+        "sglang=pd_actor_ref", "sglang.actor.decode.num_gpus=12", "sglang_deploy=simulated",
+        f"sglang_deploy.launch.port_base={21000 + os.getpid() % 4000}", tmp_path=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rollout 0: 4 samples" in proc.stdout
+    assert "deployment stopped" in proc.stdout
+    # 7 engines over 3 planned nodes (rollout starts after the actor's 8 GPUs): run side by side, said so.
+    assert "they run side by side on this machine" in " ".join(proc.stderr.split())
+    logs = sorted(p.name for p in (tmp_path / "run" / "sglang_logs").iterdir())
+    assert logs == sorted(
+        [f"actor.prefill.{i}.log" for i in range(2)] + [f"actor.decode.{i}.log" for i in range(3)]
+        + [f"ref.regular.{i}.log" for i in range(2)] + ["router.actor.log", "router.ref.log"]
+    )  # fmt: skip
+
+
 def test_example_app_multirun_over_tp_sizes(tmp_path):
     proc = run_example(
-        "-m", "sglang=pd_actor_ref", "sglang.actor.decode.num_gpus_per_engine=2,4,8", tmp_path=tmp_path
+        "-m",
+        "sglang=pd_actor_ref",
+        "sglang.actor.decode.num_gpus_per_engine=2,4,8",
+        "plan_only=true",
+        tmp_path=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr
     # prefill 2 engines + decode 8/gpe + ref 4 engines (TP 2 from the example's trainer config)

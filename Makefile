@@ -1,0 +1,39 @@
+# Two entry points on a fresh machine (Python >= 3.11 on PATH as python3):
+#   make demo   the main job end to end: stand-in engines, real sglang-router, one rollout step, teardown
+#   make test   the test suite (installs SGLang's argument parser for CPU first; ~1.4 GB)
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: demo test lint bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+# The package and its test tools. "compat" editable mode keeps hydra_plugins/ a plain directory on sys.path,
+# which Hydra's plugin discovery needs.
+$(VENV)/.base-installed: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e '.[test]' --config-settings editable_mode=compat
+	touch $@
+
+# SGLang's real argument parser on CPU (sglang --no-deps + CPU torch + a few pure-Python packages).
+$(VENV)/.sglang-installed: scripts/install-sglang-cpu.sh | $(VENV)/.base-installed
+	PYTHON=$(BIN)/python bash scripts/install-sglang-cpu.sh
+	touch $@
+
+demo: $(VENV)/.base-installed
+	cd examples && ../$(BIN)/python train.py sglang=agentic_32gpu sglang_deploy=simulated
+
+test: $(VENV)/.sglang-installed
+	$(BIN)/python -m pytest
+
+lint: $(VENV)/.base-installed
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+bench: $(VENV)/.sglang-installed
+	$(BIN)/python benchmarks/bench_resolve.py --subprocess-runs 3
+	$(BIN)/python benchmarks/bench_launch.py
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info

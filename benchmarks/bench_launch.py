@@ -1,0 +1,456 @@
+"""How fast the local launcher starts, stops, and what the router costs per request, side by side in one run.
+
+Measured with the stand-in engines (``sglang_deploy=simulated``) and one real sglang-router per model (see
+benchmarks/README.md):
+
+(1) time to ready: K stand-in engines of 1 GPU (K = 1, 4, 16) behind one router, each engine waiting T seconds
+    before it listens (``sglang_deploy.standin.start_delay_s``); wall time from entering ``launch_from_config``
+    until it yields, divided by T (1.0 would be a perfectly parallel start with a free router). The same with
+    T = 0 is the pure overhead (resolve + port claims, process spawn, Python import of the stand-in, router
+    start, health polls, worker registration). Also split into phases from the launcher's own timestamps.
+(2) teardown: ``miles-sglang launch`` (K = 4) in a subprocess (own session); once the router URL is printed,
+    SIGINT to the launcher, then the time until every engine/router PID is gone (exited; a zombie not yet
+    reaped counts as gone) and every port (router HTTP + metrics, engines) refuses connections.
+(3) router overhead: 2 stand-in engines behind one router (policy round_robin): requests/s of ``POST /generate``
+    (small prompt, max_new_tokens 4) at concurrency 1 and 64, through the router vs straight to the engines
+    (round robin over the two engine URLs done by the client). httpx with keep-alive; async client for c > 1.
+
+Ports come from a random base in 20000-30000; everything binds 127.0.0.1. Everything started is stopped at the
+end (context managers; the subprocess's process group and its recorded children are SIGKILLed in a finally).
+
+    python benchmarks/bench_launch.py [--reps 2] [--delay 3] [--teardown-reps 3] [--requests 400] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import io
+import json
+import os
+import random
+import re
+import selectors
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from miles_sglang_plugin.compose import compose_config
+from miles_sglang_plugin.hydra_config import launch_from_config
+
+HOST = "127.0.0.1"
+GEN_BODY = {
+    "text": "the quick brown fox jumps over",
+    "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+}
+
+
+def _port_base() -> int:
+    # Each launch probes and flock-claims its ports upward from here, so clashes only cost a skip.
+    return random.randrange(20000, 29000)
+
+
+def overrides(k: int, delay_s: float, *, policy: str | None = None, live: bool = False) -> list[str]:
+    out = [
+        "sglang=default",
+        "hf_checkpoint=/c",
+        "colocate=true",
+        "sglang_deploy=simulated",
+        f"sglang.actor.regular.num_gpus={k}",
+        "sglang.actor.num_gpus_per_engine=1",
+        f"num_gpus_per_node={max(8, k)}",
+        f"sglang_deploy.standin.start_delay_s={delay_s}",
+        f"sglang_deploy.launch.host={HOST}",
+        f"sglang_deploy.launch.port_base={_port_base()}",
+        "sglang_deploy.launch.live=never",
+    ]
+    if policy:
+        out.append(f"sglang_deploy.router.policy={policy}")
+    return out
+
+
+@contextlib.contextmanager
+def quiet(verbose: bool):
+    """The launcher's status lines go to stderr; keep them out of the table unless --verbose."""
+    if verbose:
+        yield
+        return
+    buf = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(buf):
+            yield
+    except BaseException:
+        sys.stderr.write(buf.getvalue())
+        raise
+
+
+def _med(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+# ------------------------------------------------------------------------------------------- (1) ready
+def time_to_ready(k: int, delay_s: float, tmp: Path, verbose: bool) -> dict[str, float]:
+    cfg = compose_config(overrides(k, delay_s))
+    log_dir = Path(tempfile.mkdtemp(prefix=f"ready_k{k}_", dir=tmp))
+    with quiet(verbose):
+        t0 = time.monotonic()
+        with launch_from_config(cfg, log_dir=log_dir) as d:
+            t_ready = time.monotonic()
+            starts = [p.started_at for p in d.processes()]
+            router_start = d.routers[0].process.started_at
+            healthy = [e.healthy_at for e in d.engines]
+            per_engine = [e.healthy_at - e.processes[0].started_at for e in d.engines]  # type: ignore[operator]
+            t_stop0 = time.monotonic()
+        t_stopped = time.monotonic()
+    return {
+        "ready_s": t_ready - t0,
+        "prepare_s": min(starts) - t0,  # resolve, port probe + claims, launcher set-up
+        "spawn_s": max(starts) - min(starts),  # Popen of the router and every engine
+        "router_first_s": router_start - min(starts),
+        "last_healthy_s": max(healthy) - max(starts),  # type: ignore[type-var]
+        "engine_start_to_healthy_med_s": _med(per_engine),
+        "engine_start_to_healthy_max_s": max(per_engine),
+        "register_s": t_ready - max(healthy),  # type: ignore[type-var]
+        "stop_s": t_stopped - t_stop0,
+    }
+
+
+def bench_ready(
+    ks: list[int], delays: list[float], reps: int, tmp: Path, verbose: bool
+) -> list[dict[str, Any]]:
+    runs: dict[tuple[int, float], list[dict[str, float]]] = {(k, t): [] for k in ks for t in delays}
+    for _ in range(reps):  # round-robin over the cells so that load changes hit all of them
+        for key in runs:
+            runs[key].append(time_to_ready(*key, tmp=tmp, verbose=verbose))
+    rows = []
+    for (k, t), rs in runs.items():
+        row: dict[str, Any] = {"k": k, "delay_s": t, "reps": len(rs)}
+        for field in rs[0]:
+            row[field] = _med([r[field] for r in rs])
+        row["ready_all_s"] = [round(r["ready_s"], 3) for r in rs]
+        rows.append(row)
+    by = {(r["k"], r["delay_s"]): r for r in rows}
+    for r in rows:
+        if r["delay_s"] > 0:
+            r["ratio"] = r["ready_s"] / r["delay_s"]
+            base = by.get((r["k"], 0.0))
+            if base is not None:
+                r["ratio_minus_overhead"] = (r["ready_s"] - base["ready_s"]) / r["delay_s"]
+    return rows
+
+
+# ---------------------------------------------------------------------------------------- (2) teardown
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            out += [int(x) for x in (task / "children").read_text().split()]
+    return out
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
+def _gone(pid: int) -> bool:
+    """Exited: no /proc entry, or a zombie (dead, waiting for its parent to reap it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rpartition(")")[2].split()[0] in ("Z", "X")
+
+
+def _refuses(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(0.2)
+        try:
+            s.connect((HOST, port))
+        except ConnectionRefusedError:
+            return True
+        except OSError:
+            return False
+        return False
+
+
+def _ports_of(argv: list[str]) -> list[int]:
+    ports = []
+    if "--port" in argv:  # stand-in engine: sglang.launch_server argv
+        ports.append(int(argv[argv.index("--port") + 1]))
+    if "--spec-json" in argv:  # router_main: the RouterLaunchSpec as JSON
+        spec = json.loads(argv[argv.index("--spec-json") + 1])
+        ports += [int(spec["port"]), int(spec["prometheus_port"])]
+    return ports
+
+
+def _read_line_until(proc: subprocess.Popen[bytes], pattern: re.Pattern[str], timeout_s: float) -> str:
+    assert proc.stdout is not None
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout_s
+    buf = b""
+    try:
+        while time.monotonic() < deadline:
+            if sel.select(timeout=0.1):
+                chunk = os.read(proc.stdout.fileno(), 65536)
+                if not chunk:
+                    break
+                buf += chunk
+                for line in buf.decode(errors="replace").splitlines():
+                    if pattern.search(line):
+                        return line
+            if proc.poll() is not None:
+                break
+    finally:
+        sel.close()
+    raise RuntimeError(f"no line matching {pattern.pattern!r} within {timeout_s} s; stdout so far: {buf!r}")
+
+
+def teardown_once(k: int, tmp: Path, launcher_cmd: list[str]) -> dict[str, Any]:
+    log_dir = Path(tempfile.mkdtemp(prefix="teardown_", dir=tmp))
+    stderr_path = log_dir / "launcher.stderr"
+    children: dict[int, list[int]] = {}
+    with stderr_path.open("wb") as err:
+        proc = subprocess.Popen(
+            [*launcher_cmd, "launch", "--log-dir", str(log_dir), *overrides(k, 0.0)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            start_new_session=True,
+        )
+    try:
+        t_spawn = time.monotonic()
+        line = _read_line_until(proc, re.compile(r"^actor http://"), timeout_s=120)
+        t_ready = time.monotonic()
+        router_port = int(line.rsplit(":", 1)[1].split("/")[0])
+        children = {pid: _ports_of(_cmdline(pid)) for pid in _children(proc.pid)}
+        ports = sorted({router_port, *(p for ps in children.values() for p in ps)})
+        if len(children) != k + 1:
+            raise RuntimeError(f"expected {k + 1} children of the launcher, found {sorted(children)}")
+        assert not any(_refuses(p) for p in ports), "a port refused connections before SIGINT"
+
+        t0 = time.monotonic()
+        os.kill(proc.pid, signal.SIGINT)
+        pids_gone = ports_closed = exited = None
+        deadline = t0 + 60
+        while time.monotonic() < deadline and None in (pids_gone, ports_closed, exited):
+            now = time.monotonic()
+            if pids_gone is None and all(_gone(p) for p in children):
+                pids_gone = now - t0
+            if ports_closed is None and all(_refuses(p) for p in ports):
+                ports_closed = now - t0
+            if exited is None and proc.poll() is not None:
+                exited = now - t0
+            time.sleep(0.01)
+        if None in (pids_gone, ports_closed, exited):
+            raise RuntimeError(
+                f"teardown not done after 60 s (pids {pids_gone}, ports {ports_closed}, exit {exited})"
+            )
+        return {
+            "ready_s": t_ready - t_spawn,
+            "pids_gone_s": pids_gone,
+            "ports_closed_s": ports_closed,
+            "teardown_s": max(pids_gone, ports_closed),  # type: ignore[type-var]
+            "launcher_exit_s": exited,
+            "launcher_rc": proc.returncode,
+            "n_pids": len(children),
+            "n_ports": len(ports),
+        }
+    finally:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        if proc.stdout:
+            proc.stdout.close()
+        for pid, ports_ in children.items():  # each engine/router leads its own group; only if still ours
+            if not _gone(pid) and _ports_of(_cmdline(pid)) == ports_:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)
+
+
+def bench_teardown(k: int, reps: int, tmp: Path) -> dict[str, Any]:
+    exe = shutil.which("miles-sglang", path=str(Path(sys.executable).parent))
+    cmd = [exe] if exe else [sys.executable, "-m", "miles_sglang_plugin"]
+    runs = [teardown_once(k, tmp, cmd) for _ in range(reps)]
+    out: dict[str, Any] = {"k": k, "reps": reps, "runs": runs}
+    for f in ("ready_s", "pids_gone_s", "ports_closed_s", "teardown_s", "launcher_exit_s"):
+        out[f] = _med([r[f] for r in runs])
+        out[f + "_max"] = max(r[f] for r in runs)
+    out["launcher_rc"] = sorted({r["launcher_rc"] for r in runs})
+    return out
+
+
+# ------------------------------------------------------------------------------------ (3) router overhead
+def _check(resp: httpx.Response) -> None:
+    if resp.status_code != 200 or "text" not in resp.json():
+        raise RuntimeError(f"bad /generate answer {resp.status_code}: {resp.text[:200]}")
+
+
+def _run_c1(urls: list[str], n: int, cap_s: float) -> tuple[int, float, float]:
+    with httpx.Client(timeout=30) as client:
+        for i in range(10):  # warm-up: connections open
+            _check(client.post(urls[i % len(urls)], json=GEN_BODY))
+        cpu0, t0, done = time.process_time(), time.monotonic(), 0
+        while done < n and time.monotonic() - t0 < cap_s:
+            _check(client.post(urls[done % len(urls)], json=GEN_BODY))
+            done += 1
+        return done, time.monotonic() - t0, time.process_time() - cpu0
+
+
+async def _run_cn(urls: list[str], n: int, conc: int, cap_s: float) -> tuple[int, float, float]:
+    limits = httpx.Limits(max_connections=conc, max_keepalive_connections=conc)
+    async with httpx.AsyncClient(timeout=30, limits=limits) as client:
+        await asyncio.gather(
+            *(client.post(urls[i % len(urls)], json=GEN_BODY) for i in range(conc))
+        )  # warm-up
+        counter = iter(range(n))
+        t0 = time.monotonic()
+        cpu0 = time.process_time()
+        done = 0
+
+        async def worker() -> None:
+            nonlocal done
+            for i in counter:
+                if time.monotonic() - t0 > cap_s:
+                    return
+                _check(await client.post(urls[i % len(urls)], json=GEN_BODY))
+                done += 1
+
+        await asyncio.gather(*(worker() for _ in range(conc)))
+        return done, time.monotonic() - t0, time.process_time() - cpu0
+
+
+def bench_router(requests: int, rounds: int, cap_s: float, tmp: Path, verbose: bool) -> list[dict[str, Any]]:
+    cfg = compose_config(overrides(2, 0.0, policy="round_robin"))
+    log_dir = Path(tempfile.mkdtemp(prefix="router_", dir=tmp))
+    cells: dict[tuple[int, str], list[tuple[int, float, float]]] = {}
+    with quiet(verbose), launch_from_config(cfg, log_dir=log_dir) as d:
+        router = [d.registry.get_model_url("actor", "/generate")]
+        direct = [e.launch.url + "/generate" for e in d.engines]
+        for _ in range(rounds):  # interleaved: router and direct alternate within each round
+            for conc in (1, 64):
+                for target, urls in (("router", router), ("direct", direct)):
+                    if conc == 1:
+                        res = _run_c1(urls, requests, cap_s)
+                    else:
+                        res = asyncio.run(_run_cn(urls, requests, conc, cap_s))
+                    cells.setdefault((conc, target), []).append(res)
+    rows = []
+    for conc in (1, 64):
+        row: dict[str, Any] = {"concurrency": conc}
+        for target in ("router", "direct"):
+            rs = cells[(conc, target)]
+            rates = [n / wall for n, wall, _ in rs]
+            row[f"{target}_rps"] = _med(rates)
+            row[f"{target}_rps_all"] = [round(r, 1) for r in rates]
+            row[f"{target}_requests"] = sum(n for n, _, _ in rs)
+            row[f"{target}_client_cpu"] = _med([cpu / wall for _, wall, cpu in rs])
+        row["ratio"] = row["router_rps"] / row["direct_rps"]
+        rows.append(row)
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------ output
+def _print_ready(res: dict[str, Any]) -> None:
+    print(
+        f"(1) time to ready, median of {res['args']['reps']} (seconds; phases from the launcher's timestamps)"
+    )
+    print(
+        "K | T | ready | ready/T | (ready-ready[T=0])/T | prepare | spawn | last spawn->last healthy | "
+        "engine start->healthy med/max | last healthy->ready | stop"
+    )
+    for r in res["ready"]:
+        ratio = f"{r['ratio']:.2f}" if "ratio" in r else "-"
+        ratio2 = f"{r['ratio_minus_overhead']:.2f}" if "ratio_minus_overhead" in r else "-"
+        print(
+            f"{r['k']} | {r['delay_s']:g} | {r['ready_s']:.2f} | {ratio} | {ratio2} | {r['prepare_s']:.2f} | "
+            f"{r['spawn_s']:.3f} | {r['last_healthy_s']:.2f} | {r['engine_start_to_healthy_med_s']:.2f}/"
+            f"{r['engine_start_to_healthy_max_s']:.2f} | {r['register_s']:.2f} | {r['stop_s']:.2f}"
+        )
+
+
+def _print_teardown(t: dict[str, Any]) -> None:
+    print(f"\n(2) teardown after SIGINT, `miles-sglang launch`, K={t['k']}, {t['reps']} runs (seconds)")
+    print("run | launch to URL line | pids gone | ports refuse | teardown | launcher exit (rc) | pids/ports")
+    for i, r in enumerate(t["runs"], 1):
+        print(
+            f"{i} | {r['ready_s']:.2f} | {r['pids_gone_s']:.3f} | {r['ports_closed_s']:.3f} | "
+            f"{r['teardown_s']:.3f} | {r['launcher_exit_s']:.3f} ({r['launcher_rc']}) | "
+            f"{r['n_pids']}/{r['n_ports']}"
+        )
+    print(
+        f"median | {t['ready_s']:.2f} | {t['pids_gone_s']:.3f} | {t['ports_closed_s']:.3f} | "
+        f"{t['teardown_s']:.3f} | {t['launcher_exit_s']:.3f} |"
+    )
+
+
+def _print_router(res: dict[str, Any]) -> None:
+    a = res["args"]
+    print(f"\n(3) POST /generate req/s, {a['requests']} requests per cell x {a['rounds']} rounds (median)")
+    print("concurrency | via router | direct | router/direct | client CPU/wall (router, direct)")
+    for r in res["router"]:
+        print(
+            f"{r['concurrency']} | {r['router_rps']:.0f} | {r['direct_rps']:.0f} | {r['ratio']:.2f} | "
+            f"{r['router_client_cpu']:.0%}, {r['direct_client_cpu']:.0%}"
+        )
+
+
+def print_tables(res: dict[str, Any]) -> None:
+    if res.get("ready"):
+        _print_ready(res)
+    if res.get("teardown"):
+        _print_teardown(res["teardown"])
+    if res.get("router"):
+        _print_router(res)
+    print(f"\ntotal {res['total_s']:.0f} s on {res['cpus']} CPUs")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reps", type=int, default=2, help="repetitions of each time-to-ready cell (median)")
+    ap.add_argument("--delay", type=float, default=3.0, help="stand-in start delay T in seconds")
+    ap.add_argument("--ks", default="1,4,16", help="engine counts for time to ready")
+    ap.add_argument("--teardown-reps", type=int, default=3)
+    ap.add_argument("--teardown-k", type=int, default=4)
+    ap.add_argument("--requests", type=int, default=400, help="requests per router-overhead cell")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of the router-overhead cells (median)")
+    ap.add_argument("--cap-s", type=float, default=20.0, help="time cap per router-overhead cell")
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: ready,teardown,router")
+    ap.add_argument("--json", action="store_true", help="print the results as JSON only")
+    ap.add_argument("--verbose", action="store_true", help="show the launcher's status lines")
+    args = ap.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
+    ks = [int(x) for x in args.ks.split(",")]
+    res: dict[str, Any] = {"args": vars(args), "cpus": os.cpu_count(), "python": sys.version.split()[0]}
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="bench_launch_") as tmpname:
+        tmp = Path(tmpname)
+        if "ready" not in skip:
+            res["ready"] = bench_ready(ks, [0.0, args.delay], args.reps, tmp, args.verbose)
+        if "teardown" not in skip:
+            res["teardown"] = bench_teardown(args.teardown_k, args.teardown_reps, tmp)
+        if "router" not in skip:
+            res["router"] = bench_router(args.requests, args.rounds, args.cap_s, tmp, args.verbose)
+    res["total_s"] = time.monotonic() - t0
+    if args.json:
+        print(json.dumps(res, indent=2))
+    else:
+        print_tables(res)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,132 @@
+"""Child processes that are always cleaned up: own process group, log file, parent-death signal.
+
+Every engine and router is started with :class:`ManagedProcess`:
+
+* in a new session (its own process group), so stopping it stops its children too, and a Ctrl-C in the
+  terminal reaches the launcher only (which then stops everything in order);
+* with Linux's ``PR_SET_PDEATHSIG`` = SIGKILL, so it dies with the launcher even if the launcher is
+  SIGKILLed and cannot clean up (real SGLang engines arm the same signal in their own subprocesses);
+* with stdout and stderr in one log file, whose tail goes into error messages.
+
+Stopping sends SIGTERM to the whole group, waits up to a grace period, then SIGKILLs the group. Processes are
+only ever signalled through the process group this module created, never by name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _arm_parent_death_signal() -> None:  # runs in the child between fork and exec
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: best effort only
+        pass
+
+
+def log_tail(path: Path, lines: int = 20) -> str:
+    try:
+        with path.open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - 64 * 1024))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+@dataclass
+class ManagedProcess:
+    """A child process in its own process group, logging to ``log_path``."""
+
+    name: str
+    argv: Sequence[str]
+    env: Mapping[str, str]
+    log_path: Path
+    display_command: str = ""
+    popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    started_at: float = 0.0
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log:
+            self.popen = subprocess.Popen(
+                list(self.argv),
+                env={**os.environ, **self.env},
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_arm_parent_death_signal,
+                close_fds=True,
+            )
+        self.started_at = time.monotonic()
+
+    @property
+    def pid(self) -> int | None:
+        return self.popen.pid if self.popen else None
+
+    def exit_code(self) -> int | None:
+        """None while running (or never started)."""
+        return self.popen.poll() if self.popen else None
+
+    @property
+    def running(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def signal_group(self, sig: int) -> None:
+        if self.popen is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.popen.pid, sig)  # the group id is the child's pid (new session)
+
+    def tail(self, lines: int = 20) -> str:
+        return log_tail(self.log_path, lines)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stop_processes(processes: Iterable[ManagedProcess], grace_s: float = 10.0) -> dict[str, int | None]:
+    """SIGTERM every process group, wait up to ``grace_s`` for all of them, SIGKILL what is left, reap.
+    Returns each process's exit code (None if it was never started)."""
+    procs = [p for p in processes if p.popen is not None]
+    for p in procs:
+        if p.running:
+            p.signal_group(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(p.running or _group_alive(p.popen.pid) for p in procs):  # type: ignore[union-attr]
+        for p in procs:
+            if not p.running and _group_alive(p.popen.pid):  # type: ignore[union-attr]
+                # The leader is gone but members of its group are not: keep asking them to stop.
+                p.signal_group(signal.SIGTERM)
+        time.sleep(0.05)
+    for p in procs:
+        if p.running or _group_alive(p.popen.pid):  # type: ignore[union-attr]
+            p.signal_group(signal.SIGKILL)
+    codes: dict[str, int | None] = {}
+    for p in procs:
+        assert p.popen is not None
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.popen.wait(timeout=5)
+        codes[p.name] = p.popen.returncode
+    return codes

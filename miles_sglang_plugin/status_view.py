@@ -1,0 +1,95 @@
+"""What a person sees while a deployment starts: a live table on a terminal, plain lines otherwise, and a
+summary (model, router URL, engines, GPUs) once it is ready."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+if TYPE_CHECKING:
+    from miles_sglang_plugin.prepared import PreparedDeployment
+    from miles_sglang_plugin.registry import RouterRegistry
+
+_STYLE = {"starting": "yellow", "healthy": "cyan", "registered": "green", "live": "cyan", "ready": "green",
+          "failed": "bold red"}  # fmt: skip
+
+
+@dataclass
+class _Row:
+    kind: str
+    detail: str
+    state: str = "starting"
+    since: float = field(default_factory=time.monotonic)
+
+
+class StatusView:
+    """``mode``: ``auto`` (live table on a terminal), ``always`` or ``never`` (plain lines)."""
+
+    def __init__(self, mode: str = "auto", console: Console | None = None) -> None:
+        self.console = console or Console(stderr=True, highlight=False)
+        self.live_mode = mode == "always" or (mode == "auto" and self.console.is_terminal)
+        self.rows: dict[str, _Row] = {}
+        self.t0 = time.monotonic()
+        self._live: Live | None = None
+
+    def _table(self) -> Table:
+        table = Table(title=f"starting SGLang deployment ({time.monotonic() - self.t0:.1f} s)", title_justify="left")
+        for col in ("name", "kind", "state", "s", "where"):
+            table.add_column(col)
+        for name, row in self.rows.items():
+            style = _STYLE.get(row.state, "")
+            table.add_row(name, row.kind, f"[{style}]{row.state}[/]", f"{row.since - self.t0:.1f}", row.detail)
+        return table
+
+    def _refresh(self) -> None:
+        if self._live is not None:
+            self._live.update(self._table())
+
+    def track(self, name: str, kind: str, detail: str) -> None:
+        self.rows[name] = _Row(kind=kind, detail=detail)
+        if self.live_mode and self._live is None:
+            self._live = Live(self._table(), console=self.console, refresh_per_second=4, transient=False)
+            self._live.start()
+        self._refresh()
+
+    def update(self, name: str, state: str) -> None:
+        row = self.rows.get(name)
+        if row is None or row.state == state:
+            return
+        row.state, row.since = state, time.monotonic()
+        if self.live_mode:
+            self._refresh()
+        else:
+            self.console.print(f"[{row.since - self.t0:6.1f}s] {row.kind} {name}: {state}", markup=False)
+
+    def note(self, text: str) -> None:
+        self.console.print(f"note: {text}", markup=False)
+
+    def finish(self, ok: bool) -> None:
+        if self._live is not None:
+            self._refresh()
+            self._live.stop()
+            self._live = None
+
+    def summary(self, prepared: PreparedDeployment, registry: RouterRegistry) -> None:
+        table = Table(title=f"SGLang deployment ready in {time.monotonic() - self.t0:.1f} s", title_justify="left")
+        for col in ("model", "router", "mode", "engines", "GPUs", "engine kind"):
+            table.add_column(col)
+        for m in prepared.plan.models:
+            if m.name not in registry:
+                continue
+            route = registry[m.name]
+            table.add_row(
+                m.name,
+                route.base_url,
+                "pd" if m.is_pd else "regular",
+                str(len(m.engines)),
+                str(sum(e.num_gpus for e in m.engines)),
+                prepared.launch.engine_kind.value,
+            )
+        self.console.print(table)

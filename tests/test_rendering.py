@@ -277,3 +277,41 @@ def test_group_spec_keeps_overrides_read_only():
     g = GroupSpec("regular", "regular", 2, overrides={"a": [1]})
     with pytest.raises(TypeError):
         g.overrides["a"] = 2  # type: ignore[index]
+
+
+@pytest.mark.sglang
+def test_lora_replay_fp16_and_command_prefix_render_for_real_sglang():
+    prep = prepared_for(
+        "sglang=default", "hf_checkpoint=/c", "colocate=true", "sglang.actor.regular.num_gpus=2",
+        "use_rollout_routing_replay=true", "fp16=true", "sglang_deploy.lora.enabled=true",
+        "+sglang_deploy.lora.paths.miles_lora=/adapters/a", "sglang_deploy.lora.max_loras_per_batch=2",
+        "sglang_deploy.lora.target_modules=[q_proj,v_proj]", "+sglang_deploy.server_defaults.mem_fraction_static=0.6",
+    )  # fmt: skip
+    sa = parsed(prep.launch.engines[0])
+    assert sa["enable_lora"] is True and sa["lora_paths"] == ["miles_lora=/adapters/a"]
+    assert (sa["max_loras_per_batch"], sa["max_lora_rank"]) == (2, 8)
+    assert sa["lora_target_modules"] == ["q_proj", "v_proj"]
+    assert sa["enable_return_routed_experts"] is True and sa["dtype"] == "float16"
+    assert sa["mem_fraction_static"] == 0.6
+    serve = prepared_for(
+        "sglang=default", "hf_checkpoint=/c", "colocate=true", "sglang_deploy.launch.command=[sglang,serve]"
+    )
+    assert serve.launch.engines[0].argv[:2] == ("sglang", "serve")
+
+
+def test_standin_choice_and_fault_env_are_explicit():
+    prep = prepared_for("sglang=pd", "hf_checkpoint=/c", "colocate=true", "sglang_deploy=simulated",
+                        "sglang_deploy.standin.fail_at_start=[actor.decode.*]", "+sglang_deploy.standin.die_after_s={actor.prefill.1: 2.5}")  # fmt: skip
+    assert all(e.argv[1:3] == ("-m", "miles_sglang_plugin.standin") for e in prep.launch.engines)
+    env = {e.engine_id: e.env for e in prep.launch.engines}
+    assert [k for k, v in env.items() if v.get("MSP_STANDIN_FAIL_AT_START") == "1"] == [
+        "actor.decode.0", "actor.decode.1", "actor.decode.2",
+    ]  # fmt: skip
+    assert (
+        env["actor.prefill.1"]["MSP_STANDIN_DIE_AFTER_S"] == "2.5"
+        and "MSP_STANDIN_DIE_AFTER_S" not in env["actor.prefill.0"]
+    )
+    real = prepared_for(
+        "sglang=pd", "hf_checkpoint=/c", "colocate=true", "sglang_deploy.standin.fail_at_start=[actor.*]"
+    )
+    assert all(not any(k.startswith("MSP_STANDIN") for k in e.env) for e in real.launch.engines)

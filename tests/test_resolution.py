@@ -402,3 +402,45 @@ def test_prefill_num_servers_splits_prefill_and_decode():
 def test_debug_train_only_starts_nothing():
     plan = resolve_deployment(spec(model("actor", group("regular", 8))), T(debug_train_only=True))
     assert plan.models == () and plan.engines == ()
+
+
+def test_naming_and_type_errors_of_models_and_groups():
+    s = spec(
+        model("actor", group("regular", 2), gpe=0, update="yes"),
+        model("actor", group("regular", 2), path="/x", update=False),
+        model(
+            "bad name", group("regular", 1, name="r"), group("regular", 1, name="r"), path="/y", update=False
+        ),
+    )
+    with pytest.raises(DeploymentConfigError) as exc:
+        resolve_deployment(s, T(colocate=True))
+    got = problems_of(exc)
+    assert got["sglang.actor"] == "model name 'actor' is used 2 times; names must be unique"
+    assert got["sglang.actor.num_gpus_per_engine"] == "must be an integer >= 1, got 0"
+    assert got["sglang.actor.update_weights"] == "must be true, false or null, got 'yes'"
+    assert "must start with a letter or '_'" in got["sglang.bad name"]
+    assert got["sglang.bad name.r"] == "group name 'r' is used 2 times in model 'bad name'"
+
+
+def test_eval_overrides_without_eval_fleet_and_exclusive_debug_modes():
+    with pytest.raises(DeploymentConfigError) as exc:
+        resolve_deployment(
+            spec(model("actor", group("regular", 2))), T(colocate=True, eval_sglang_overrides={"dp_size": 2})
+        )
+    assert (
+        "eval overrides ['dp_size'] are set but eval_num_gpus is 0"
+        in problems_of(exc)["eval_sglang_overrides"]
+    )
+    with pytest.raises(DeploymentConfigError) as exc:
+        resolve_deployment(None, T(rollout_num_gpus=2, debug_rollout_only=True, debug_train_only=True))
+    assert "exclude each other" in problems_of(exc)["debug_train_only"]
+
+
+def test_placeholder_only_model_reserves_gpus_without_a_router():
+    s = spec(model("actor", group("regular", 4, gpe=2)), model("reserved", group("placeholder", 4)))
+    plan = resolve_deployment(s, T(colocate=True))
+    reserved = plan.model("reserved")
+    assert reserved.engines == () and plan.total_gpus == 8
+    assert (reserved.model_path, reserved.update_weights) == ("", False)  # nothing served, nothing updated
+    assert plan.slot_owners()[6] == ("reserved", "placeholder", None)
+    assert plan.slot_owners()[1] == ("actor", "regular", "actor.regular.0")

@@ -18,7 +18,7 @@ benchmarks/README.md):
 Ports come from a random base in 20000-30000; everything binds 127.0.0.1. Everything started is stopped at the
 end (context managers; the subprocess's process group and its recorded children are SIGKILLed in a finally).
 
-    python benchmarks/bench_launch.py [--reps 2] [--delay 3] [--teardown-reps 3] [--requests 400] [--json]
+    python benchmarks/bench_launch.py [--reps 3] [--delay 3] [--teardown-reps 3] [--requests 400] [--json]
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +61,7 @@ def _port_base() -> int:
     return random.randrange(20000, 29000)
 
 
-def overrides(k: int, delay_s: float, *, policy: str | None = None, live: bool = False) -> list[str]:
+def overrides(k: int, delay_s: float, *, policy: str | None = None, poll_s: float | None = None) -> list[str]:
     out = [
         "sglang=default",
         "hf_checkpoint=/c",
@@ -76,6 +77,8 @@ def overrides(k: int, delay_s: float, *, policy: str | None = None, live: bool =
     ]
     if policy:
         out.append(f"sglang_deploy.router.policy={policy}")
+    if poll_s:
+        out.append(f"sglang_deploy.launch.poll_interval_s={poll_s}")
     return out
 
 
@@ -99,8 +102,8 @@ def _med(xs: list[float]) -> float:
 
 
 # ------------------------------------------------------------------------------------------- (1) ready
-def time_to_ready(k: int, delay_s: float, tmp: Path, verbose: bool) -> dict[str, float]:
-    cfg = compose_config(overrides(k, delay_s))
+def time_to_ready(k: int, delay_s: float, poll_s: float | None, tmp: Path, verbose: bool) -> dict[str, float]:
+    cfg = compose_config(overrides(k, delay_s, poll_s=poll_s))
     log_dir = Path(tempfile.mkdtemp(prefix=f"ready_k{k}_", dir=tmp))
     with quiet(verbose):
         t0 = time.monotonic()
@@ -125,25 +128,68 @@ def time_to_ready(k: int, delay_s: float, tmp: Path, verbose: bool) -> dict[str,
     }
 
 
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+def standin_floor(k: int, tmp: Path) -> float:
+    """Seconds from the first of ``k`` plain Popen calls of the stand-in until all ``k`` accept connections
+    (polled every 10 ms): interpreter start + import + bind, with no launcher, router or health polls."""
+    ports = [_free_port() for _ in range(k)]
+    procs: list[subprocess.Popen[bytes]] = []
+    log = (tmp / f"floor_{k}.log").open("ab")
+    try:
+        t0 = time.monotonic()
+        for port in ports:
+            argv = [sys.executable, "-m", "miles_sglang_plugin.standin", "--model-path", "/c"]
+            argv += ["--host", HOST, "--port", str(port)]
+            procs.append(subprocess.Popen(argv, stdout=log, stderr=log, start_new_session=True))
+        waiting = set(ports)
+        while waiting and time.monotonic() - t0 < 60:
+            waiting = {p for p in waiting if not _accepts(p)}
+            time.sleep(0.01)
+        if waiting:
+            raise RuntimeError(f"stand-ins on ports {sorted(waiting)} did not listen within 60 s")
+        return time.monotonic() - t0
+    finally:
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+        log.close()
+
+
 def bench_ready(
-    ks: list[int], delays: list[float], reps: int, tmp: Path, verbose: bool
+    ks: list[int], delay_s: float, fast_poll_s: float, reps: int, tmp: Path, verbose: bool
 ) -> list[dict[str, Any]]:
-    runs: dict[tuple[int, float], list[dict[str, float]]] = {(k, t): [] for k in ks for t in delays}
+    """Cells (K, T, poll interval): T = 0 and T = delay_s at the default poll interval, plus T = 0 at
+    ``fast_poll_s`` (0: left out) to show how much of the overhead is the launcher's polling period."""
+    keys: list[tuple[int, float, float | None]] = [(k, t, None) for k in ks for t in (0.0, delay_s)]
+    if fast_poll_s:
+        keys += [(k, 0.0, fast_poll_s) for k in ks]
+    runs: dict[tuple[int, float, float | None], list[dict[str, float]]] = {key: [] for key in keys}
+    floors: dict[int, list[float]] = {k: [] for k in ks}
     for _ in range(reps):  # round-robin over the cells so that load changes hit all of them
-        for key in runs:
+        for key in keys:
             runs[key].append(time_to_ready(*key, tmp=tmp, verbose=verbose))
+        for k in ks:
+            floors[k].append(standin_floor(k, tmp))
     rows = []
-    for (k, t), rs in runs.items():
-        row: dict[str, Any] = {"k": k, "delay_s": t, "reps": len(rs)}
+    for (k, t, poll), rs in runs.items():
+        row: dict[str, Any] = {"k": k, "delay_s": t, "poll_interval_s": poll, "reps": len(rs)}
         for field in rs[0]:
             row[field] = _med([r[field] for r in rs])
         row["ready_all_s"] = [round(r["ready_s"], 3) for r in rs]
+        # bare stand-ins (no launcher): all listening after floor + T (the delay starts after the import)
+        row["standin_floor_s"] = _med(floors[k]) + t
         rows.append(row)
-    by = {(r["k"], r["delay_s"]): r for r in rows}
+    by = {(r["k"], r["delay_s"], r["poll_interval_s"]): r for r in rows}
     for r in rows:
         if r["delay_s"] > 0:
             r["ratio"] = r["ready_s"] / r["delay_s"]
-            base = by.get((r["k"], 0.0))
+            base = by.get((r["k"], 0.0, None))
             if base is not None:
                 r["ratio_minus_overhead"] = (r["ready_s"] - base["ready_s"]) / r["delay_s"]
     return rows
@@ -172,6 +218,16 @@ def _gone(pid: int) -> bool:
     except OSError:
         return True
     return stat.rpartition(")")[2].split()[0] in ("Z", "X")
+
+
+def _accepts(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(0.2)
+        try:
+            s.connect((HOST, port))
+        except OSError:
+            return False
+        return True
 
 
 def _refuses(port: int) -> bool:
@@ -299,29 +355,57 @@ def _check(resp: httpx.Response) -> None:
         raise RuntimeError(f"bad /generate answer {resp.status_code}: {resp.text[:200]}")
 
 
-def _run_c1(urls: list[str], n: int, cap_s: float) -> tuple[int, float, float]:
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def _proc_cpu_s(pids: list[int]) -> float:
+    """utime + stime of ``pids`` (and their reaped children), in seconds."""
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+            total += sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
+    return total / _CLK_TCK
+
+
+Cell = tuple[int, float, float, tuple[float, float]]  # done, wall, client CPU, (router CPU, engines CPU)
+Probe = Callable[[], tuple[float, float]]
+
+
+def _run_c1(urls: list[str], n: int, cap_s: float, probe: Probe) -> Cell:
     with httpx.Client(timeout=30) as client:
         for i in range(10):  # warm-up: connections open
             _check(client.post(urls[i % len(urls)], json=GEN_BODY))
-        cpu0, t0, done = time.process_time(), time.monotonic(), 0
+        srv0, cpu0, t0, done = probe(), time.process_time(), time.monotonic(), 0
         while done < n and time.monotonic() - t0 < cap_s:
             _check(client.post(urls[done % len(urls)], json=GEN_BODY))
             done += 1
-        return done, time.monotonic() - t0, time.process_time() - cpu0
+        wall, cpu, srv1 = time.monotonic() - t0, time.process_time() - cpu0, probe()
+        return done, wall, cpu, (srv1[0] - srv0[0], srv1[1] - srv0[1])
 
 
-async def _run_cn(urls: list[str], n: int, conc: int, cap_s: float) -> tuple[int, float, float]:
-    limits = httpx.Limits(max_connections=conc, max_keepalive_connections=conc)
-    async with httpx.AsyncClient(timeout=30, limits=limits) as client:
-        await asyncio.gather(
-            *(client.post(urls[i % len(urls)], json=GEN_BODY) for i in range(conc))
-        )  # warm-up
+async def _run_cn(urls: list[str], n: int, conc: int, cap_s: float, pooled: bool, probe: Probe) -> Cell:
+    """``conc`` workers. By default each worker has its own AsyncClient with one keep-alive connection: httpcore
+    1.0's pool scans every connection on each request (``_assign_requests_to_connections``), so one shared
+    pool of 64 connections makes the client itself the bottleneck (``--pooled-client`` shows it)."""
+    one = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+    many = httpx.Limits(max_connections=conc, max_keepalive_connections=conc)
+    if pooled:
+        clients = [httpx.AsyncClient(timeout=30, limits=many)]
+    else:
+        clients = [httpx.AsyncClient(timeout=30, limits=one) for _ in range(conc)]
+    try:
+        # warm-up: every connection open
+        warm = [clients[i % len(clients)].post(urls[i % len(urls)], json=GEN_BODY) for i in range(conc)]
+        for resp in await asyncio.gather(*warm):
+            _check(resp)
         counter = iter(range(n))
+        srv0 = probe()
         t0 = time.monotonic()
         cpu0 = time.process_time()
         done = 0
 
-        async def worker() -> None:
+        async def worker(client: httpx.AsyncClient) -> None:
             nonlocal done
             for i in counter:
                 if time.monotonic() - t0 > cap_s:
@@ -329,35 +413,50 @@ async def _run_cn(urls: list[str], n: int, conc: int, cap_s: float) -> tuple[int
                 _check(await client.post(urls[i % len(urls)], json=GEN_BODY))
                 done += 1
 
-        await asyncio.gather(*(worker() for _ in range(conc)))
-        return done, time.monotonic() - t0, time.process_time() - cpu0
+        await asyncio.gather(*(worker(clients[w % len(clients)]) for w in range(conc)))
+        wall, cpu, srv1 = time.monotonic() - t0, time.process_time() - cpu0, probe()
+        return done, wall, cpu, (srv1[0] - srv0[0], srv1[1] - srv0[1])
+    finally:
+        for client in clients:
+            await client.aclose()
 
 
-def bench_router(requests: int, rounds: int, cap_s: float, tmp: Path, verbose: bool) -> list[dict[str, Any]]:
+def bench_router(
+    requests: int, rounds: int, cap_s: float, tmp: Path, verbose: bool, pooled: bool = False
+) -> list[dict[str, Any]]:
     cfg = compose_config(overrides(2, 0.0, policy="round_robin"))
     log_dir = Path(tempfile.mkdtemp(prefix="router_", dir=tmp))
-    cells: dict[tuple[int, str], list[tuple[int, float, float]]] = {}
+    cells: dict[tuple[int, str], list[Cell]] = {}
     with quiet(verbose), launch_from_config(cfg, log_dir=log_dir) as d:
         router = [d.registry.get_model_url("actor", "/generate")]
         direct = [e.launch.url + "/generate" for e in d.engines]
+        router_pids = [d.routers[0].process.pid or 0]
+        engine_pids = [e.processes[0].pid or 0 for e in d.engines]
+
+        def probe() -> tuple[float, float]:
+            return _proc_cpu_s(router_pids), _proc_cpu_s(engine_pids)
+
         for _ in range(rounds):  # interleaved: router and direct alternate within each round
             for conc in (1, 64):
                 for target, urls in (("router", router), ("direct", direct)):
                     if conc == 1:
-                        res = _run_c1(urls, requests, cap_s)
+                        res = _run_c1(urls, requests, cap_s, probe)
                     else:
-                        res = asyncio.run(_run_cn(urls, requests, conc, cap_s))
+                        res = asyncio.run(_run_cn(urls, requests, conc, cap_s, pooled, probe))
                     cells.setdefault((conc, target), []).append(res)
     rows = []
     for conc in (1, 64):
         row: dict[str, Any] = {"concurrency": conc}
         for target in ("router", "direct"):
             rs = cells[(conc, target)]
-            rates = [n / wall for n, wall, _ in rs]
+            rates = [n / wall for n, wall, _, _ in rs]
             row[f"{target}_rps"] = _med(rates)
             row[f"{target}_rps_all"] = [round(r, 1) for r in rates]
-            row[f"{target}_requests"] = sum(n for n, _, _ in rs)
-            row[f"{target}_client_cpu"] = _med([cpu / wall for _, wall, cpu in rs])
+            row[f"{target}_requests"] = sum(n for n, _, _, _ in rs)
+            row[f"{target}_client_cpu"] = _med([cpu / wall for _, wall, cpu, _ in rs])
+            # CPU milliseconds per request spent in the router process and in the two engines
+            row[f"{target}_router_cpu_ms"] = 1000 * sum(s[0] for *_, s in rs) / row[f"{target}_requests"]
+            row[f"{target}_engines_cpu_ms"] = 1000 * sum(s[1] for *_, s in rs) / row[f"{target}_requests"]
         row["ratio"] = row["router_rps"] / row["direct_rps"]
         rows.append(row)
     return rows
@@ -369,14 +468,16 @@ def _print_ready(res: dict[str, Any]) -> None:
         f"(1) time to ready, median of {res['args']['reps']} (seconds; phases from the launcher's timestamps)"
     )
     print(
-        "K | T | ready | ready/T | (ready-ready[T=0])/T | prepare | spawn | last spawn->last healthy | "
-        "engine start->healthy med/max | last healthy->ready | stop"
+        "K | T | poll | ready | ready/T | (ready-ready[T=0])/T | bare stand-ins listening | prepare | spawn | "
+        "last spawn->last healthy | engine start->healthy med/max | last healthy->ready | stop"
     )
     for r in res["ready"]:
         ratio = f"{r['ratio']:.2f}" if "ratio" in r else "-"
         ratio2 = f"{r['ratio_minus_overhead']:.2f}" if "ratio_minus_overhead" in r else "-"
         print(
-            f"{r['k']} | {r['delay_s']:g} | {r['ready_s']:.2f} | {ratio} | {ratio2} | {r['prepare_s']:.2f} | "
+            f"{r['k']} | {r['delay_s']:g} | {r['poll_interval_s'] or 'default'} | {r['ready_s']:.2f} | "
+            f"{ratio} | {ratio2} | {r['standin_floor_s']:.2f} | "
+            f"{r['prepare_s']:.2f} | "
             f"{r['spawn_s']:.3f} | {r['last_healthy_s']:.2f} | {r['engine_start_to_healthy_med_s']:.2f}/"
             f"{r['engine_start_to_healthy_max_s']:.2f} | {r['register_s']:.2f} | {r['stop_s']:.2f}"
         )
@@ -400,11 +501,15 @@ def _print_teardown(t: dict[str, Any]) -> None:
 def _print_router(res: dict[str, Any]) -> None:
     a = res["args"]
     print(f"\n(3) POST /generate req/s, {a['requests']} requests per cell x {a['rounds']} rounds (median)")
-    print("concurrency | via router | direct | router/direct | client CPU/wall (router, direct)")
+    print(
+        "concurrency | via router | direct | router/direct | client CPU/wall (via router, direct) | "
+        "router CPU ms/req | engines CPU ms/req (via router, direct)"
+    )
     for r in res["router"]:
         print(
             f"{r['concurrency']} | {r['router_rps']:.0f} | {r['direct_rps']:.0f} | {r['ratio']:.2f} | "
-            f"{r['router_client_cpu']:.0%}, {r['direct_client_cpu']:.0%}"
+            f"{r['router_client_cpu']:.0%}, {r['direct_client_cpu']:.0%} | {r['router_router_cpu_ms']:.2f} | "
+            f"{r['router_engines_cpu_ms']:.2f}, {r['direct_engines_cpu_ms']:.2f}"
         )
 
 
@@ -415,36 +520,59 @@ def print_tables(res: dict[str, Any]) -> None:
         _print_teardown(res["teardown"])
     if res.get("router"):
         _print_router(res)
-    print(f"\ntotal {res['total_s']:.0f} s on {res['cpus']} CPUs")
+    load = ", ".join(f"{x:.1f}" for x in (*res["loadavg_start"][:1], *res["loadavg_end"][:1]))
+    print(f"\ntotal {res['total_s']:.0f} s on {res['cpus']} CPUs; 1-min load average at start, end: {load}")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--reps", type=int, default=2, help="repetitions of each time-to-ready cell (median)")
+    ap.add_argument("--reps", type=int, default=3, help="repetitions of each time-to-ready cell (median)")
     ap.add_argument("--delay", type=float, default=3.0, help="stand-in start delay T in seconds")
+    ap.add_argument(
+        "--fast-poll",
+        type=float,
+        default=0.05,
+        help="extra T=0 cells at this sglang_deploy.launch.poll_interval_s (0: none)",
+    )
     ap.add_argument("--ks", default="1,4,16", help="engine counts for time to ready")
     ap.add_argument("--teardown-reps", type=int, default=3)
     ap.add_argument("--teardown-k", type=int, default=4)
     ap.add_argument("--requests", type=int, default=400, help="requests per router-overhead cell")
-    ap.add_argument("--rounds", type=int, default=2, help="rounds of the router-overhead cells (median)")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds of the router-overhead cells (median)")
     ap.add_argument("--cap-s", type=float, default=20.0, help="time cap per router-overhead cell")
+    ap.add_argument(
+        "--pooled-client",
+        action="store_true",
+        help="c=64 through one shared AsyncClient pool instead of one client (one connection) per worker",
+    )
     ap.add_argument("--skip", default="", help="comma list of parts to skip: ready,teardown,router")
     ap.add_argument("--json", action="store_true", help="print the results as JSON only")
     ap.add_argument("--verbose", action="store_true", help="show the launcher's status lines")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     ks = [int(x) for x in args.ks.split(",")]
-    res: dict[str, Any] = {"args": vars(args), "cpus": os.cpu_count(), "python": sys.version.split()[0]}
+    from importlib.metadata import version
+
+    res: dict[str, Any] = {
+        "args": vars(args),
+        "cpus": os.cpu_count(),
+        "python": sys.version.split()[0],
+        "versions": {p: version(p) for p in ("sglang-router", "httpx", "httpcore", "aiohttp")},
+        "loadavg_start": os.getloadavg(),
+    }
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="bench_launch_") as tmpname:
         tmp = Path(tmpname)
         if "ready" not in skip:
-            res["ready"] = bench_ready(ks, [0.0, args.delay], args.reps, tmp, args.verbose)
+            res["ready"] = bench_ready(ks, args.delay, args.fast_poll, args.reps, tmp, args.verbose)
         if "teardown" not in skip:
             res["teardown"] = bench_teardown(args.teardown_k, args.teardown_reps, tmp)
         if "router" not in skip:
-            res["router"] = bench_router(args.requests, args.rounds, args.cap_s, tmp, args.verbose)
+            res["router"] = bench_router(
+                args.requests, args.rounds, args.cap_s, tmp, args.verbose, args.pooled_client
+            )
     res["total_s"] = time.monotonic() - t0
+    res["loadavg_end"] = os.getloadavg()
     if args.json:
         print(json.dumps(res, indent=2))
     else:

@@ -53,11 +53,12 @@ def _value(
     node: DictConfig, field: str, default_interpolation: str, key: str, problems: ProblemCollector
 ) -> Any:
     """The resolved value of ``node.field``, or None when it is the untouched default interpolation."""
-    raw = node._get_node(field)
-    if raw is None:
+    if field not in node:
         return None
-    if OmegaConf.is_interpolation(node, field) and raw._value() == default_interpolation:
-        return None
+    if OmegaConf.is_interpolation(node, field):
+        raw = OmegaConf.to_container(node, resolve=False)[field]  # the "${...}" text itself
+        if raw == default_interpolation:
+            return None
     try:
         return node[field]
     except OmegaConfBaseException as exc:

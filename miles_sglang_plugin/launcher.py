@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import signal
+import sys
 import threading
 import time
 import weakref
@@ -94,7 +95,9 @@ def check_supported(prepared: PreparedDeployment) -> list[str]:
     if len(plan.nodes) > 1 or wide:
         what = []
         if len(plan.nodes) > 1:
-            what.append(f"the plan places engines on {len(plan.nodes)} nodes ({', '.join(map(str, plan.nodes))})")
+            what.append(
+                f"the plan places engines on {len(plan.nodes)} nodes ({', '.join(map(str, plan.nodes))})"
+            )
         if wide:
             what.append(f"engine(s) {', '.join(wide[:4])}{'…' if len(wide) > 4 else ''} span several nodes")
         text = " and ".join(what)
@@ -161,7 +164,9 @@ class LocalLauncher:
             raise
         return self
 
-    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
         try:
             self.stop()
         finally:
@@ -215,12 +220,24 @@ class LocalLauncher:
                     display_command=pl.display_command(),
                 )
                 e.processes.append(proc)
-            self.status.track(e.launch.engine_id, "engine", f"{e.launch.url} GPUs {e.launch.env['CUDA_VISIBLE_DEVICES']}")
+            self.status.track(
+                e.launch.engine_id, "engine", f"{e.launch.url} GPUs {e.launch.env['CUDA_VISIBLE_DEVICES']}"
+            )
         for r in self.routers:
-            r.process.start()
+            self._start_process(r.process, "router", r.process.name)
         for e in self.engines:
             for p in e.processes:
-                p.start()
+                self._start_process(p, "engine", e.launch.engine_id)
+
+    def _start_process(self, proc: ManagedProcess, what: str, row: str) -> None:
+        try:
+            proc.start()
+        except OSError as exc:  # e.g. the command does not exist: a LaunchError like any other failed start
+            self.status.update(row, "failed")
+            command = proc.display_command or " ".join(mask_argv(list(proc.argv)))
+            raise LaunchError(
+                f"{what} {proc.name} could not be started: {exc}\n  command: {command}"
+            ) from exc
 
     def _fail_if_exited(self) -> None:
         for r in self.routers:
@@ -268,7 +285,9 @@ class LocalLauncher:
             try:
                 register_workers(router.launch.spec.url, [worker], api_key=self.settings.api_key)
             except (RouterRequestError, httpx.HTTPError) as exc:
-                raise LaunchError(f"router of model {e.launch.model!r} refused engine {e.launch.engine_id}: {exc}") from None
+                raise LaunchError(
+                    f"router of model {e.launch.model!r} refused engine {e.launch.engine_id}: {exc}"
+                ) from None
             e.registered = True
             self.status.update(e.launch.engine_id, "registered")
 
@@ -286,7 +305,9 @@ class LocalLauncher:
         return ready
 
     def _timeout_message(self, timeout_s: float) -> str:
-        lines = [f"the deployment was not ready after {timeout_s:g} s (sglang_deploy.launch.startup_timeout_s):"]
+        lines = [
+            f"the deployment was not ready after {timeout_s:g} s (sglang_deploy.launch.startup_timeout_s):"
+        ]
         for e in self.engines:
             if e.state == "starting":
                 p = e.processes[0]
@@ -326,6 +347,7 @@ class LocalLauncher:
 
 
 def _raise_on_sigterm(signum: int, frame: FrameType | None) -> None:
+    print("SIGTERM received: stopping every engine and router", file=sys.stderr, flush=True)
     raise SystemExit(128 + signum)
 
 
@@ -349,7 +371,11 @@ def _exited_message(proc: ManagedProcess, code: int, what: str) -> str:
 
 @contextlib.contextmanager
 def launched(
-    prepared: PreparedDeployment, *, log_dir: Path, claims: PortClaims | None = None, status: StatusView | None = None
+    prepared: PreparedDeployment,
+    *,
+    log_dir: Path,
+    claims: PortClaims | None = None,
+    status: StatusView | None = None,
 ) -> Iterator[LocalLauncher]:
     """Start ``prepared`` and stop it when the block ends, however it ends."""
     launcher = LocalLauncher(prepared, log_dir=log_dir, claims=claims, status=status)

@@ -5,7 +5,9 @@ Every engine and router is started with :class:`ManagedProcess`:
 * in a new session (its own process group), so stopping it stops its children too, and a Ctrl-C in the
   terminal reaches the launcher only (which then stops everything in order);
 * with Linux's ``PR_SET_PDEATHSIG`` = SIGKILL, so it dies with the launcher even if the launcher is
-  SIGKILLed and cannot clean up (real SGLang engines arm the same signal in their own subprocesses);
+  SIGKILLed and cannot clean up (real SGLang engines arm the same signal in their own subprocesses). The
+  kernel sends it when the *thread* that started the process exits: start a deployment from a thread that
+  outlives it (the main thread, or the thread that runs the ``with`` block);
 * with stdout and stderr in one log file, whose tail goes into error messages.
 
 Stopping sends SIGTERM to the whole group, waits up to a grace period, then SIGKILLs the group. Processes are
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import signal
 import subprocess
@@ -27,20 +30,23 @@ from pathlib import Path
 _PR_SET_PDEATHSIG = 1
 
 
-def _arm_parent_death_signal() -> None:  # runs in the child between fork and exec
+def _arm_parent_death_signal(parent_pid: int) -> None:  # runs in the child between fork and exec
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
     except (OSError, AttributeError):  # not Linux: best effort only
-        pass
+        return
+    if os.getppid() != parent_pid:  # the launcher died between fork and prctl: no signal will come
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
-def log_tail(path: Path, lines: int = 20) -> str:
+def log_tail(path: Path, lines: int = 20, start: int = 0) -> str:
+    """The last ``lines`` lines of ``path`` written at or after byte offset ``start``."""
     try:
         with path.open("rb") as f:
             f.seek(0, os.SEEK_END)
             size = f.tell()
-            f.seek(max(0, size - 64 * 1024))
+            f.seek(max(start, size - 64 * 1024))
             text = f.read().decode(errors="replace")
     except OSError:
         return ""
@@ -58,10 +64,14 @@ class ManagedProcess:
     display_command: str = ""
     popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     started_at: float = 0.0
+    #: Size of the log file when this process started: its output is what follows (a reused log directory
+    #: keeps earlier runs' lines, which must not show up in this run's error messages).
+    log_offset: int = 0
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
+            self.log_offset = log.seek(0, os.SEEK_END)
             self.popen = subprocess.Popen(
                 list(self.argv),
                 env={**os.environ, **self.env},
@@ -69,7 +79,7 @@ class ManagedProcess:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=_arm_parent_death_signal,
+                preexec_fn=functools.partial(_arm_parent_death_signal, os.getpid()),
                 close_fds=True,
             )
         self.started_at = time.monotonic()
@@ -93,7 +103,7 @@ class ManagedProcess:
             os.killpg(self.popen.pid, sig)  # the group id is the child's pid (new session)
 
     def tail(self, lines: int = 20) -> str:
-        return log_tail(self.log_path, lines)
+        return log_tail(self.log_path, lines, start=self.log_offset)
 
 
 def _group_alive(pgid: int) -> bool:

@@ -38,12 +38,16 @@ class StatusView:
         self._live: Live | None = None
 
     def _table(self) -> Table:
-        table = Table(title=f"starting SGLang deployment ({time.monotonic() - self.t0:.1f} s)", title_justify="left")
+        table = Table(
+            title=f"starting SGLang deployment ({time.monotonic() - self.t0:.1f} s)", title_justify="left"
+        )
         for col in ("name", "kind", "state", "s", "where"):
             table.add_column(col)
         for name, row in self.rows.items():
             style = _STYLE.get(row.state, "")
-            table.add_row(name, row.kind, f"[{style}]{row.state}[/]", f"{row.since - self.t0:.1f}", row.detail)
+            table.add_row(
+                name, row.kind, f"[{style}]{row.state}[/]", f"{row.since - self.t0:.1f}", row.detail
+            )
         return table
 
     def _refresh(self) -> None:
@@ -77,7 +81,9 @@ class StatusView:
             self._live = None
 
     def summary(self, prepared: PreparedDeployment, registry: RouterRegistry) -> None:
-        table = Table(title=f"SGLang deployment ready in {time.monotonic() - self.t0:.1f} s", title_justify="left")
+        table = Table(
+            title=f"SGLang deployment ready in {time.monotonic() - self.t0:.1f} s", title_justify="left"
+        )
         for col in ("model", "router", "mode", "engines", "GPUs", "engine kind"):
             table.add_column(col)
         for m in prepared.plan.models:

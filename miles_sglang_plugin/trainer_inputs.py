@@ -71,8 +71,9 @@ class TrainerInputs:
             if f.name not in values:
                 continue
             value = values[f.name]
-            if value is None and f.default is not None and f.default is not dataclasses.MISSING:
-                continue
+            has_default = f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+            if value is None and has_default and f.default is not None:
+                continue  # unset: the field's own default (Miles namespaces carry None for unset flags)
             kwargs[f.name] = value
         return cls(**kwargs)
 

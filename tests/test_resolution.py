@@ -444,3 +444,24 @@ def test_placeholder_only_model_reserves_gpus_without_a_router():
     assert (reserved.model_path, reserved.update_weights) == ("", False)  # nothing served, nothing updated
     assert plan.slot_owners()[6] == ("reserved", "placeholder", None)
     assert plan.slot_owners()[1] == ("actor", "regular", "actor.regular.0")
+
+
+def test_trainer_inputs_from_a_sparse_config_and_a_miles_namespace():
+    import argparse
+
+    from omegaconf import OmegaConf
+
+    t = TrainerInputs.from_config(OmegaConf.create({"hf_checkpoint": "/c", "colocate": True}))
+    assert (t.hf_checkpoint, t.colocate, t.eval_sglang_overrides, t.rollout_num_gpus_per_engine) == (
+        "/c",
+        True,
+        {},
+        1,
+    )
+    ns = argparse.Namespace(
+        hf_checkpoint="/c", rollout_num_gpus=8, rollout_num_gpus_per_engine=None, eval_num_gpus=None,
+        eval_sglang_mem_fraction_static=0.5, eval_sglang_dp_size=None, sglang_config=None,
+    )  # fmt: skip
+    t = TrainerInputs.from_namespace(ns)
+    assert (t.rollout_num_gpus, t.rollout_num_gpus_per_engine, t.eval_num_gpus) == (8, 1, 0)
+    assert dict(t.eval_sglang_overrides) == {"mem_fraction_static": 0.5}

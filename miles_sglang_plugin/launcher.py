@@ -29,6 +29,7 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType, TracebackType
@@ -257,37 +258,56 @@ class LocalLauncher:
         deadline = time.monotonic() + launch_conf.startup_timeout_s
         key = self.settings.api_key
         headers = {"Authorization": f"Bearer {key}"} if key else {}
-        with httpx.Client(timeout=2.0, headers=headers) as client:
+        # Health polls and registrations go out concurrently: one slow or hanging engine must not delay the
+        # others, and registration time must not grow with the number of engines.
+        workers = min(32, max(4, len(self.engines) + len(self.routers)))
+        with httpx.Client(timeout=2.0, headers=headers) as client, ThreadPoolExecutor(workers) as pool:
             while True:
                 self._fail_if_exited()
-                for r in self.routers:
-                    if r.state == "starting" and _get_ok(client, r.launch.spec.url + "/liveness"):
+                routers = [r for r in self.routers if r.state == "starting"]
+                engines = [e for e in self.engines if e.state == "starting"]
+                urls = [r.launch.spec.url + "/liveness" for r in routers] + [
+                    e.launch.url + HEALTH_ENDPOINT for e in engines
+                ]
+                ok = list(pool.map(lambda url: _get_ok(client, url), urls))
+                for r, live in zip(routers, ok[: len(routers)], strict=True):
+                    if live:
                         r.state = "live"
                         self.status.update(r.process.name, "live")
-                for e in self.engines:
-                    if e.state == "starting" and _get_ok(client, e.launch.url + HEALTH_ENDPOINT):
+                for e, healthy in zip(engines, ok[len(routers) :], strict=True):
+                    if healthy:
                         e.state, e.healthy_at = "healthy", time.monotonic()
                         self.status.update(e.launch.engine_id, "healthy")
-                self._register_healthy()
+                self._register_healthy(pool)
                 if all(e.registered for e in self.engines) and self._routers_ready():
                     return
                 if time.monotonic() > deadline:
                     raise LaunchError(self._timeout_message(launch_conf.startup_timeout_s))
                 time.sleep(launch_conf.poll_interval_s)
 
-    def _register_healthy(self) -> None:
+    def _register_healthy(self, pool: ThreadPoolExecutor) -> None:
         by_model = {r.launch.model: r for r in self.routers}
-        for e in self.engines:
-            router = by_model.get(e.launch.model)
-            if e.state != "healthy" or e.registered or router is None or router.state == "starting":
-                continue
+        due = [
+            (e, router)
+            for e in self.engines
+            if e.state == "healthy"
+            and not e.registered
+            and (router := by_model.get(e.launch.model)) is not None
+            and router.state != "starting"
+        ]
+
+        def register(item: tuple[_Engine, _Router]) -> str | None:
+            e, router = item
             worker = next(w for w in router.launch.workers if w.url == e.launch.url)
             try:
                 register_workers(router.launch.spec.url, [worker], api_key=self.settings.api_key)
             except (RouterRequestError, httpx.HTTPError) as exc:
-                raise LaunchError(
-                    f"router of model {e.launch.model!r} refused engine {e.launch.engine_id}: {exc}"
-                ) from None
+                return f"router of model {e.launch.model!r} refused engine {e.launch.engine_id}: {exc}"
+            return None
+
+        for (e, _router), error in zip(due, pool.map(register, due), strict=True):
+            if error is not None:
+                raise LaunchError(error)
             e.registered = True
             self.status.update(e.launch.engine_id, "registered")
 

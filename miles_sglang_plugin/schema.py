@@ -113,7 +113,7 @@ class LaunchConf:
     #: Address engines and routers bind to on a single machine.
     host: str = "127.0.0.1"
     startup_timeout_s: float = 600.0
-    poll_interval_s: float = 0.5
+    poll_interval_s: float = 0.25
     shutdown_grace_s: float = 10.0
     #: Ports are searched upward from here, below the ephemeral range (Miles starts at 15000).
     port_base: int = 15000

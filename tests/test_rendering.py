@@ -315,3 +315,21 @@ def test_standin_choice_and_fault_env_are_explicit():
         "sglang=pd", "hf_checkpoint=/c", "colocate=true", "sglang_deploy.standin.fail_at_start=[actor.*]"
     )
     assert all(not any(k.startswith("MSP_STANDIN") for k in e.env) for e in real.launch.engines)
+
+
+def test_local_backend_refuses_multi_node_plans_of_real_engines_before_starting_anything(tmp_path):
+    from miles_sglang_plugin.launcher import LocalLauncher, UnsupportedPlanError
+
+    wide = prepared_for("sglang=default", "hf_checkpoint=/c", "colocate=true", "sglang.actor.regular.num_gpus=16",
+                        "sglang.actor.num_gpus_per_engine=16")  # fmt: skip
+    with pytest.raises(UnsupportedPlanError) as exc:
+        LocalLauncher(wide, log_dir=tmp_path)
+    assert "engine(s) actor.regular.0 span several nodes" in str(exc.value)
+    spread = prepared_for("sglang=pd_actor_ref", "hf_checkpoint=/c")  # rollout on nodes 1-3, after the actor
+    with pytest.raises(UnsupportedPlanError) as exc:
+        LocalLauncher(spread, log_dir=tmp_path)
+    assert "the plan places engines on 3 nodes (1, 2, 3)" in str(exc.value)
+    assert not any(tmp_path.iterdir())  # nothing was started, not even a log file
+    one_node = prepared_for("sglang=pd_actor_ref", "hf_checkpoint=/c", "debug_rollout_only=true",
+                            "sglang.actor.prefill.num_gpus=4", "sglang.actor.decode.num_gpus=4", "~sglang.ref")  # fmt: skip
+    assert LocalLauncher(one_node, log_dir=tmp_path).notes == []

@@ -49,6 +49,7 @@ def _sum_logprobs(entries: list[list[Any]]) -> float:
 async def generate_with_models(
     client: httpx.AsyncClient, registry: RouterRegistry, prompt: str, sampling_params: dict[str, Any]
 ) -> SampleResult:
+    """``client`` carries the deployment's auth headers (``deployment.auth_headers()``)."""
     session = uuid.uuid4().hex  # routing key: a session sticks to one engine under consistent_hashing
     actor = await _post(
         client,
@@ -107,9 +108,13 @@ async def generate_with_models(
 
 
 async def rollout_step(
-    registry: RouterRegistry, prompts: list[str], sampling_params: dict[str, Any], timeout_s: float = 600.0
+    registry: RouterRegistry,
+    prompts: list[str],
+    sampling_params: dict[str, Any],
+    headers: dict[str, str] | None = None,
+    timeout_s: float = 600.0,
 ) -> list[SampleResult]:
-    async with httpx.AsyncClient(timeout=timeout_s) as client:
+    async with httpx.AsyncClient(timeout=timeout_s, headers=headers or {}) as client:
         return list(
             await asyncio.gather(
                 *(generate_with_models(client, registry, p, sampling_params) for p in prompts)

@@ -85,7 +85,12 @@ def main(cfg: DictConfig) -> None:
         registry = deployment.registry
         for step in range(cfg.num_rollout):
             results = asyncio.run(
-                rollout_step(registry, list(cfg.prompts), {"max_new_tokens": cfg.max_new_tokens})
+                rollout_step(
+                    registry,
+                    list(cfg.prompts),
+                    {"max_new_tokens": cfg.max_new_tokens},
+                    headers=deployment.auth_headers(),
+                )
             )
             console.print(f"rollout {step}: {len(results)} samples")
             print_results(results, console)

@@ -32,15 +32,13 @@ def _err_console() -> Console:
 def _cmd_plan(args: argparse.Namespace) -> int:
     import json
 
-    from miles_sglang_plugin.hydra_config import deploy_settings_from_config, resolve_config
+    from miles_sglang_plugin.hydra_config import prepare_from_config
     from miles_sglang_plugin.plan_view import print_commands, print_plan
-    from miles_sglang_plugin.prepared import prepare_deployment
     from miles_sglang_plugin.server_arg_fields import known_server_arg_fields
 
-    cfg = compose_config(args.overrides)
     known = known_server_arg_fields()
-    plan = resolve_config(cfg, server_arg_fields=known.fields)
-    prepared = prepare_deployment(plan, deploy_settings_from_config(cfg), server_arg_fields=known.fields)
+    prepared = prepare_from_config(compose_config(args.overrides))
+    plan = prepared.plan
     if args.json:
         data = prepared.to_dict()
         data["server_args_checked_against"] = known.source

@@ -89,4 +89,4 @@ class DeploymentSpec:
         for m in self.models:
             if m.name == name:
                 return m
-        raise KeyError(name)
+        raise KeyError(f"no model {name!r}; models: {[m.name for m in self.models]}")

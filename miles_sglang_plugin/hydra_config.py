@@ -13,6 +13,7 @@ in one place; the interpolation itself shows the same value in ``--cfg job --res
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Collection, Iterator
 from pathlib import Path
@@ -39,8 +40,12 @@ from miles_sglang_plugin.trainer_inputs import TrainerInputs
 
 if TYPE_CHECKING:
     from miles_sglang_plugin.launcher import LocalLauncher
+    from miles_sglang_plugin.ports import PortClaims
+    from miles_sglang_plugin.prepared import PreparedDeployment
 
 SGLANG_KEY = "sglang"
+#: Where the API key of engines and routers comes from when sglang_deploy.api_key is null.
+API_KEY_ENV = "SGLANG_API_KEY"
 DEPLOY_KEY = "sglang_deploy"
 
 
@@ -179,10 +184,26 @@ def spec_from_config(cfg: DictConfig, problems: ProblemCollector | None = None) 
 
 
 def deploy_settings_from_config(cfg: DictConfig) -> SGLangDeployConf:
-    """``cfg.sglang_deploy`` as a plain :class:`SGLangDeployConf` (defaults if the app has none)."""
+    """``cfg.sglang_deploy`` as a plain :class:`SGLangDeployConf` (defaults if the app has none). The API key
+    comes from the environment (``SGLANG_API_KEY``) unless the config sets one, so that it stays out of the
+    config Hydra prints and saves; an IPv6 ``launch.host`` is kept without brackets."""
     node = OmegaConf.select(cfg, DEPLOY_KEY, default=None)
     merged = OmegaConf.merge(OmegaConf.structured(SGLangDeployConf), node if node is not None else {})
-    return OmegaConf.to_object(merged)  # type: ignore[return-value]
+    settings: SGLangDeployConf = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    if settings.api_key is None:
+        settings.api_key = os.environ.get(API_KEY_ENV) or None
+    settings.launch.host = settings.launch.host.strip().strip("[]")
+    return settings
+
+
+def trainer_from_config(cfg: DictConfig) -> TrainerInputs:
+    """The trainer's inputs from the root of the composed config (Miles' names; absent keys take defaults)."""
+    values = {name: OmegaConf.select(cfg, name, default=None) for name in TrainerInputs.field_names()}
+    if isinstance(values.get("eval_sglang_overrides"), DictConfig):
+        values["eval_sglang_overrides"] = OmegaConf.to_container(
+            values["eval_sglang_overrides"], resolve=True
+        )
+    return TrainerInputs.from_mapping(values)
 
 
 def resolve_config(cfg: DictConfig, *, server_arg_fields: Collection[str] | None = None) -> DeploymentPlan:
@@ -190,13 +211,31 @@ def resolve_config(cfg: DictConfig, *, server_arg_fields: Collection[str] | None
     :class:`~miles_sglang_plugin.errors.DeploymentConfigError` listing every problem."""
     problems = ProblemCollector("the Hydra config")
     try:
-        trainer = TrainerInputs.from_config(cfg)
-    except (OmegaConfBaseException, TypeError) as exc:
+        trainer = trainer_from_config(cfg)
+        server_defaults = deploy_settings_from_config(cfg).server_defaults
+    except (OmegaConfBaseException, TypeError, ValueError) as exc:
         problems.add("", f"trainer inputs: {_first_line(exc)}")
         problems.raise_if_any()
     spec = spec_from_config(cfg, problems)
     problems.raise_if_any()
-    return resolve_deployment(spec, trainer, server_arg_fields=server_arg_fields)
+    return resolve_deployment(
+        spec, trainer, server_arg_fields=server_arg_fields, server_defaults=server_defaults
+    )
+
+
+def prepare_from_config(
+    cfg: DictConfig, *, probe: bool = False, claims: PortClaims | None = None
+) -> PreparedDeployment:
+    """Resolve and render ``cfg`` with every check on: override keys against the installed SGLang's fields,
+    the deployment-wide settings, ports (probed and claimed on this machine when ``probe``)."""
+    from miles_sglang_plugin.prepared import prepare_deployment
+    from miles_sglang_plugin.server_arg_fields import known_server_arg_fields
+
+    fields = known_server_arg_fields().fields
+    plan = resolve_config(cfg, server_arg_fields=fields)
+    return prepare_deployment(
+        plan, deploy_settings_from_config(cfg), server_arg_fields=fields, probe=probe, claims=claims
+    )
 
 
 def resolve_config_or_exit(
@@ -242,14 +281,9 @@ def launch_from_config(cfg: DictConfig, *, log_dir: Path | None = None) -> Itera
     ``sglang_deploy.launch.log_dir``, else ``sglang_logs/`` in the Hydra run directory."""
     from miles_sglang_plugin.launcher import LocalLauncher
     from miles_sglang_plugin.ports import claimed_ports
-    from miles_sglang_plugin.prepared import prepare_deployment
-    from miles_sglang_plugin.server_arg_fields import known_server_arg_fields
 
-    fields = known_server_arg_fields().fields
-    plan = resolve_config(cfg, server_arg_fields=fields)
-    settings = deploy_settings_from_config(cfg)
     with claimed_ports() as claims:
-        prepared = prepare_deployment(plan, settings, server_arg_fields=fields, probe=True, claims=claims)
-        target = Path(log_dir or settings.launch.log_dir or _default_log_dir())
+        prepared = prepare_from_config(cfg, probe=True, claims=claims)
+        target = Path(log_dir or prepared.settings.launch.log_dir or _default_log_dir())
         with LocalLauncher(prepared, log_dir=target, claims=claims) as launcher:
             yield launcher

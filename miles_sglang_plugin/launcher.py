@@ -37,11 +37,12 @@ from typing import Any
 
 import httpx
 
+from miles_sglang_plugin.masking import mask_argv
 from miles_sglang_plugin.ports import PortClaims
 from miles_sglang_plugin.prepared import PreparedDeployment
 from miles_sglang_plugin.processes import ManagedProcess, stop_processes
-from miles_sglang_plugin.registry import ModelRoute, RouterRegistry
-from miles_sglang_plugin.rendering import EngineProcessLaunch, RouterLaunch, mask_argv
+from miles_sglang_plugin.registry import RouterRegistry
+from miles_sglang_plugin.rendering import EngineProcessLaunch, RouterLaunch
 from miles_sglang_plugin.routers import RouterRequestError, register_workers, router_command, router_ready
 from miles_sglang_plugin.schema import EngineKind
 from miles_sglang_plugin.status_view import StatusView
@@ -141,16 +142,7 @@ class LocalLauncher:
     @property
     def registry(self) -> RouterRegistry:
         """Where rollout code finds each model's router."""
-        return RouterRegistry(
-            ModelRoute(
-                name=r.launch.model,
-                host=r.launch.spec.host,
-                port=r.launch.spec.port,
-                policy=r.launch.spec.settings.policy,
-                pd_disaggregation=r.launch.spec.pd_disaggregation,
-            )
-            for r in self.routers
-        )
+        return RouterRegistry(r.launch.spec.route() for r in self.routers)
 
     def processes(self) -> list[ManagedProcess]:
         return [p for e in self.engines for p in e.processes] + [r.process for r in self.routers]
@@ -341,6 +333,12 @@ class LocalLauncher:
                 lines.append(f"  router of {r.launch.model} at {r.launch.spec.url}: {r.state}")
         return "\n".join(lines)
 
+    def auth_headers(self) -> dict[str, str]:
+        """``Authorization`` for requests to the routers and engines (empty without an API key). The key
+        itself stays out of the registry, so that ``RouterRegistry.to_env()`` carries no secret."""
+        key = self.settings.api_key
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
     def exited(self) -> list[tuple[str, int]]:
         """Processes that have exited since start-up (name, exit code): a deployment that lost a member."""
         return [(p.name, code) for p in self.processes() if (code := p.exit_code()) is not None]
@@ -351,19 +349,33 @@ class LocalLauncher:
         with self._lock:
             if self._stopped:
                 return
-            self._stopped = True
-        try:
-            stop_processes(self.processes(), grace_s=self.settings.launch.shutdown_grace_s)
-        finally:
-            if self.claims is not None:
-                self.claims.release()
-            _ACTIVE.discard(self)
+            # A second Ctrl-C or SIGTERM must not cut the teardown short: hold them off while stopping.
+            with _signals_held():
+                stop_processes(self.processes(), grace_s=self.settings.launch.shutdown_grace_s)
+                self._stopped = True
+                if self.claims is not None:
+                    self.claims.release()
+                _ACTIVE.discard(self)
 
     def _restore_signals(self) -> None:
         if self._previous_sigterm is not None:
             with contextlib.suppress(ValueError):
                 signal.signal(signal.SIGTERM, self._previous_sigterm)
             self._previous_sigterm = None
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """Ignore SIGINT and SIGTERM in the block (main thread only; elsewhere signals do not reach Python code)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _raise_on_sigterm(signum: int, frame: FrameType | None) -> None:

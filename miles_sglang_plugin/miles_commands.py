@@ -227,15 +227,16 @@ def deploy_notes(deploy: Any) -> list[str]:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from miles_sglang_plugin.compose import compose_config
-    from miles_sglang_plugin.hydra_config import deploy_settings_from_config, resolve_config, spec_from_config
+    from miles_sglang_plugin.hydra_config import prepare_from_config, spec_from_config
 
     cfg = compose_config(args.overrides)
-    plan = resolve_config(cfg)
+    prepared = prepare_from_config(cfg)  # every check `plan` makes: never export what Miles would run wrongly
+    plan = prepared.plan
     spec = spec_from_config(cfg)
     text = spec_to_miles_yaml(spec, plan)
 
     miles_args = miles_trainer_args(plan, sglang_config=args.output or "FILE")
-    deploy = deploy_settings_from_config(cfg)
+    deploy = prepared.settings
     extra, notes = server_default_args(dict(deploy.server_defaults))
     notes += deploy_notes(deploy)
     miles_args += extra

@@ -31,7 +31,10 @@ class EngineProcessPlan:
 class EnginePlan:
     model: str
     group: str
+    #: Index within the group.
     index: int
+    #: Index within the whole deployment, in deployment order (the engine's ``--random-seed`` is seed + rank).
+    rank: int
     worker_type: WorkerType
     gpu_slots: tuple[int, ...]
     processes: tuple[EngineProcessPlan, ...]
@@ -62,6 +65,7 @@ class EnginePlan:
         return {
             "id": self.id,
             "index": self.index,
+            "rank": self.rank,
             "gpu_slots": list(self.gpu_slots),
             "node": self.node,
             "local_gpu_ids": list(self.local_gpu_ids),
@@ -84,6 +88,10 @@ class GroupPlan:
     worker_type: WorkerType
     num_gpus: int
     num_gpus_per_engine: int
+    #: Parallel sizes of each engine (tp_size * pp_size == num_gpus_per_engine), from all override layers.
+    tp_size: int
+    pp_size: int
+    dp_size: int
     gpu_offset: int
     needs_offload: bool
     #: Final per-group ServerArgs overrides (model_path and the offload decision injected, user values last).
@@ -92,16 +100,14 @@ class GroupPlan:
     #: Where the group was written, for messages.
     key: str = ""
 
-    @property
-    def tp_size(self) -> int:
-        pp = int(self.overrides.get("pp_size", 1) or 1)
-        return self.num_gpus_per_engine // pp
-
     def to_dict(self) -> dict[str, Any]:
         return {
             "worker_type": self.worker_type.value,
             "num_gpus": self.num_gpus,
             "num_gpus_per_engine": self.num_gpus_per_engine,
+            "tp_size": self.tp_size,
+            "pp_size": self.pp_size,
+            "dp_size": self.dp_size,
             "gpu_offset": self.gpu_offset,
             "needs_offload": self.needs_offload,
             "overrides": thaw(self.overrides),

@@ -61,19 +61,11 @@ class PortAssignment:
     #: model name -> ports
     routers: dict[str, RouterPorts]
 
-    def all_ports_by_host(self, host_of: Callable[[str, int], str]) -> dict[str, list[int]]:
-        out: dict[str, list[int]] = {}
-        for (engine_id, rank), p in self.engines.items():
-            ports = [p.http, p.nccl]
-            if p.dist_init is not None:
-                ports += list(range(p.dist_init, p.dist_init + DIST_INIT_SPAN))
-            ports += [x for x in (p.engine_info_bootstrap, p.disaggregation_bootstrap) if x is not None]
-            out.setdefault(host_of(engine_id, rank), []).extend(ports)
-        return out
-
 
 def default_lock_dir() -> Path:
-    return Path(os.environ.get("MSP_PORT_LOCK_DIR", Path(tempfile.gettempdir()) / "miles-sglang-ports"))
+    """Claims of this user's launches (per user: another user's directory may not be writable)."""
+    default = Path(tempfile.gettempdir()) / f"miles-sglang-ports-{os.getuid()}"
+    return Path(os.environ.get("MSP_PORT_LOCK_DIR", default))
 
 
 @dataclass
@@ -84,8 +76,11 @@ class PortClaims:
     fds: dict[int, int] = field(default_factory=dict)
 
     def try_claim(self, port: int) -> bool:
-        self.lock_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.lock_dir / f"{port}.lock", os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            self.lock_dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.lock_dir / f"{port}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError:
+            return False  # cannot take part in claims here: treat the port as taken
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -183,7 +178,7 @@ def assign_ports(
             routers[m.name] = RouterPorts(http=c.take(), prometheus=c.take())
     engines: dict[tuple[str, int], EnginePorts] = {}
     for _model, g in plan.groups():
-        dp = int(g.overrides.get("dp_size", 1) or 1)
+        dp = g.dp_size
         for e in g.engines:
             for proc in e.processes:
                 c = cursor(host_of_node(proc.node))

@@ -8,7 +8,7 @@ from typing import Any
 
 from miles_sglang_plugin.errors import DeploymentConfigError, ProblemCollector
 from miles_sglang_plugin.plan import DeploymentPlan
-from miles_sglang_plugin.ports import PortClaims, assign_ports
+from miles_sglang_plugin.ports import PortClaims, PortExhaustedError, assign_ports
 from miles_sglang_plugin.rendering import LaunchSpecs, check_deploy_settings, render_launch
 from miles_sglang_plugin.schema import SGLangDeployConf
 
@@ -48,15 +48,19 @@ def prepare_deployment(
     problems.extend(check_deploy_settings(settings, server_arg_fields))
     problems.raise_if_any()
     host = settings.launch.host
-    ports = assign_ports(
-        plan,
-        host_of_node=lambda _node: host,
-        router_host=host,
-        port_base=settings.launch.port_base,
-        port_max=settings.launch.port_max,
-        probe=probe,
-        claims=claims,
-    )
+    try:
+        ports = assign_ports(
+            plan,
+            host_of_node=lambda _node: host,
+            router_host=host,
+            port_base=settings.launch.port_base,
+            port_max=settings.launch.port_max,
+            probe=probe,
+            claims=claims,
+        )
+    except PortExhaustedError as exc:
+        problems.add("sglang_deploy.launch.port_base", str(exc))
+        problems.raise_if_any()
     launch = render_launch(
         plan,
         settings,

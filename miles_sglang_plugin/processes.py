@@ -26,16 +26,26 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 _PR_SET_PDEATHSIG = 1
 
 
-def _arm_parent_death_signal(parent_pid: int) -> None:  # runs in the child between fork and exec
+def _load_prctl() -> Any:
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux: best effort only
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux: parent-death signals are best effort only
+        return None
+
+
+#: Resolved once, here: the child must not dlopen between fork and exec (the launcher has threads).
+_PRCTL = _load_prctl()
+
+
+def _arm_parent_death_signal(parent_pid: int) -> None:  # runs in the child between fork and exec
+    if _PRCTL is None:
         return
+    _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
     if os.getppid() != parent_pid:  # the launcher died between fork and prctl: no signal will come
         os.kill(os.getpid(), signal.SIGKILL)
 

@@ -24,14 +24,14 @@ from typing import Any
 
 from miles_sglang_plugin.deployment_spec import WorkerType, thaw
 from miles_sglang_plugin.errors import Problem
+from miles_sglang_plugin.masking import mask_argv, mask_env
 from miles_sglang_plugin.plan import DeploymentPlan, EnginePlan, EngineProcessPlan, GroupPlan
 from miles_sglang_plugin.ports import PortAssignment
+from miles_sglang_plugin.registry import http_base_url
 from miles_sglang_plugin.resolution import PLAN_OWNED_OVERRIDES, suggest
 from miles_sglang_plugin.routers import RouterLaunchSpec, RouterSettings, WorkerRegistration
 from miles_sglang_plugin.schema import EngineKind, SGLangDeployConf
 
-MASK = "***"
-SECRET_FLAGS = ("--api-key", "--admin-api-key")
 STANDIN_COMMAND = ("{python}", "-m", "miles_sglang_plugin.standin")
 
 #: Engine environment defaults (Miles), below the user's ``sglang_deploy.env``.
@@ -52,25 +52,14 @@ PLAN_OWNED_DEFAULTS: Mapping[str, str] = {
     "tp_size": "it is each group's num_gpus_per_engine",
     "model_path": "it is each model's model_path (or hf_checkpoint)",
     "disaggregation_mode": "it follows each group's worker_type",
+    "random_seed": "each engine gets the trainer's seed + its rank",
+    "enable_memory_saver": "it follows offload_rollout and each group's offload decision",
+    "trust_remote_code": "always on, as in Miles",
+    "skip_server_warmup": "always on, as in Miles",
+    "enable_return_routed_experts": "it follows use_rollout_routing_replay",
+    "enable_return_indexer_topk": "it follows use_rollout_indexer_replay",
+    "engine_info_bootstrap_port": "assigned per engine so that none collide",
 }
-
-
-def mask_argv(argv: tuple[str, ...] | list[str]) -> list[str]:
-    """``argv`` with the values of secret flags replaced by ``***``."""
-    out: list[str] = []
-    hide_next = False
-    for token in argv:
-        if hide_next:
-            out.append(MASK)
-            hide_next = False
-        elif token in SECRET_FLAGS:
-            out.append(token)
-            hide_next = True
-        elif any(token.startswith(f + "=") for f in SECRET_FLAGS):
-            out.append(token.split("=", 1)[0] + "=" + MASK)
-        else:
-            out.append(token)
-    return out
 
 
 def server_args_to_argv(values: Mapping[str, Any]) -> list[str]:
@@ -106,9 +95,9 @@ class EngineProcessLaunch:
     nnodes: int
     host: str
     port: int
-    gpu_ids: tuple[int, ...]
-    argv: tuple[str, ...]
-    env: Mapping[str, str]
+    #: May hold the API key: never in repr; show :meth:`display_command` / :meth:`to_dict` instead.
+    argv: tuple[str, ...] = field(repr=False)
+    env: Mapping[str, str] = field(repr=False)
     server_args: Mapping[str, Any] = field(repr=False)
     bootstrap_port: int | None = None
 
@@ -122,8 +111,7 @@ class EngineProcessLaunch:
 
     @property
     def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return http_base_url(self.host, self.port)
 
     def display_command(self) -> str:
         return shlex.join(mask_argv(self.argv))
@@ -138,7 +126,7 @@ class EngineProcessLaunch:
             "url": self.url if self.serves_http else None,
             "bootstrap_port": self.bootstrap_port,
             "argv": mask_argv(self.argv),
-            "env": {k: (MASK if "KEY" in k.upper() else v) for k, v in self.env.items()},
+            "env": mask_env(self.env),
         }
 
 
@@ -213,7 +201,6 @@ def _engine_server_args(
     g: GroupPlan,
     e: EnginePlan,
     proc: EngineProcessPlan,
-    rank: int,
     settings: SGLangDeployConf,
     ports: PortAssignment,
     host: str,
@@ -224,20 +211,21 @@ def _engine_server_args(
     t = plan.trainer
     own = ports.engines[(e.id, proc.node_rank)]
     first = ports.engines[(e.id, 0)]
-    pp = int(g.overrides.get("pp_size", settings.server_defaults.get("pp_size", 1)) or 1)
     derived: dict[str, Any] = {
         "model_path": g.overrides.get("model_path"),
         "trust_remote_code": True,
-        "random_seed": t.seed + rank,
+        "random_seed": t.seed + e.rank,
         "host": host,
         "port": own.http,
         "nccl_port": own.nccl,
-        "dist_init_addr": f"{dist_host}:{first.dist_init}",
+        "dist_init_addr": f"[{dist_host}]:{first.dist_init}"
+        if ":" in dist_host
+        else f"{dist_host}:{first.dist_init}",
         "nnodes": e.nnodes,
         "node_rank": proc.node_rank,
         "base_gpu_id": 0,
         "gpu_id_step": 1,
-        "tp_size": g.num_gpus_per_engine // pp,
+        "tp_size": g.tp_size,
         "enable_memory_saver": t.offload_rollout,
         "skip_server_warmup": True,
         "enable_metrics": True,
@@ -313,7 +301,6 @@ def render_launch(
     dropped: set[str] = set()
     engines: list[EngineProcessLaunch] = []
     routers: list[RouterLaunch] = []
-    rank = 0
     for m in plan.models:
         workers: list[WorkerRegistration] = []
         for g in m.groups:
@@ -322,7 +309,7 @@ def render_launch(
                 for proc in e.processes:
                     host = host_of_node(proc.node)
                     values = _engine_server_args(
-                        plan, g, e, proc, rank, settings, ports, host, dist_host, server_arg_fields, dropped
+                        plan, g, e, proc, settings, ports, host, dist_host, server_arg_fields, dropped
                     )
                     env = {
                         **MILES_ENGINE_ENV,
@@ -344,7 +331,6 @@ def render_launch(
                         nnodes=e.nnodes,
                         host=host,
                         port=int(values["port"]),
-                        gpu_ids=proc.local_gpu_ids,
                         argv=(*prefix, *server_args_to_argv(values)),
                         env=env,
                         server_args=values,
@@ -361,7 +347,6 @@ def render_launch(
                                 else None,
                             )
                         )
-                rank += 1
         if m.engines:
             rp = ports.routers[m.name]
             spec = RouterLaunchSpec(

@@ -38,7 +38,12 @@ PLAN_OWNED_OVERRIDES: Mapping[str, str] = {
     "nnodes": "follows from num_gpus_per_engine and num_gpus_per_node",
     "node_rank": "assigned per engine process",
     "disaggregation_bootstrap_port": "assigned per prefill engine so that none collide",
+    "api_key": "it is a secret: set sglang_deploy.api_key (or SGLANG_API_KEY), which also reaches the routers",
+    "admin_api_key": "it is a secret: pass it to the engines through sglang_deploy.env, not the config",
 }
+
+#: ServerArgs fields whose values are never shown.
+SECRET_FIELDS = frozenset({"api_key", "admin_api_key"})
 
 #: The eval fleet's lowest override layer (Miles ``_apply_eval_model_config``).
 EVAL_DEFAULT_OVERRIDES: Mapping[str, Any] = {
@@ -139,12 +144,18 @@ class _Resolver:
         trainer: TrainerInputs,
         problems: ProblemCollector,
         server_arg_fields: Collection[str] | None,
+        server_defaults: Mapping[str, Any] | None = None,
     ) -> None:
         self.spec = spec
         self.t = trainer
         self.problems = problems
         self.fields = frozenset(server_arg_fields) if server_arg_fields is not None else None
+        self.defaults = normalise_overrides(server_defaults or {}, "sglang_deploy.server_defaults", problems)
+        self.eval_overrides = normalise_overrides(
+            trainer.eval_sglang_overrides, "eval_sglang_overrides", problems
+        )
         self.cursor = 0
+        self.rank = 0
         self.rollout_offset = trainer.rollout_offset
         self.megatron = trainer.megatron_num_gpus
         self.eval_active = trainer.eval_num_gpus > 0
@@ -182,6 +193,7 @@ class _Resolver:
                     "eval_num_gpus_per_engine",
                     f"eval_num_gpus={t.eval_num_gpus} does not split into engines of {eval_gpe} GPUs",
                 )
+            self.check_keys("eval_sglang_overrides", self.eval_overrides)
         elif t.eval_sglang_overrides:
             p.add(
                 "eval_sglang_overrides",
@@ -307,21 +319,29 @@ class _Resolver:
         group_abs_start = self.rollout_offset + gpu_offset
         needs_offload = bool(t.offload_rollout and group_abs_start < self.megatron)
 
+        # Override layers, lowest first; each remembers where it was written, for messages.
+        layers: list[tuple[str, Mapping[str, Any]]] = [("sglang_deploy.server_defaults", self.defaults)]
         overrides: dict[str, Any] = {}
         if model_level_path is not None:
             overrides["model_path"] = model_level_path
         if t.offload_rollout and not needs_offload:
             overrides["enable_memory_saver"] = False
         if is_eval:
-            overrides.update(EVAL_DEFAULT_OVERRIDES)
+            eval_layer: dict[str, Any] = dict(EVAL_DEFAULT_OVERRIDES)
             if gpe != t.rollout_num_gpus_per_engine:
-                overrides.update(dict.fromkeys(EVAL_PARALLEL_RESETS, 1))
-            overrides.update(normalise_overrides(t.eval_sglang_overrides, "eval_sglang_overrides", p))
+                eval_layer.update(dict.fromkeys(EVAL_PARALLEL_RESETS, 1))
+            overrides.update(eval_layer)
+            layers.append(("(eval fleet default)", eval_layer))
+            overrides.update(self.eval_overrides)
+            layers.append(("eval_sglang_overrides", self.eval_overrides))
         overrides.update(user)
+        layers.append((f"{key}.overrides", user))
 
         engines: tuple[EnginePlan, ...] = ()
+        sizes = {"tp_size": gpe, "pp_size": 1, "dp_size": 1}
         if worker_type is not None and worker_type is not WorkerType.placeholder and num_gpus:
-            self.check_overrides(key, user, worker_type, gpe)
+            self.check_keys(f"{key}.overrides", user)
+            sizes = self.check_parallel(layers, worker_type, gpe)
             engines = self.engines(m.name, g.name, key, worker_type, num_gpus, gpe, gpu_offset)
 
         return GroupPlan(
@@ -329,6 +349,9 @@ class _Resolver:
             worker_type=worker_type or WorkerType.regular,
             num_gpus=num_gpus,
             num_gpus_per_engine=gpe,
+            tp_size=sizes["tp_size"],
+            pp_size=sizes["pp_size"],
+            dp_size=sizes["dp_size"],
             gpu_offset=gpu_offset,
             needs_offload=needs_offload,
             overrides=freeze(overrides),
@@ -336,49 +359,63 @@ class _Resolver:
             key=key,
         )
 
-    def check_overrides(self, key: str, user: Mapping[str, Any], worker_type: WorkerType, gpe: int) -> None:
+    def check_keys(self, where: str, values: Mapping[str, Any]) -> None:
+        """Keys the plan owns, and keys that are not ServerArgs fields of the installed SGLang."""
         p = self.problems
         for name, reason in PLAN_OWNED_OVERRIDES.items():
-            if name in user:
-                p.add(f"{key}.overrides.{name}", f"cannot be overridden ({user[name]!r}): {reason}")
-        mode = user.get("disaggregation_mode")
+            if name in values:
+                shown = "***" if name in SECRET_FIELDS else repr(values[name])
+                p.add(f"{where}.{name}", f"cannot be overridden ({shown}): {reason}")
+        if self.fields is not None:
+            for name in values:
+                if name not in self.fields:
+                    close = suggest(name, self.fields)
+                    hint = f"; did you mean {', '.join(close)}?" if close else ""
+                    p.add(f"{where}.{name}", f"is not a ServerArgs field of the installed SGLang{hint}")
+
+    def check_parallel(
+        self, layers: list[tuple[str, Mapping[str, Any]]], worker_type: WorkerType, gpe: int
+    ) -> dict[str, int]:
+        """The engine's tp/pp/dp sizes from all override layers, checked against num_gpus_per_engine."""
+        p = self.problems
+
+        def value(name: str, default: Any) -> tuple[Any, str]:
+            for where, layer in reversed(layers):
+                if name in layer:
+                    return layer[name], f"{where}.{name}"
+            return default, ""
+
+        mode, where = value("disaggregation_mode", None)
         expected_mode = worker_type.value if worker_type.is_pd else "null"
         if mode is not None and str(mode) != expected_mode:
             p.add(
-                f"{key}.overrides.disaggregation_mode",
+                where,
                 f"{mode!r} contradicts worker_type {worker_type.value!r} (which implies {expected_mode!r}); "
                 "set the worker type instead",
             )
-        pp = user.get("pp_size", 1)
+        pp, where = value("pp_size", 1)
         if not _is_int(pp) or pp < 1:
-            p.add(f"{key}.overrides.pp_size", f"must be an integer >= 1, got {pp!r}")
+            p.add(where, f"must be an integer >= 1, got {pp!r}")
             pp = 1
         elif gpe % pp:
-            p.add(f"{key}.overrides.pp_size", f"{pp} does not divide num_gpus_per_engine={gpe}")
+            p.add(where, f"{pp} does not divide num_gpus_per_engine={gpe}")
             pp = 1
-        tp = user.get("tp_size")
+        tp, where = value("tp_size", None)
         if tp is not None and tp != gpe // pp:
             p.add(
-                f"{key}.overrides.tp_size",
+                where,
                 f"{tp!r} disagrees with num_gpus_per_engine={gpe}"
                 + (f" / pp_size={pp}" if pp > 1 else "")
                 + f" (tp_size would be {gpe // pp}); set num_gpus_per_engine instead",
             )
+        sizes = {"tp_size": gpe // pp, "pp_size": pp, "dp_size": 1}
         for name in ("dp_size", "ep_size"):
-            value = user.get(name)
-            if value is not None and (not _is_int(value) or value < 1 or value > gpe):
-                p.add(
-                    f"{key}.overrides.{name}",
-                    f"must be an integer between 1 and num_gpus_per_engine={gpe}, got {value!r}",
-                )
-        if self.fields is not None:
-            for name in user:
-                if name not in self.fields:
-                    close = suggest(name, self.fields)
-                    hint = f"; did you mean {', '.join(close)}?" if close else ""
-                    p.add(
-                        f"{key}.overrides.{name}", f"is not a ServerArgs field of the installed SGLang{hint}"
-                    )
+            v, where = value(name, 1)
+            if not _is_int(v) or v < 1 or v > gpe:
+                p.add(where, f"must be an integer between 1 and num_gpus_per_engine={gpe}, got {v!r}")
+            elif name == "dp_size":
+                sizes["dp_size"] = v
+        return sizes
 
     # ---------------------------------------------------------------------------------------------- engines
     def engines(
@@ -437,11 +474,13 @@ class _Resolver:
                     model=model,
                     group=group,
                     index=i,
+                    rank=self.rank,
                     worker_type=wt,
                     gpu_slots=slots,
                     processes=tuple(processes),
                 )
             )
+            self.rank += 1
         return tuple(engines)
 
 
@@ -450,12 +489,15 @@ def resolve_deployment(
     trainer: TrainerInputs,
     *,
     server_arg_fields: Collection[str] | None = None,
+    server_defaults: Mapping[str, Any] | None = None,
 ) -> DeploymentPlan:
     """Resolve a deployment into a frozen plan, or raise one error that lists every problem.
 
     ``spec=None`` means no deployment was described: Miles' legacy behaviour (one regular group, or
     ``prefill_num_servers``, plus the eval fleet). ``server_arg_fields`` (the installed SGLang's ``ServerArgs``
     field names) turns on the check of override keys; without it override keys are not checked here.
+    ``server_defaults`` (``sglang_deploy.server_defaults``, Miles' ``--sglang-*`` values) take part in each
+    engine's tp/pp/dp sizes, below every override.
     """
     problems = ProblemCollector(spec.source if spec is not None else "trainer arguments")
     problems.extend(trainer.problems())
@@ -483,7 +525,7 @@ def resolve_deployment(
             "decode groups in the deployment instead",
         )
 
-    resolver = _Resolver(spec, trainer, problems, server_arg_fields)
+    resolver = _Resolver(spec, trainer, problems, server_arg_fields, server_defaults)
     models = resolver.run()
     total = resolver.cursor
 

@@ -21,10 +21,8 @@ example a port already in use), 130 after SIGINT.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
-import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -60,21 +58,6 @@ def build_router_args_kwargs(spec: RouterLaunchSpec) -> dict[str, Any]:
     return kwargs
 
 
-def _exit_with_parent() -> None:
-    """Ask the kernel to send SIGTERM when the parent goes away (Linux ``PR_SET_PDEATHSIG``).
-
-    Caveat: the signal fires when the *thread* that started this process exits, so only use it when the
-    parent starts routers from a long-lived thread.
-    """
-    if not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    pr_set_pdeathsig = 1
-    libc.prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
-    if os.getppid() == 1:  # the parent died before prctl took effect
-        os.kill(os.getpid(), signal.SIGTERM)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m miles_sglang_plugin.router_main",
@@ -82,11 +65,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"The API key, if any, is read from ${API_KEY_ENV}.",
     )
     parser.add_argument("--spec-json", required=True, help="RouterLaunchSpec.to_json() output")
-    parser.add_argument(
-        "--exit-with-parent",
-        action="store_true",
-        help="SIGTERM this router when the process that started it dies (Linux PR_SET_PDEATHSIG)",
-    )
     args = parser.parse_args(argv)
 
     try:
@@ -106,9 +84,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     problems = validate_router_settings(spec.settings)
     if problems:
         return _fail(2, f"bad router settings for model {spec.model!r}:\n  - " + "\n  - ".join(problems))
-
-    if args.exit_with_parent:
-        _exit_with_parent()
 
     from sglang_router.router import Router
     from sglang_router.router_args import RouterArgs

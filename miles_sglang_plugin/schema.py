@@ -158,11 +158,13 @@ class SGLangDeployConf:
     #: Deployment-wide ServerArgs values (Miles' ``--sglang-*`` flags): lowest precedence.
     server_defaults: dict[str, Any] = field(default_factory=dict)
     #: Extra environment variables for every engine (above Miles' defaults, below CUDA_VISIBLE_DEVICES).
-    env: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict, repr=False)  # may hold tokens: kept out of repr
     lora: LoraConf = field(default_factory=LoraConf)
     standin: StandInFaultsConf = field(default_factory=StandInFaultsConf)
-    #: API key of engines and routers. A secret: never printed, logged or written to a plan.
-    api_key: str | None = II("oc.env:SGLANG_API_KEY,null")
+    #: API key of engines and routers. A secret: never printed, logged or written to a plan. Prefer the
+    #: environment variable SGLANG_API_KEY (read when this is null): a value given here is part of the
+    #: config that Hydra saves in the run directory.
+    api_key: str | None = field(default=None, repr=False)
 
 
 @dataclass

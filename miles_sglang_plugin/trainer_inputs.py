@@ -2,7 +2,7 @@
 
 A Miles (or slime) ``argparse.Namespace`` maps onto :class:`TrainerInputs` field by field
 (:meth:`TrainerInputs.from_namespace`); a Hydra app keeps the same names at the root of its config
-(:meth:`TrainerInputs.from_config`). A trainer whose arguments are named differently maps them in one place:
+(:func:`miles_sglang_plugin.hydra_config.trainer_from_config`). A trainer whose arguments are named differently maps them in one place:
 interpolations at the root of its primary config, e.g. ``hf_checkpoint: ${model.path}`` (see the README).
 """
 
@@ -84,7 +84,7 @@ class TrainerInputs:
         eval_overrides = {
             key[len(EVAL_SGLANG_PREFIX) :]: value
             for key, value in vars(ns).items()
-            if key.startswith(EVAL_SGLANG_PREFIX) and value is not None
+            if key.startswith(EVAL_SGLANG_PREFIX) and key != "eval_sglang_overrides" and value is not None
         }
         if eval_overrides:
             values["eval_sglang_overrides"] = {
@@ -92,19 +92,6 @@ class TrainerInputs:
                 **dict(values.get("eval_sglang_overrides") or {}),
             }
         return cls.from_mapping(values)
-
-    @classmethod
-    def from_config(cls, root: Any) -> TrainerInputs:
-        """Build from the root of a composed Hydra/OmegaConf config (keys absent from the app take defaults)."""
-        from omegaconf import DictConfig, OmegaConf
-
-        if isinstance(root, DictConfig):
-            values = {name: OmegaConf.select(root, name, default=None) for name in cls.field_names()}
-            overrides = values.get("eval_sglang_overrides")
-            if overrides is not None:
-                values["eval_sglang_overrides"] = OmegaConf.to_container(overrides, resolve=True)
-            return cls.from_mapping(values)
-        return cls.from_mapping(dict(root))
 
     # ------------------------------------------------------------------------------------------------- derived
     @property

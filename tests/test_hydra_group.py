@@ -198,6 +198,8 @@ def test_plan_json_fields(capsys):
     assert data["rollout_offset"] == 0 and data["megatron_num_gpus"] == 8 and data["total_gpus"] == 20
     decode = data["models"]["actor"]["groups"]["decode"]
     assert (decode["gpu_offset"], decode["needs_offload"], decode["num_gpus_per_engine"]) == (8, False, 4)
+    assert (decode["tp_size"], decode["pp_size"], decode["dp_size"]) == (4, 1, 1)
+    assert [e["rank"] for e in decode["engines"]] == [2, 3]
     assert decode["overrides"] == {"model_path": "/c", "enable_memory_saver": False}
     prefill = data["models"]["actor"]["groups"]["prefill"]
     assert prefill["needs_offload"] is True and "enable_memory_saver" not in prefill["overrides"]
@@ -207,6 +209,7 @@ def test_plan_json_fields(capsys):
     assert prefill["engines"][1] == {
         "id": "actor.prefill.1",
         "index": 1,
+        "rank": 1,
         "gpu_slots": [4, 5, 6, 7],
         "node": 0,
         "local_gpu_ids": [4, 5, 6, 7],

@@ -11,13 +11,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from miles_sglang_plugin import sglang_server_args as sglang_parser
 from miles_sglang_plugin.compose import compose_config
 from miles_sglang_plugin.deployment_spec import GroupSpec
 from miles_sglang_plugin.errors import DeploymentConfigError
-from miles_sglang_plugin.hydra_config import deploy_settings_from_config, resolve_config
+from miles_sglang_plugin.hydra_config import deploy_settings_from_config, prepare_from_config, resolve_config
+from miles_sglang_plugin.masking import mask_argv
 from miles_sglang_plugin.ports import EPHEMERAL_START, PortClaims, PortExhaustedError, assign_ports
 from miles_sglang_plugin.prepared import prepare_deployment
-from miles_sglang_plugin.rendering import MILES_ENGINE_ENV, mask_argv
+from miles_sglang_plugin.rendering import MILES_ENGINE_ENV
 from miles_sglang_plugin.resolution import resolve_deployment
 from miles_sglang_plugin.schema import LaunchConf, SGLangDeployConf
 from miles_sglang_plugin.server_arg_fields import known_server_arg_fields
@@ -25,18 +27,15 @@ from miles_sglang_plugin.trainer_inputs import TrainerInputs
 from tests.conftest import group, model, spec
 from tests.test_resolution_properties import aligned_deployments
 
-sglang_parser = pytest.importorskip("miles_sglang_plugin.sglang_server_args")
-if sglang_parser.server_args_fields() is None:
-    pytest.skip("SGLang is not installed (the test set-up installs it)", allow_module_level=True)
-
+HAVE_SGLANG = sglang_parser.server_args_fields() is not None
+#: The parser tests need SGLang (the test set-up installs it); the others run with the shipped field list.
+needs_sglang = pytest.mark.skipif(not HAVE_SGLANG, reason="SGLang is not installed (make test installs it)")
 FIELDS = known_server_arg_fields().fields
 PRESETS = ["default", "pd", "actor_ref", "pd_actor_ref", "multi_model", "placeholder", "agentic_32gpu"]
 
 
 def prepared_for(*overrides: str):
-    cfg = compose_config(list(overrides))
-    plan = resolve_config(cfg, server_arg_fields=FIELDS)
-    return prepare_deployment(plan, deploy_settings_from_config(cfg), server_arg_fields=FIELDS)
+    return prepare_from_config(compose_config(list(overrides)))
 
 
 def parsed(launch) -> dict:
@@ -69,10 +68,18 @@ def check_against_plan(prep) -> None:
         assert sa["enable_memory_saver"] is bool(expected_saver)
         for key, value in g.overrides.items():
             assert sa[key] == value, key
+        assert (sa["tp_size"], sa["pp_size"], sa["dp_size"]) == (g.tp_size, g.pp_size, g.dp_size)
+        assert sa["random_seed"] == plan.trainer.seed + e.rank
+        assert sa["api_key"] is None and "--api-key" not in launch.argv  # no key configured: none passed
         first = next(x for x in specs.for_engine(e.id) if x.node_rank == 0)
         assert sa["dist_init_addr"] == parsed(first)["dist_init_addr"]
         for port in (sa["port"], sa["nccl_port"]):
             ports_per_host[(launch.host, port)] += 1
+        if launch.node_rank == 0:  # the dist-init run (30 + dp_size ports) and the engine-info port
+            dist_port = int(sa["dist_init_addr"].rsplit(":", 1)[1])
+            for port in range(dist_port, dist_port + 30 + g.dp_size):
+                ports_per_host[(launch.host, port)] += 1
+            ports_per_host[(launch.host, sa["engine_info_bootstrap_port"])] += 1
         for gpu in proc.local_gpu_ids:
             gpus_per_node[(proc.node, gpu)] += 1
     for r in specs.routers:
@@ -84,6 +91,7 @@ def check_against_plan(prep) -> None:
 
 
 @pytest.mark.sglang
+@needs_sglang
 @pytest.mark.parametrize("preset", PRESETS)
 def test_every_preset_renders_argv_that_real_sglang_parses(preset):
     prep = prepared_for(f"sglang={preset}", "hf_checkpoint=/ckpt", "colocate=true", "offload_rollout=true")
@@ -92,6 +100,7 @@ def test_every_preset_renders_argv_that_real_sglang_parses(preset):
 
 
 @pytest.mark.sglang
+@needs_sglang
 @settings(
     max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
 )
@@ -117,6 +126,7 @@ def test_random_deployments_render_and_parse(data):
 
 
 @pytest.mark.sglang
+@needs_sglang
 def test_multi_node_engine_one_process_per_node_with_one_dist_init_addr():
     prep = prepared_for("sglang=default", "sglang.actor.regular.num_gpus=32", "sglang.actor.num_gpus_per_engine=16",
                         "hf_checkpoint=/c", "colocate=true")  # fmt: skip
@@ -134,22 +144,42 @@ def test_multi_node_engine_one_process_per_node_with_one_dist_init_addr():
 
 def test_precedence_overrides_then_derived_then_server_defaults():
     s = spec(
-        model("actor", group("prefill", 2, gpe=2, load_balance_method="follow_bootstrap_room"),
+        model("actor", group("prefill", 2, gpe=2), group("prefill", 2, gpe=2, name="p2", load_balance_method="follow_bootstrap_room"),
               group("decode", 2, gpe=2, mem_fraction_static=0.9)),
     )  # fmt: skip
     plan = resolve_deployment(s, TrainerInputs(hf_checkpoint="/c", colocate=True))
     conf = SGLangDeployConf(server_defaults={"mem_fraction_static": 0.7, "enable_hierarchical_cache": True,
-                                             "skip_server_warmup": False, "chunked_prefill_size": 4096})  # fmt: skip
+                                             "load_balance_method": "shortest_queue"})  # fmt: skip
     prep = prepare_deployment(plan, conf, server_arg_fields=FIELDS)
-    prefill, decode = (prep.launch.for_engine(f"actor.{g}.0")[0].server_args for g in ("prefill", "decode"))
+    prefill, p2, decode = (
+        prep.launch.for_engine(f"actor.{g}.0")[0].server_args for g in ("prefill", "p2", "decode")
+    )
     assert (
-        prefill["load_balance_method"] == "follow_bootstrap_room"
-    )  # group override beats Miles' round_robin
+        prefill["load_balance_method"] == "round_robin"
+    )  # Miles' prefill value beats the deployment default
+    assert p2["load_balance_method"] == "follow_bootstrap_room"  # a group override beats both
+    assert decode["load_balance_method"] == "shortest_queue"  # nothing derived for decode: the default
     assert prefill["mem_fraction_static"] == 0.7 and decode["mem_fraction_static"] == 0.9
-    assert prefill["skip_server_warmup"] is True  # derived beats server_defaults
     assert prefill["enable_hierarchical_cache"] is True and "enable_hierarchical_cache" not in decode
     assert "prefill_round_robin_balance" not in decode  # not a field of SGLang 0.5.23
     assert any("prefill_round_robin_balance" in n for n in prep.launch.notes)
+
+
+def test_server_defaults_may_not_set_what_the_plan_derives():
+    plan = resolve_deployment(
+        spec(model("actor", group("regular", 2))), TrainerInputs(hf_checkpoint="/c", colocate=True)
+    )
+    conf = SGLangDeployConf(
+        server_defaults={"skip_server_warmup": False, "enable_memory_saver": True, "api_key": "k"}
+    )
+    with pytest.raises(DeploymentConfigError) as exc:
+        prepare_deployment(plan, conf, server_arg_fields=FIELDS)
+    text = str(exc.value)
+    assert (
+        "sglang_deploy.server_defaults.skip_server_warmup: cannot be set deployment-wide: always on" in text
+    )
+    assert "sglang_deploy.server_defaults.enable_memory_saver: cannot be set deployment-wide" in text
+    assert "sglang_deploy.server_defaults.api_key: cannot be set deployment-wide: it is a secret" in text
 
 
 def test_env_defaults_user_env_and_gpu_pinning():
@@ -280,6 +310,7 @@ def test_group_spec_keeps_overrides_read_only():
 
 
 @pytest.mark.sglang
+@needs_sglang
 def test_lora_replay_fp16_and_command_prefix_render_for_real_sglang():
     prep = prepared_for(
         "sglang=default", "hf_checkpoint=/c", "colocate=true", "sglang.actor.regular.num_gpus=2",
@@ -333,3 +364,55 @@ def test_local_backend_refuses_multi_node_plans_of_real_engines_before_starting_
     one_node = prepared_for("sglang=pd_actor_ref", "hf_checkpoint=/c", "debug_rollout_only=true",
                             "sglang.actor.prefill.num_gpus=4", "sglang.actor.decode.num_gpus=4", "~sglang.ref")  # fmt: skip
     assert LocalLauncher(one_node, log_dir=tmp_path).notes == []
+
+
+@pytest.mark.sglang
+@needs_sglang
+def test_deployment_wide_dp_and_pp_sizes_shape_engines_and_ports():
+    prep = prepared_for("sglang=default", "hf_checkpoint=/c", "colocate=true", "sglang.actor.regular.num_gpus=8",
+                        "sglang.actor.num_gpus_per_engine=4", "+sglang_deploy.server_defaults.dp_size=4",
+                        "+sglang_deploy.server_defaults.pp_size=2")  # fmt: skip
+    g = prep.plan.model("actor").groups[0]
+    assert (g.tp_size, g.pp_size, g.dp_size) == (2, 2, 4)
+    check_against_plan(prep)  # includes: the 34-port dist-init runs of the two engines do not overlap
+    with pytest.raises(DeploymentConfigError) as exc:
+        prepared_for("sglang=default", "hf_checkpoint=/c", "sglang.actor.num_gpus_per_engine=4",
+                     "+sglang_deploy.server_defaults.pp_size=3")  # fmt: skip
+    assert "sglang_deploy.server_defaults.pp_size: 3 does not divide num_gpus_per_engine=4" in str(exc.value)
+
+
+@pytest.mark.sglang
+@needs_sglang
+def test_ipv6_host_renders_bracketed_addresses_that_sglang_accepts():
+    prep = prepared_for("sglang=pd", "hf_checkpoint=/c", "colocate=true", "sglang_deploy.launch.host='[::1]'")
+    check_against_plan(prep)
+    bare = prepared_for("sglang=pd", "hf_checkpoint=/c", "colocate=true", "sglang_deploy.launch.host='::1'")
+    assert [e.argv for e in bare.launch.engines] == [e.argv for e in prep.launch.engines]
+    e = prep.launch.engines[0]
+    sa = parsed(e)
+    assert sa["host"] == "::1" and sa["dist_init_addr"].startswith("[::1]:")
+    assert e.url == f"http://[::1]:{e.port}"
+    assert prep.launch.routers[0].spec.url.startswith("http://[::1]:")
+
+
+def test_eval_overrides_and_api_key_overrides_are_checked():
+    with pytest.raises(DeploymentConfigError) as exc:
+        prepared_for("sglang=default", "hf_checkpoint=/c", "colocate=true", "eval_num_gpus=2",
+                     "+sglang_model@sglang.eval=base", "sglang.eval.regular.num_gpus=2",
+                     "+eval_sglang_overrides.port=1", "+eval_sglang_overrides.mem_fraction_statc=0.5",
+                     "+sglang.actor.regular.overrides.api_key=hunter2")  # fmt: skip
+    text = " ".join(str(exc.value).split())
+    assert "eval_sglang_overrides.port: cannot be overridden (1)" in text
+    assert "eval_sglang_overrides.mem_fraction_statc: is not a ServerArgs field" in text
+    assert "sglang.actor.regular.overrides.api_key: cannot be overridden (***): it is a secret" in text
+    assert "hunter2" not in text
+    assert text.count("eval_sglang_overrides.port") == 1  # once, not once per eval group
+
+
+def test_secrets_stay_out_of_reprs_and_printed_environments():
+    cfg = compose_config(["sglang=pd", "hf_checkpoint=/c", "sglang_deploy.api_key=s3cr3t",
+                          "+sglang_deploy.env.HF_TOKEN=tok123"])  # fmt: skip
+    prep = prepare_deployment(resolve_config(cfg), deploy_settings_from_config(cfg))
+    for text in (repr(prep), repr(prep.settings), repr(prep.launch.engines[0]), json.dumps(prep.to_dict())):
+        assert "s3cr3t" not in text and "tok123" not in text
+    assert prep.launch.engines[0].env["HF_TOKEN"] == "tok123"  # the engine still gets it

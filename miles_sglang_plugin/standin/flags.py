@@ -13,13 +13,12 @@ Spellings accepted: ``--tp-size 2``, ``--tp_size 2``, ``--tp-size=2``, boolean f
 from __future__ import annotations
 
 import difflib
-import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-FIELDS_FILE = Path(__file__).resolve().parent.parent / "data" / "sglang_server_args_fields.txt"
+from miles_sglang_plugin.masking import SECRET_FIELDS, mask_argv
+from miles_sglang_plugin.server_arg_fields import shipped_server_arg_fields
 
 ALIASES: dict[str, str] = {
     "model": "model_path",
@@ -31,9 +30,7 @@ ALIASES: dict[str, str] = {
     "nccl_init_addr": "dist_init_addr",
 }
 
-SECRET_FIELDS: frozenset[str] = frozenset({"api_key", "admin_api_key"})
 DISAGGREGATION_MODES: tuple[str, ...] = ("null", "prefill", "decode")
-MASK = "***"
 
 _BOOL_WORDS = {"true": True, "false": False}
 
@@ -42,11 +39,9 @@ class StandInFlagError(ValueError):
     """A launch_server argv the stand-in (and therefore the real engine) would not accept."""
 
 
-@functools.cache
 def server_args_fields() -> frozenset[str]:
     """The ServerArgs field names of sglang 0.5.23, read from the shipped list."""
-    lines = FIELDS_FILE.read_text(encoding="utf-8").splitlines()
-    return frozenset(line.strip() for line in lines if line.strip())
+    return shipped_server_arg_fields()
 
 
 def flag_spelling(field: str) -> str:
@@ -118,27 +113,6 @@ def _unknown_flag(name: str) -> StandInFlagError:
     return StandInFlagError(
         f"unknown flag --{name}: not a ServerArgs field of sglang 0.5.23 (nor an alias){hint}"
     )
-
-
-def mask_argv(argv: Sequence[str]) -> list[str]:
-    """argv with the value of ``--api-key`` (and ``--admin-api-key``) replaced by ``***``."""
-    out: list[str] = []
-    mask_next = False
-    for tok in argv:
-        if mask_next and not tok.startswith("--"):
-            out.append(MASK)
-            mask_next = False
-            continue
-        mask_next = False
-        if tok.startswith("--"):
-            name, eq, _ = tok[2:].partition("=")
-            if _canonical(name) in SECRET_FIELDS:
-                if eq:
-                    out.append(f"--{name}={MASK}")
-                    continue
-                mask_next = True
-        out.append(tok)
-    return out
 
 
 def _to_int(flag: str, value: str) -> int:

@@ -7,6 +7,7 @@ trainer's legacy flags, handled by the resolver). ``None`` in an optional field 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -31,6 +32,14 @@ class WorkerType(StrEnum):
 
 
 WORKER_TYPES: tuple[str, ...] = tuple(t.value for t in WorkerType)
+
+#: Model and group names: usable as Hydra keys (``sglang.<model>.<group>``) and in engine ids.
+NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
+
+
+def is_int(value: Any) -> bool:
+    """An integer that is not a bool (YAML's ``true`` must not count as 1 GPU)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def freeze(value: Any) -> Any:

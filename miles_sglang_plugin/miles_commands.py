@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from miles_sglang_plugin.deployment_spec import DeploymentSpec
+from miles_sglang_plugin.deployment_spec import NAME_RE, DeploymentSpec
 from miles_sglang_plugin.miles_yaml import (
     BASE64_PREFIX,
     load_miles_config,
@@ -31,7 +31,7 @@ from miles_sglang_plugin.miles_yaml import (
 
 EXIT_USER_ERROR = 2
 #: A preset name usable as ``sglang=<name>`` and as a file name.
-PRESET_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
+PRESET_NAME_RE = NAME_RE
 #: Characters a Hydra override value may hold without quotes (anything else is quoted).
 _HYDRA_PLAIN_RE = re.compile(r"^[A-Za-z0-9_./\-]+$")
 

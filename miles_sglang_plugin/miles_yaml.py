@@ -29,11 +29,13 @@ from typing import Any
 import yaml
 
 from miles_sglang_plugin.deployment_spec import (
+    NAME_RE,
     WORKER_TYPES,
     DeploymentSpec,
     GroupSpec,
     ModelSpec,
     WorkerType,
+    is_int,
     thaw,
 )
 from miles_sglang_plugin.errors import DeploymentConfigError, ProblemCollector
@@ -52,7 +54,7 @@ MODEL_KEYS = ("name", "model_path", "num_gpus_per_engine", "update_weights", "se
 GROUP_KEYS = ("worker_type", "num_gpus", "num_gpus_per_engine", "overrides")
 
 #: A model name that can be a key of the ``sglang`` node and a package in a defaults list.
-HYDRA_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
+HYDRA_KEY_RE = NAME_RE
 #: Names a model of a preset cannot have: they collide with the preset's own keys or Hydra's keywords.
 RESERVED_MODEL_NAMES = frozenset({"sglang_deploy", "defaults", "_self_", "_global_", "_group_", "_name_"})
 
@@ -99,10 +101,6 @@ def _type_name(value: Any) -> str:
 def _did_you_mean(name: Any, candidates: tuple[str, ...]) -> str:
     close = difflib.get_close_matches(str(name).replace("-", "_"), candidates, n=2, cutoff=0.6)
     return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _read_source(source: str | os.PathLike[str], p: ProblemCollector) -> tuple[str, str, str | None]:
@@ -203,12 +201,12 @@ def _load_group(
     if "num_gpus" not in g:
         p.add(f"{gkey}.num_gpus", "is required: the group's total GPU count, an integer > 0")
         ok = False
-    elif not _is_int(num_gpus) or num_gpus < 1:
+    elif not is_int(num_gpus) or num_gpus < 1:
         p.add(f"{gkey}.num_gpus", f"must be an integer > 0, got {num_gpus!r}")
         ok = False
 
     gpe = g.get("num_gpus_per_engine")
-    if gpe is not None and (not _is_int(gpe) or gpe < 1):
+    if gpe is not None and (not is_int(gpe) or gpe < 1):
         p.add(
             f"{gkey}.num_gpus_per_engine",
             f"must be an integer > 0 (or left out to inherit {model_gpe_path}), got {gpe!r}",
@@ -273,7 +271,7 @@ def _load_model(m: Any, mkey: str, p: ProblemCollector) -> ModelSpec | None:
         p.add(f"{mkey}.update_weights", f"must be true, false or left out (inferred), got {update_weights!r}")
         ok = False
     gpe = m.get("num_gpus_per_engine")
-    if gpe is not None and (not _is_int(gpe) or gpe < 1):
+    if gpe is not None and (not is_int(gpe) or gpe < 1):
         p.add(f"{mkey}.num_gpus_per_engine", f"must be an integer > 0, got {gpe!r}")
         ok = False
 
@@ -536,7 +534,7 @@ def spec_to_preset(spec: DeploymentSpec) -> str:
                 p.add(f"{mkey}.update_weights", f"must be true or false, got {m.update_weights!r}")
             node["update_weights"] = m.update_weights
         if m.num_gpus_per_engine is not None:
-            if not _is_int(m.num_gpus_per_engine) or m.num_gpus_per_engine < 1:
+            if not is_int(m.num_gpus_per_engine) or m.num_gpus_per_engine < 1:
                 p.add(f"{mkey}.num_gpus_per_engine", f"must be an integer > 0, got {m.num_gpus_per_engine!r}")
             node["num_gpus_per_engine"] = m.num_gpus_per_engine
 
@@ -553,7 +551,7 @@ def spec_to_preset(spec: DeploymentSpec) -> str:
                     f"{g.worker_type!r} is not a worker type ({', '.join(WORKER_TYPES)})",
                 )
                 continue
-            if not _is_int(g.num_gpus) or g.num_gpus < 1:
+            if not is_int(g.num_gpus) or g.num_gpus < 1:
                 p.add(
                     f"{gkey}.num_gpus",
                     f"must be an integer > 0 (a preset's num_gpus: 0 means the group is off), got {g.num_gpus!r}",
@@ -561,7 +559,7 @@ def spec_to_preset(spec: DeploymentSpec) -> str:
                 continue
             body: dict[str, Any] = {"num_gpus": g.num_gpus}
             if g.num_gpus_per_engine is not None:
-                if not _is_int(g.num_gpus_per_engine) or g.num_gpus_per_engine < 1:
+                if not is_int(g.num_gpus_per_engine) or g.num_gpus_per_engine < 1:
                     p.add(
                         f"{gkey}.num_gpus_per_engine",
                         f"must be an integer > 0, got {g.num_gpus_per_engine!r}",

@@ -11,17 +11,18 @@ once, as one :class:`~miles_sglang_plugin.errors.DeploymentConfigError`, before 
 from __future__ import annotations
 
 import difflib
-import re
 from collections.abc import Collection, Mapping
 from typing import Any
 
 from miles_sglang_plugin.deployment_spec import (
+    NAME_RE,
     WORKER_TYPES,
     DeploymentSpec,
     GroupSpec,
     ModelSpec,
     WorkerType,
     freeze,
+    is_int,
 )
 from miles_sglang_plugin.errors import ProblemCollector
 from miles_sglang_plugin.plan import DeploymentPlan, EnginePlan, EngineProcessPlan, GroupPlan, ModelPlan
@@ -52,12 +53,6 @@ EVAL_DEFAULT_OVERRIDES: Mapping[str, Any] = {
 }
 #: Also reset to 1 for eval groups whose TP differs from the rollout TP.
 EVAL_PARALLEL_RESETS = ("dp_size", "pp_size", "ep_size", "attn_cp_size")
-
-_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def suggest(name: str, candidates: Collection[str], n: int = 3) -> list[str]:
@@ -181,7 +176,7 @@ class _Resolver:
                     f"models: {names}",
                 )
             else:
-                eval_gpus = sum(g.num_gpus for g in evals[0].groups if _is_int(g.num_gpus))
+                eval_gpus = sum(g.num_gpus for g in evals[0].groups if is_int(g.num_gpus))
                 if eval_gpus != t.eval_num_gpus:
                     p.add(
                         evals[0].key or "sglang.eval",
@@ -216,13 +211,13 @@ class _Resolver:
         p, t = self.problems, self.t
         key = m.key or f"sglang.{m.name}"
         is_eval = self.eval_active and m.name == "eval"
-        if not isinstance(m.name, str) or not _NAME_RE.match(m.name):
+        if not isinstance(m.name, str) or not NAME_RE.match(m.name):
             p.add(
                 key,
                 f"model name {m.name!r} must start with a letter or '_' and hold only letters, digits, _ or -",
             )
         if m.num_gpus_per_engine is not None and (
-            not _is_int(m.num_gpus_per_engine) or m.num_gpus_per_engine < 1
+            not is_int(m.num_gpus_per_engine) or m.num_gpus_per_engine < 1
         ):
             p.add(f"{key}.num_gpus_per_engine", f"must be an integer >= 1, got {m.num_gpus_per_engine!r}")
         if m.update_weights is not None and not isinstance(m.update_weights, bool):
@@ -296,7 +291,7 @@ class _Resolver:
             worker_type = None
 
         num_gpus = g.num_gpus
-        if not _is_int(num_gpus) or num_gpus < 1:
+        if not is_int(num_gpus) or num_gpus < 1:
             p.add(f"{key}.num_gpus", f"must be an integer >= 1, got {num_gpus!r}")
             num_gpus = 0
 
@@ -308,7 +303,7 @@ class _Resolver:
             gpe, gpe_from = m.num_gpus_per_engine, f"{m.key or 'sglang.' + m.name}.num_gpus_per_engine"
         else:
             gpe, gpe_from = t.rollout_num_gpus_per_engine, "rollout_num_gpus_per_engine"
-        if not _is_int(gpe) or gpe < 1:
+        if not is_int(gpe) or gpe < 1:
             if gpe_from == f"{key}.num_gpus_per_engine":
                 p.add(gpe_from, f"must be an integer >= 1, got {gpe!r}")
             gpe = 1
@@ -394,7 +389,7 @@ class _Resolver:
                 "set the worker type instead",
             )
         pp, where = value("pp_size", 1)
-        if not _is_int(pp) or pp < 1:
+        if not is_int(pp) or pp < 1:
             p.add(where, f"must be an integer >= 1, got {pp!r}")
             pp = 1
         elif gpe % pp:
@@ -411,7 +406,7 @@ class _Resolver:
         sizes = {"tp_size": gpe // pp, "pp_size": pp, "dp_size": 1}
         for name in ("dp_size", "ep_size"):
             v, where = value(name, 1)
-            if not _is_int(v) or v < 1 or v > gpe:
+            if not is_int(v) or v < 1 or v > gpe:
                 p.add(where, f"must be an integer between 1 and num_gpus_per_engine={gpe}, got {v!r}")
             elif name == "dp_size":
                 sizes["dp_size"] = v

@@ -214,7 +214,7 @@ def resolve_config(cfg: DictConfig, *, server_arg_fields: Collection[str] | None
         trainer = trainer_from_config(cfg)
         server_defaults = deploy_settings_from_config(cfg).server_defaults
     except (OmegaConfBaseException, TypeError, ValueError) as exc:
-        problems.add("", f"trainer inputs: {_first_line(exc)}")
+        problems.add("", f"the trainer's arguments or sglang_deploy do not read: {_first_line(exc)}")
         problems.raise_if_any()
     spec = spec_from_config(cfg, problems)
     problems.raise_if_any()

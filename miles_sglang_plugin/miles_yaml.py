@@ -409,12 +409,16 @@ def _yaml_implicit_tag(value: str) -> str:
         loader.dispose()
 
 
-class _PresetDumper(yaml.SafeDumper):
-    """Indented block lists; strings quoted wherever Hydra's YAML loader would read them as something else
-    (``1e3`` is a float to Hydra, a string to PyYAML)."""
+class _MilesDumper(yaml.SafeDumper):
+    """Block lists indented under their key."""
 
     def increase_indent(self, flow: bool = False, indentless: bool = False) -> None:
         super().increase_indent(flow, False)
+
+
+class _PresetDumper(_MilesDumper):
+    """Also quotes strings wherever Hydra's YAML loader would read them as something else (``1e3`` is a float
+    to Hydra, a string to PyYAML)."""
 
 
 def _represent_preset_str(dumper: yaml.SafeDumper, data: str) -> yaml.ScalarNode:
@@ -425,11 +429,6 @@ def _represent_preset_str(dumper: yaml.SafeDumper, data: str) -> yaml.ScalarNode
 
 
 _PresetDumper.add_representer(str, _represent_preset_str)
-
-
-class _MilesDumper(yaml.SafeDumper):
-    def increase_indent(self, flow: bool = False, indentless: bool = False) -> None:
-        super().increase_indent(flow, False)
 
 
 _INTERPOLATION_RE = re.compile(r"(\\*)\$\{")

@@ -29,7 +29,7 @@ test: $(VENV)/.sglang-installed
 	$(BIN)/python -m pytest
 
 lint: $(VENV)/.base-installed
-	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/lint-imports
 
 bench: $(VENV)/.sglang-installed
 	$(BIN)/python benchmarks/bench_resolve.py --subprocess-runs 3

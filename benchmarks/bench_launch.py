@@ -19,6 +19,7 @@ Ports come from a random base in 20000-30000; everything binds 127.0.0.1. Everyt
 end (context managers; the subprocess's process group and its recorded children are SIGKILLed in a finally).
 
     python benchmarks/bench_launch.py [--reps 3] [--delay 3] [--teardown-reps 3] [--requests 400] [--json]
+    python benchmarks/bench_launch.py --smoke    # one quick repetition at the smallest sizes (run by the tests)
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ from typing import Any
 
 import httpx
 
-from miles_sglang_plugin.compose import compose_config
-from miles_sglang_plugin.hydra_config import launch_from_config
+from miles_sglang_plugin.app.hydra_edge import launch_from_config
+from miles_sglang_plugin.config.compose import compose_config
 
 HOST = "127.0.0.1"
 GEN_BODY = {
@@ -110,9 +111,10 @@ def time_to_ready(k: int, delay_s: float, poll_s: float | None, tmp: Path, verbo
         with launch_from_config(cfg, log_dir=log_dir) as d:
             t_ready = time.monotonic()
             starts = [p.started_at for p in d.processes()]
-            router_start = d.routers[0].process.started_at
-            healthy = [e.healthy_at for e in d.engines]
-            per_engine = [e.healthy_at - e.processes[0].started_at for e in d.engines]  # type: ignore[operator]
+            router_start = min(p.started_at for p in d.processes() if p.name.startswith("router."))
+            engines = d.engines()
+            healthy = [e.healthy_at for e in engines]
+            per_engine = [e.healthy_at - e.started_at for e in engines]  # type: ignore[operator]
             t_stop0 = time.monotonic()
         t_stopped = time.monotonic()
     return {
@@ -429,9 +431,9 @@ def bench_router(
     cells: dict[tuple[int, str], list[Cell]] = {}
     with quiet(verbose), launch_from_config(cfg, log_dir=log_dir) as d:
         router = [d.registry.get_model_url("actor", "/generate")]
-        direct = [e.launch.url + "/generate" for e in d.engines]
-        router_pids = [d.routers[0].process.pid or 0]
-        engine_pids = [e.processes[0].pid or 0 for e in d.engines]
+        direct = [e.url + "/generate" for e in d.engines()]
+        router_pids = [p.pid or 0 for p in d.processes() if p.name.startswith("router.")]
+        engine_pids = [p.pid or 0 for p in d.processes() if not p.name.startswith("router.")]
 
         def probe() -> tuple[float, float]:
             return _proc_cpu_s(router_pids), _proc_cpu_s(engine_pids)
@@ -548,7 +550,16 @@ def main() -> int:
     ap.add_argument("--skip", default="", help="comma list of parts to skip: ready,teardown,router")
     ap.add_argument("--json", action="store_true", help="print the results as JSON only")
     ap.add_argument("--verbose", action="store_true", help="show the launcher's status lines")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="one quick repetition of every part at the smallest sizes (CI: proves the benchmark still runs; "
+        "the numbers mean nothing)",
+    )
     args = ap.parse_args()
+    if args.smoke:
+        args.reps, args.delay, args.fast_poll, args.ks = 1, 0.2, 0.0, "1"
+        args.teardown_reps, args.teardown_k, args.requests, args.rounds, args.cap_s = 1, 1, 20, 1, 10.0
     skip = set(filter(None, args.skip.split(",")))
     ks = [int(x) for x in args.ks.split(",")]
     from importlib.metadata import version

@@ -18,6 +18,7 @@ then the timed repetitions run interleaved round-robin across the steps, so that
 steps alike. Steps (a) and (b) include ``GlobalHydra`` clear + initialize, as a one-shot compose does.
 
     python benchmarks/bench_resolve.py [--runs 50] [--subprocess-runs 5] [--json]
+    python benchmarks/bench_resolve.py --smoke    # one repetition of every step (run by the tests)
 """
 
 from __future__ import annotations
@@ -132,11 +133,11 @@ def _miles_sglang_cmd() -> list[str]:
 def _sglang_baseline(cwd: str) -> dict[str, Callable[[], None]]:
     """``miles-sglang plan`` checks override keys against the installed SGLang's ServerArgs, which imports SGLang
     (and torch); this baseline times that import alone, where SGLang is installed."""
-    from miles_sglang_plugin import sglang_server_args
+    from miles_sglang_plugin.rendering import sglang_server_args
 
     if importlib.util.find_spec("sglang") is None or not hasattr(sglang_server_args, "server_args_fields"):
         return {}
-    code = "from miles_sglang_plugin.sglang_server_args import server_args_fields; server_args_fields()"
+    code = "from miles_sglang_plugin.rendering.sglang_server_args import server_args_fields; server_args_fields()"
     return {E_SGLANG: _command([sys.executable, "-c", code], cwd)}
 
 
@@ -144,11 +145,11 @@ def run(runs: int, subprocess_runs: int) -> dict[str, Any]:
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from miles_sglang_plugin.compose import compose_config
-    from miles_sglang_plugin.config_store import register_configs
-    from miles_sglang_plugin.hydra_config import resolve_config, spec_from_config
-    from miles_sglang_plugin.resolution import resolve_deployment
-    from miles_sglang_plugin.trainer_inputs import TrainerInputs
+    from miles_sglang_plugin.app.hydra_edge import resolve_config
+    from miles_sglang_plugin.config.compose import compose_config
+    from miles_sglang_plugin.config.reading import spec_from_config, trainer_from_config
+    from miles_sglang_plugin.config.store import register_configs
+    from miles_sglang_plugin.planning.resolution import resolve_deployment
 
     with tempfile.TemporaryDirectory(prefix="bench_resolve_") as tmp:
         Path(tmp, "bare.yaml").write_text(BARE_CONFIG)
@@ -162,7 +163,7 @@ def run(runs: int, subprocess_runs: int) -> dict[str, Any]:
                 GlobalHydra.instance().clear()
 
         cfg = compose_config(OVERRIDES)
-        spec, trainer = spec_from_config(cfg), TrainerInputs.from_config(cfg)
+        spec, trainer = spec_from_config(cfg), trainer_from_config(cfg)
         plan = resolve_deployment(spec, trainer)
         got = {"total_gpus": plan.total_gpus, "models": len(plan.models), "engines": len(plan.engines)}
         assert got == EXPECTED, f"the benchmark deployment resolved to {got}, expected {EXPECTED}"
@@ -262,7 +263,14 @@ def main(argv: list[str] | None = None) -> int:
         "--subprocess-runs", type=int, default=5, help="timed repetitions per subprocess command (0: skip)"
     )
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="one repetition of every step (CI: proves the benchmark still runs; the numbers mean nothing)",
+    )
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.runs, args.subprocess_runs = 1, 1
     if args.runs < 1:
         parser.error("--runs must be >= 1")
     result = run(args.runs, args.subprocess_runs)

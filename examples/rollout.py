@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 
-from miles_sglang_plugin.registry import RouterRegistry
+from miles_sglang_plugin.serving.registry import RouterRegistry
 
 
 @dataclass

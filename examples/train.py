@@ -23,9 +23,9 @@ from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
 
-from miles_sglang_plugin.hydra_config import launch_from_config, resolve_config_or_exit
-from miles_sglang_plugin.plan_view import print_plan
-from miles_sglang_plugin.schema import MilesTrainerArgs
+from miles_sglang_plugin.app.hydra_edge import launch_from_config, resolve_config_or_exit
+from miles_sglang_plugin.config.schema import MilesTrainerArgs
+from miles_sglang_plugin.planning.views import print_plan
 
 try:  # run as a script (python examples/train.py) or as a module
     from rollout import rollout_step

@@ -1,28 +1,168 @@
-"""miles_sglang_plugin: the `sglang` Hydra config group, its resolver and launcher for RL trainers.
+"""miles_sglang_plugin: the SGLang engines an RL trainer uses for rollout, as a Hydra config group ``sglang``.
 
-Stages (one module each): compose (:mod:`.hydra_config`, Hydra at the edge) → resolve (:mod:`.resolution`, a
-pure function to the frozen :mod:`.plan`) → render → execute → serve.
+Data flows one way through one package per stage (each imports only earlier ones, checked by import-linter):
+
+    config     what the user and trainer describe (the group's schema, compose, trainer inputs)
+    planning   pure resolution to a frozen plan (Miles' rules)
+    rendering  argv + env of every engine process and router, ports, SGLang's parser
+    backends   where engine processes run (``local``), started and stopped
+    serving    the running deployment: routers, readiness, registration, registry
+
+``app`` wires them for a Hydra app (``resolve_config``, ``launch_from_config``, callbacks), ``miles`` reads and
+writes Miles/slime formats, ``standin`` is the engine stand-in for machines without GPUs.
+
+The public API is importable from here; names load on first use, so that the Hydra plugin scan, which imports
+this package in every Hydra app, stays cheap.
 """
 
-from miles_sglang_plugin.deployment_spec import DeploymentSpec, GroupSpec, ModelSpec, WorkerType
-from miles_sglang_plugin.errors import DeploymentConfigError, Problem
-from miles_sglang_plugin.plan import DeploymentPlan, EnginePlan, GroupPlan, ModelPlan
-from miles_sglang_plugin.resolution import resolve_deployment
-from miles_sglang_plugin.trainer_inputs import TrainerInputs
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
+#: Public name -> the module that defines it.
+_EXPORTS: dict[str, str] = {
+    # config: what is described
+    "CompositionError": "miles_sglang_plugin.config.compose",
+    "compose_config": "miles_sglang_plugin.config.compose",
+    "register_configs": "miles_sglang_plugin.config.store",
+    "DeploymentSpec": "miles_sglang_plugin.config.deployment_spec",
+    "GroupSpec": "miles_sglang_plugin.config.deployment_spec",
+    "ModelSpec": "miles_sglang_plugin.config.deployment_spec",
+    "WorkerType": "miles_sglang_plugin.config.deployment_spec",
+    "TrainerInputs": "miles_sglang_plugin.config.trainer_inputs",
+    "MilesTrainerArgs": "miles_sglang_plugin.config.schema",
+    "ModelConf": "miles_sglang_plugin.config.schema",
+    "SGLangDeployConf": "miles_sglang_plugin.config.schema",
+    # errors
+    "DeploymentConfigError": "miles_sglang_plugin.errors",
+    "Problem": "miles_sglang_plugin.errors",
+    # planning
+    "resolve_deployment": "miles_sglang_plugin.planning.resolution",
+    "DeploymentPlan": "miles_sglang_plugin.planning.plan",
+    "ModelPlan": "miles_sglang_plugin.planning.plan",
+    "GroupPlan": "miles_sglang_plugin.planning.plan",
+    "EnginePlan": "miles_sglang_plugin.planning.plan",
+    "print_plan": "miles_sglang_plugin.planning.views",
+    # rendering
+    "prepare_deployment": "miles_sglang_plugin.rendering.prepared",
+    "PreparedDeployment": "miles_sglang_plugin.rendering.prepared",
+    "LaunchSpecs": "miles_sglang_plugin.rendering.launch_specs",
+    "EngineProcessLaunch": "miles_sglang_plugin.rendering.launch_specs",
+    # backends
+    "Backend": "miles_sglang_plugin.backends.base",
+    "EngineProcess": "miles_sglang_plugin.backends.base",
+    "LaunchError": "miles_sglang_plugin.backends.base",
+    "UnsupportedPlanError": "miles_sglang_plugin.backends.base",
+    "get_backend": "miles_sglang_plugin.backends",
+    "LocalBackend": "miles_sglang_plugin.backends.local",
+    # serving
+    "Deployment": "miles_sglang_plugin.serving.deployment",
+    "EngineInfo": "miles_sglang_plugin.serving.deployment",
+    "RouterRegistry": "miles_sglang_plugin.serving.registry",
+    "ModelRoute": "miles_sglang_plugin.serving.registry",
+    "UnknownModelError": "miles_sglang_plugin.serving.registry",
+    "get_model_url": "miles_sglang_plugin.serving.registry",
+    # app: what a Hydra app calls
+    "resolve_config": "miles_sglang_plugin.app.hydra_edge",
+    "resolve_config_or_exit": "miles_sglang_plugin.app.hydra_edge",
+    "prepare_from_config": "miles_sglang_plugin.app.hydra_edge",
+    "launch_from_config": "miles_sglang_plugin.app.hydra_edge",
+    "SGLangCleanupCallback": "miles_sglang_plugin.app.callbacks",
+    # Miles / slime formats
+    "load_miles_config": "miles_sglang_plugin.miles.sglang_config",
+    "resolve_namespace": "miles_sglang_plugin.miles.argparse_bridge",
+}
+
 __all__ = [
+    "Backend",
+    "CompositionError",
+    "Deployment",
     "DeploymentConfigError",
     "DeploymentPlan",
     "DeploymentSpec",
+    "EngineInfo",
     "EnginePlan",
+    "EngineProcess",
+    "EngineProcessLaunch",
     "GroupPlan",
     "GroupSpec",
+    "LaunchError",
+    "LaunchSpecs",
+    "LocalBackend",
+    "MilesTrainerArgs",
+    "ModelConf",
     "ModelPlan",
+    "ModelRoute",
     "ModelSpec",
+    "PreparedDeployment",
     "Problem",
+    "RouterRegistry",
+    "SGLangCleanupCallback",
+    "SGLangDeployConf",
     "TrainerInputs",
+    "UnknownModelError",
+    "UnsupportedPlanError",
     "WorkerType",
+    "compose_config",
+    "get_backend",
+    "get_model_url",
+    "launch_from_config",
+    "load_miles_config",
+    "prepare_deployment",
+    "prepare_from_config",
+    "print_plan",
+    "register_configs",
+    "resolve_config",
+    "resolve_config_or_exit",
     "resolve_deployment",
+    "resolve_namespace",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'miles_sglang_plugin' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
+
+
+if TYPE_CHECKING:  # what static tools see; at run time the names load lazily through __getattr__
+    from miles_sglang_plugin.app.callbacks import SGLangCleanupCallback
+    from miles_sglang_plugin.app.hydra_edge import (
+        launch_from_config,
+        prepare_from_config,
+        resolve_config,
+        resolve_config_or_exit,
+    )
+    from miles_sglang_plugin.backends import get_backend
+    from miles_sglang_plugin.backends.base import Backend, EngineProcess, LaunchError, UnsupportedPlanError
+    from miles_sglang_plugin.backends.local import LocalBackend
+    from miles_sglang_plugin.config.compose import CompositionError, compose_config
+    from miles_sglang_plugin.config.deployment_spec import DeploymentSpec, GroupSpec, ModelSpec, WorkerType
+    from miles_sglang_plugin.config.schema import MilesTrainerArgs, ModelConf, SGLangDeployConf
+    from miles_sglang_plugin.config.store import register_configs
+    from miles_sglang_plugin.config.trainer_inputs import TrainerInputs
+    from miles_sglang_plugin.errors import DeploymentConfigError, Problem
+    from miles_sglang_plugin.miles.argparse_bridge import resolve_namespace
+    from miles_sglang_plugin.miles.sglang_config import load_miles_config
+    from miles_sglang_plugin.planning.plan import DeploymentPlan, EnginePlan, GroupPlan, ModelPlan
+    from miles_sglang_plugin.planning.resolution import resolve_deployment
+    from miles_sglang_plugin.planning.views import print_plan
+    from miles_sglang_plugin.rendering.launch_specs import EngineProcessLaunch, LaunchSpecs
+    from miles_sglang_plugin.rendering.prepared import PreparedDeployment, prepare_deployment
+    from miles_sglang_plugin.serving.deployment import Deployment, EngineInfo
+    from miles_sglang_plugin.serving.registry import (
+        ModelRoute,
+        RouterRegistry,
+        UnknownModelError,
+        get_model_url,
+    )

@@ -12,10 +12,10 @@ from collections.abc import Sequence
 from rich.console import Console
 from rich.markup import escape
 
-from miles_sglang_plugin import miles_commands
-from miles_sglang_plugin.compose import CompositionError, compose_config
+from miles_sglang_plugin.backends.base import LaunchError
+from miles_sglang_plugin.config.compose import CompositionError, compose_config
 from miles_sglang_plugin.errors import DeploymentConfigError
-from miles_sglang_plugin.launcher import LaunchError
+from miles_sglang_plugin.miles import commands as miles_commands
 
 EXIT_USER_ERROR = 2
 
@@ -32,9 +32,10 @@ def _err_console() -> Console:
 def _cmd_plan(args: argparse.Namespace) -> int:
     import json
 
-    from miles_sglang_plugin.hydra_config import prepare_from_config
-    from miles_sglang_plugin.plan_view import print_commands, print_plan
-    from miles_sglang_plugin.server_arg_fields import known_server_arg_fields
+    from miles_sglang_plugin.app.hydra_edge import prepare_from_config
+    from miles_sglang_plugin.planning.views import print_plan
+    from miles_sglang_plugin.rendering.server_arg_fields import known_server_arg_fields
+    from miles_sglang_plugin.rendering.views import print_commands
 
     known = known_server_arg_fields()
     prepared = prepare_from_config(compose_config(args.overrides))
@@ -59,7 +60,7 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     import time
     from pathlib import Path
 
-    from miles_sglang_plugin.hydra_config import launch_from_config
+    from miles_sglang_plugin.app.hydra_edge import launch_from_config
 
     cfg = compose_config(args.overrides)
     console = _err_console()

@@ -56,3 +56,9 @@ class ProblemCollector:
     def raise_if_any(self) -> None:
         if self.problems:
             raise DeploymentConfigError(self.problems, source=self.source)
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (the rest is usually a traceback-like context dump)."""
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

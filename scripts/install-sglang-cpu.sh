@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install what the real SGLang argument parser needs on a CPU-only machine, into the ACTIVE virtual environment.
 #
-# That is enough for miles_sglang_plugin/sglang_server_args.py: importing sglang.srt.server_args, listing the
+# That is enough for miles_sglang_plugin/rendering/sglang_server_args.py: importing sglang.srt.server_args, listing the
 # ServerArgs fields and parsing a `sglang.launch_server` command line with prepare_server_args. It is NOT enough
 # to run an engine, and not for `python -m sglang.launch_server --help` (that also needs huggingface_hub).
 #
@@ -59,7 +59,7 @@ fi
 quiet_pip_install "${PARSER_DEPS[@]}"
 
 # Check: the parser imports and parses (the module is loaded by path, so the package's own imports don't matter).
-"$python" - "$repo_root/miles_sglang_plugin/sglang_server_args.py" <<'PY'
+"$python" - "$repo_root/miles_sglang_plugin/rendering/sglang_server_args.py" <<'PY'
 import importlib.util
 import sys
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from miles_sglang_plugin.deployment_spec import DeploymentSpec, GroupSpec, ModelSpec
+from miles_sglang_plugin.config.deployment_spec import DeploymentSpec, GroupSpec, ModelSpec
 
 
 def group(wt: str, num_gpus: Any, gpe: Any = None, name: str | None = None, **overrides: Any) -> GroupSpec:

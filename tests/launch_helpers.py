@@ -34,16 +34,17 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from miles_sglang_plugin.compose import compose_config
-from miles_sglang_plugin.hydra_config import deploy_settings_from_config, resolve_config
-from miles_sglang_plugin.ports import PortClaims, default_lock_dir, port_is_free
-from miles_sglang_plugin.prepared import PreparedDeployment, prepare_deployment
+from miles_sglang_plugin.app.hydra_edge import resolve_config
+from miles_sglang_plugin.config.compose import compose_config
+from miles_sglang_plugin.config.reading import deploy_settings_from_config
+from miles_sglang_plugin.rendering.ports import PortClaims, default_lock_dir, port_is_free
+from miles_sglang_plugin.rendering.prepared import PreparedDeployment, prepare_deployment
 
 REPO = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
 #: Modules our engine and router processes run (``python -m <module>``).
 STANDIN_MODULE = "miles_sglang_plugin.standin"
-ROUTER_MODULE = "miles_sglang_plugin.router_main"
+ROUTER_MODULE = "miles_sglang_plugin.serving.router_main"
 
 
 # ------------------------------------------------------------------------------------------------- config
@@ -80,7 +81,7 @@ def compose(*extra: str, **kw: Any) -> DictConfig:
 def prepare_unprobed(*extra: str, attempts: int = 8, **kw: Any) -> tuple[PreparedDeployment, PortClaims]:
     """A deployment rendered without probing (the plain port sequence from ``port_base``, as a plan is
     printed), whose listening ports are then claimed (as a launch would claim them) so that a launch of
-    another session keeps off them. Pass the claims to ``LocalLauncher(claims=...)``: it releases them."""
+    another session keeps off them. Pass the claims to ``LocalBackend(claims=...)``: it releases them."""
     for _ in range(attempts):
         cfg = compose(*extra, **kw)
         prepared = prepare_deployment(resolve_config(cfg), deploy_settings_from_config(cfg), probe=False)
@@ -244,9 +245,9 @@ class LeakTracker:
     def assert_nothing_left(self, wait_s: float = 5.0) -> None:
         alive, open_ports = self.leftovers(wait_s)
         held = [
-            sorted(launcher.claims.fds)
+            sorted(claims.fds)
             for launcher in self.launchers
-            if launcher.claims is not None and launcher.claims.fds
+            if (claims := getattr(launcher.backend, "claims", None)) is not None and claims.fds
         ]
         if alive:
             self.kill(alive)
@@ -271,9 +272,9 @@ from pathlib import Path
 # with SIGINT ignored (as background jobs of a non-interactive shell are).
 signal.signal(signal.SIGINT, signal.default_int_handler)
 
-from miles_sglang_plugin.compose import compose_config
-from miles_sglang_plugin.hydra_config import launch_from_config
-from miles_sglang_plugin.launcher import LocalLauncher
+from miles_sglang_plugin.config.compose import compose_config
+from miles_sglang_plugin.app.hydra_edge import launch_from_config
+from miles_sglang_plugin.serving.deployment import Deployment
 
 
 def emit(event, **kw):
@@ -284,7 +285,7 @@ def marker(argv):
     return argv[2] if len(argv) > 2 and argv[1] == "-m" else argv[0]
 
 
-_spawn = LocalLauncher._spawn
+_spawn = Deployment._spawn
 
 
 def spawn_and_report(self):
@@ -304,7 +305,7 @@ def spawn_and_report(self):
         ])
 
 
-LocalLauncher._spawn = spawn_and_report
+Deployment._spawn = spawn_and_report
 
 cfg = compose_config(json.loads(sys.argv[1]))
 with launch_from_config(cfg, log_dir=Path(sys.argv[2])) as launcher:

@@ -10,18 +10,18 @@ from typing import Any
 
 import pytest
 
-from miles_sglang_plugin.argparse_bridge import resolve_namespace
-from miles_sglang_plugin.compose import compose_config
-from miles_sglang_plugin.deployment_spec import WorkerType
+from miles_sglang_plugin.app.hydra_edge import resolve_config
+from miles_sglang_plugin.config.compose import compose_config
+from miles_sglang_plugin.config.deployment_spec import WorkerType
 from miles_sglang_plugin.errors import DeploymentConfigError
-from miles_sglang_plugin.hydra_config import resolve_config
-from miles_sglang_plugin.miles_yaml import (
+from miles_sglang_plugin.miles.argparse_bridge import resolve_namespace
+from miles_sglang_plugin.miles.sglang_config import (
     load_miles_config,
     miles_trainer_args,
     spec_to_miles_yaml,
     spec_to_preset,
 )
-from miles_sglang_plugin.plan import DeploymentPlan
+from miles_sglang_plugin.planning.plan import DeploymentPlan
 
 FIXTURES = Path(__file__).parent / "fixtures" / "miles"
 

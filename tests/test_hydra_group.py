@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from miles_sglang_plugin.app.hydra_edge import resolve_config
 from miles_sglang_plugin.cli import main as cli_main
-from miles_sglang_plugin.compose import CompositionError, compose_config
+from miles_sglang_plugin.config.compose import CompositionError, compose_config
+from miles_sglang_plugin.config.reading import deploy_settings_from_config, spec_from_config
+from miles_sglang_plugin.config.schema import EngineKind
 from miles_sglang_plugin.errors import DeploymentConfigError
-from miles_sglang_plugin.hydra_config import deploy_settings_from_config, resolve_config, spec_from_config
-from miles_sglang_plugin.schema import EngineKind
 
 REPO = Path(__file__).resolve().parent.parent
 PRESETS = sorted(p.stem for p in (REPO / "conf" / "sglang").glob("*.yaml"))

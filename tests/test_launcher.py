@@ -18,10 +18,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from miles_sglang_plugin.hydra_config import launch_from_config
-from miles_sglang_plugin.launcher import LocalLauncher
-from miles_sglang_plugin.registry import ROUTING_KEY_HEADER, UnknownModelError
-from miles_sglang_plugin.routers import router_workers
+from miles_sglang_plugin.app.hydra_edge import launch_from_config
+from miles_sglang_plugin.serving.deployment import Deployment
+from miles_sglang_plugin.serving.registry import ROUTING_KEY_HEADER, UnknownModelError
+from miles_sglang_plugin.serving.routers import router_workers
 from tests.conftest_launch import leak_check  # noqa: F401  (fixture)
 from tests.launch_helpers import (
     REPO,
@@ -55,7 +55,7 @@ EXPECTED_MODE = {"prefill": "prefill", "decode": "decode", "regular": "null"}
 
 
 @pytest.fixture(scope="module")
-def pd_ref(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalLauncher]:
+def pd_ref(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     """One PD + regular deployment shared by the read-only tests of this module."""
     tracker = LeakTracker()
     cfg = compose(*PD_REF)
@@ -78,7 +78,7 @@ def _stats(url: str) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ 1. GPUs
-def test_engines_see_the_planned_gpus(pd_ref: LocalLauncher) -> None:
+def test_engines_see_the_planned_gpus(pd_ref: Deployment) -> None:
     plan = pd_ref.prepared.plan
     planned = {e.id: (e.processes[0].node, list(e.processes[0].local_gpu_ids)) for e in plan.engines}
     assert planned == EXPECTED_GPUS
@@ -98,7 +98,7 @@ def test_engines_see_the_planned_gpus(pd_ref: LocalLauncher) -> None:
     assert all(p.running for p in pd_ref.processes())
 
 
-def test_one_real_router_per_model_with_its_engines(pd_ref: LocalLauncher) -> None:
+def test_one_real_router_per_model_with_its_engines(pd_ref: Deployment) -> None:
     registry = pd_ref.registry
     assert registry.names() == ("actor", "ref")
     assert registry["actor"].pd_disaggregation and not registry["ref"].pd_disaggregation
@@ -111,7 +111,7 @@ def test_one_real_router_per_model_with_its_engines(pd_ref: LocalLauncher) -> No
         assert listed == urls, model
     # The router processes are sglang-router (Python API), not a stand-in.
     routers = [p for p in pd_ref.processes() if p.name.startswith("router.")]
-    assert [p.argv[2] for p in routers] == ["miles_sglang_plugin.router_main"] * 2
+    assert [p.argv[2] for p in routers] == ["miles_sglang_plugin.serving.router_main"] * 2
 
 
 def test_multi_node_engine_runs_side_by_side(tmp_path: Path, leak_check: LeakTracker) -> None:  # noqa: F811
@@ -121,7 +121,9 @@ def test_multi_node_engine_runs_side_by_side(tmp_path: Path, leak_check: LeakTra
         assert any("run side by side" in note for note in launcher.notes)
         engines = {p.name: p for p in launcher.processes() if not p.name.startswith("router.")}
         assert set(engines) == {"actor.regular.0.node0", "actor.regular.0.node1"}
-        assert all(p.running and p.env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7" for p in engines.values())
+        assert all(
+            p.running and p.launch.env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7" for p in engines.values()
+        )
         lead = launcher.prepared.launch.engines[0]
         assert _server_info(lead.url)["cuda_visible_devices"] == "0,1,2,3,4,5,6,7"
         resp = httpx.post(launcher.registry.get_model_url("actor"), json=generate_body(), timeout=30)
@@ -129,7 +131,7 @@ def test_multi_node_engine_runs_side_by_side(tmp_path: Path, leak_check: LeakTra
 
 
 # ------------------------------------------------------------------------------------ 2. PD routing
-def test_pd_generate_through_the_router_reaches_prefill_and_decode(pd_ref: LocalLauncher) -> None:
+def test_pd_generate_through_the_router_reaches_prefill_and_decode(pd_ref: Deployment) -> None:
     launches = {e.engine_id: e for e in pd_ref.prepared.launch.engines}
     prefill = launches["actor.prefill.0"]
     decodes = [launches["actor.decode.0"], launches["actor.decode.1"]]
@@ -159,7 +161,7 @@ def test_pd_generate_through_the_router_reaches_prefill_and_decode(pd_ref: Local
     assert p_stats["last_bootstrap"]["bootstrap_room"] == d_stats["last_bootstrap"]["bootstrap_room"]
 
 
-def test_regular_model_generates_through_its_router(pd_ref: LocalLauncher) -> None:
+def test_regular_model_generates_through_its_router(pd_ref: Deployment) -> None:
     resp = httpx.post(pd_ref.registry.get_model_url("ref"), json=generate_body(), timeout=30)
     assert resp.status_code == 200, resp.text
     ports = {e.port for e in pd_ref.prepared.launch.engines if e.model == "ref"}
@@ -167,7 +169,7 @@ def test_regular_model_generates_through_its_router(pd_ref: LocalLauncher) -> No
 
 
 # ---------------------------------------------------------------------------------------- 3. registry
-def test_registry_unknown_model_lists_known_names(pd_ref: LocalLauncher) -> None:
+def test_registry_unknown_model_lists_known_names(pd_ref: Deployment) -> None:
     with pytest.raises(UnknownModelError) as info:
         pd_ref.registry.get_model_url("critic")
     msg = str(info.value)
@@ -212,10 +214,11 @@ def test_nothing_left_after_normal_exit(tmp_path: Path, leak_check: LeakTracker)
         ports = launch_ports(launcher.prepared)
         assert len(procs) == 3 and all(p.running for p in procs)
         assert any(port_accepts(p) for p in ports)
-        assert launcher.claims is not None and set(launcher.claims.fds) >= ports
+        claims = launcher.backend.claims
+        assert claims is not None and set(claims.fds) >= ports
     # Right after the block (no waiting): every process reaped, every claim released.
     assert all(p.exit_code() is not None for p in procs)
-    assert not launcher.claims.fds
+    assert not claims.fds
     assert not any(process_alive(p.pid) for p in procs)
 
 
@@ -253,7 +256,7 @@ HYDRA_APP = textwrap.dedent(
     import hydra
     from hydra.core.config_store import ConfigStore
 
-    from miles_sglang_plugin.hydra_config import launch_from_config
+    from miles_sglang_plugin.app.hydra_edge import launch_from_config
 
     ConfigStore.instance().store(
         name="app",

@@ -15,8 +15,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from miles_sglang_plugin.hydra_config import launch_from_config
-from miles_sglang_plugin.launcher import LaunchError, LocalLauncher
+from miles_sglang_plugin.app.hydra_edge import launch_from_config
+from miles_sglang_plugin.backends.base import LaunchError
+from miles_sglang_plugin.backends.local import LocalBackend
+from miles_sglang_plugin.serving.deployment import Deployment
 from tests.conftest_launch import leak_check, script_run  # noqa: F401  (fixtures)
 from tests.launch_helpers import (
     LeakTracker,
@@ -138,7 +140,7 @@ def test_port_taken_after_render_fails_clearly(tmp_path: Path, leak_check: LeakT
         t0 = time.monotonic()
         with (
             pytest.raises(LaunchError) as info,
-            LocalLauncher(prepared, log_dir=tmp_path / "logs", claims=claims),
+            Deployment(prepared, LocalBackend(claims=claims), log_dir=tmp_path / "logs"),
         ):
             pytest.fail("the launch should have failed")
         assert time.monotonic() - t0 < 20

@@ -19,20 +19,21 @@ from typing import Any
 import pytest
 import yaml
 
-from miles_sglang_plugin import cli, miles_commands
-from miles_sglang_plugin.compose import compose_config
-from miles_sglang_plugin.deployment_spec import WorkerType
+from miles_sglang_plugin import cli
+from miles_sglang_plugin.app.hydra_edge import resolve_config
+from miles_sglang_plugin.config.compose import compose_config
+from miles_sglang_plugin.config.deployment_spec import WorkerType
+from miles_sglang_plugin.config.trainer_inputs import TrainerInputs
 from miles_sglang_plugin.errors import DeploymentConfigError
-from miles_sglang_plugin.hydra_config import resolve_config
-from miles_sglang_plugin.miles_yaml import (
+from miles_sglang_plugin.miles import commands as miles_commands
+from miles_sglang_plugin.miles.sglang_config import (
     load_miles_config,
     miles_trainer_args,
     spec_to_miles_yaml,
     spec_to_preset,
 )
-from miles_sglang_plugin.plan import DeploymentPlan
-from miles_sglang_plugin.resolution import resolve_deployment
-from miles_sglang_plugin.trainer_inputs import TrainerInputs
+from miles_sglang_plugin.planning.plan import DeploymentPlan
+from miles_sglang_plugin.planning.resolution import resolve_deployment
 
 FIXTURES = Path(__file__).parent / "fixtures" / "miles"
 REPO = Path(__file__).resolve().parent.parent
@@ -360,7 +361,7 @@ def miles_like_parser() -> argparse.ArgumentParser:
 
 @pytest.mark.parametrize("name", sorted(TRAINER))
 def test_export_to_miles_and_load_again_gives_the_same_plan(name, tmp_path):
-    from miles_sglang_plugin.argparse_bridge import resolve_namespace
+    from miles_sglang_plugin.miles.argparse_bridge import resolve_namespace
 
     spec = load_miles_config(fixture(name))
     plan = resolve_deployment(spec, TrainerInputs(**TRAINER[name]))
@@ -868,7 +869,7 @@ def test_cli_import_of_a_bad_file_exits_2_with_every_problem(run_cli, tmp_path):
 
 
 def test_cli_export_to_stdout_is_valid_yaml_with_the_miles_args(run_cli):
-    from miles_sglang_plugin.argparse_bridge import resolve_namespace
+    from miles_sglang_plugin.miles.argparse_bridge import resolve_namespace
 
     overrides = ["sglang=agentic_32gpu", "rollout_num_gpus=32", "hf_checkpoint=/data/models/Qwen3-8B"]
     rc, out, err = run_cli("export", *overrides)
@@ -925,7 +926,8 @@ def test_cli_export_errors_exit_2(run_cli):
 
 _SUBPROCESS_MAIN = """
 import argparse, sys
-from miles_sglang_plugin import cli, miles_commands
+from miles_sglang_plugin import cli
+from miles_sglang_plugin.miles import commands as miles_commands
 build = cli.build_parser
 def build_with_miles_commands():
     parser = build()

@@ -9,15 +9,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from miles_sglang_plugin.registry import (
+from miles_sglang_plugin.addresses import http_base_url
+from miles_sglang_plugin.rendering.router_specs import ROUTER_POLICIES
+from miles_sglang_plugin.serving.registry import (
     ENV_VAR,
-    ROUTER_POLICIES,
     ROUTING_KEY_HEADER,
     ModelRoute,
     RouterRegistry,
     UnknownModelError,
     get_model_url,
-    http_base_url,
 )
 
 

@@ -11,19 +11,20 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from miles_sglang_plugin import sglang_server_args as sglang_parser
-from miles_sglang_plugin.compose import compose_config
-from miles_sglang_plugin.deployment_spec import GroupSpec
+from miles_sglang_plugin.app.hydra_edge import prepare_from_config, resolve_config
+from miles_sglang_plugin.config.compose import compose_config
+from miles_sglang_plugin.config.deployment_spec import GroupSpec
+from miles_sglang_plugin.config.reading import deploy_settings_from_config
+from miles_sglang_plugin.config.schema import LaunchConf, SGLangDeployConf
+from miles_sglang_plugin.config.trainer_inputs import TrainerInputs
 from miles_sglang_plugin.errors import DeploymentConfigError
-from miles_sglang_plugin.hydra_config import deploy_settings_from_config, prepare_from_config, resolve_config
 from miles_sglang_plugin.masking import mask_argv
-from miles_sglang_plugin.ports import EPHEMERAL_START, PortClaims, PortExhaustedError, assign_ports
-from miles_sglang_plugin.prepared import prepare_deployment
-from miles_sglang_plugin.rendering import MILES_ENGINE_ENV
-from miles_sglang_plugin.resolution import resolve_deployment
-from miles_sglang_plugin.schema import LaunchConf, SGLangDeployConf
-from miles_sglang_plugin.server_arg_fields import known_server_arg_fields
-from miles_sglang_plugin.trainer_inputs import TrainerInputs
+from miles_sglang_plugin.planning.resolution import resolve_deployment
+from miles_sglang_plugin.rendering import sglang_server_args as sglang_parser
+from miles_sglang_plugin.rendering.launch_specs import MILES_ENGINE_ENV
+from miles_sglang_plugin.rendering.ports import EPHEMERAL_START, PortClaims, PortExhaustedError, assign_ports
+from miles_sglang_plugin.rendering.prepared import prepare_deployment
+from miles_sglang_plugin.rendering.server_arg_fields import known_server_arg_fields
 from tests.conftest import group, model, spec
 from tests.test_resolution_properties import aligned_deployments
 
@@ -349,21 +350,22 @@ def test_standin_choice_and_fault_env_are_explicit():
 
 
 def test_local_backend_refuses_multi_node_plans_of_real_engines_before_starting_anything(tmp_path):
-    from miles_sglang_plugin.launcher import LocalLauncher, UnsupportedPlanError
+    from miles_sglang_plugin.backends.base import UnsupportedPlanError
+    from miles_sglang_plugin.backends.local import LocalBackend
 
     wide = prepared_for("sglang=default", "hf_checkpoint=/c", "colocate=true", "sglang.actor.regular.num_gpus=16",
                         "sglang.actor.num_gpus_per_engine=16")  # fmt: skip
     with pytest.raises(UnsupportedPlanError) as exc:
-        LocalLauncher(wide, log_dir=tmp_path)
+        LocalBackend().check(wide)
     assert "engine(s) actor.regular.0 span several nodes" in str(exc.value)
     spread = prepared_for("sglang=pd_actor_ref", "hf_checkpoint=/c")  # rollout on nodes 1-3, after the actor
     with pytest.raises(UnsupportedPlanError) as exc:
-        LocalLauncher(spread, log_dir=tmp_path)
+        LocalBackend().check(spread)
     assert "the plan places engines on 3 nodes (1, 2, 3)" in str(exc.value)
     assert not any(tmp_path.iterdir())  # nothing was started, not even a log file
     one_node = prepared_for("sglang=pd_actor_ref", "hf_checkpoint=/c", "debug_rollout_only=true",
                             "sglang.actor.prefill.num_gpus=4", "sglang.actor.decode.num_gpus=4", "~sglang.ref")  # fmt: skip
-    assert LocalLauncher(one_node, log_dir=tmp_path).notes == []
+    assert LocalBackend().check(one_node) == []
 
 
 @pytest.mark.sglang

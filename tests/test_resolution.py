@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from miles_sglang_plugin.deployment_spec import WorkerType
+from miles_sglang_plugin.config.deployment_spec import WorkerType
+from miles_sglang_plugin.config.trainer_inputs import TrainerInputs
 from miles_sglang_plugin.errors import DeploymentConfigError
-from miles_sglang_plugin.resolution import resolve_deployment
-from miles_sglang_plugin.trainer_inputs import TrainerInputs
+from miles_sglang_plugin.planning.resolution import resolve_deployment
 from tests.conftest import group, model, spec
 
 HF = "/ckpt/actor"
@@ -458,7 +458,7 @@ def test_trainer_inputs_from_a_sparse_config_and_a_miles_namespace():
 
     from omegaconf import OmegaConf
 
-    from miles_sglang_plugin.hydra_config import trainer_from_config
+    from miles_sglang_plugin.config.reading import trainer_from_config
 
     t = trainer_from_config(OmegaConf.create({"hf_checkpoint": "/c", "colocate": True}))
     assert (t.hf_checkpoint, t.colocate, t.eval_sglang_overrides, t.rollout_num_gpus_per_engine) == (

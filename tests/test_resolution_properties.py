@@ -5,11 +5,11 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from miles_sglang_plugin.deployment_spec import DeploymentSpec, GroupSpec, ModelSpec, WorkerType
+from miles_sglang_plugin.config.deployment_spec import DeploymentSpec, GroupSpec, ModelSpec, WorkerType
+from miles_sglang_plugin.config.trainer_inputs import TrainerInputs
 from miles_sglang_plugin.errors import DeploymentConfigError
-from miles_sglang_plugin.plan import DeploymentPlan
-from miles_sglang_plugin.resolution import resolve_deployment
-from miles_sglang_plugin.trainer_inputs import TrainerInputs
+from miles_sglang_plugin.planning.plan import DeploymentPlan
+from miles_sglang_plugin.planning.resolution import resolve_deployment
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -1,6 +1,6 @@
 """routers.py / router_main.py: unit tests, then integration tests against a REAL sglang-router 0.3.2.
 
-Integration tests start the router through ``router_command`` (``python -m miles_sglang_plugin.router_main``)
+Integration tests start the router through ``router_command`` (``python -m miles_sglang_plugin.serving.router_main``)
 and stand-in engines (``python -m miles_sglang_plugin.standin``) on 127.0.0.1 with ports found free by binding
 port 0. Every process gets its own session (process group) and is killed by group and reaped in a fixture
 finalizer; the last test checks that nothing is left.
@@ -23,20 +23,22 @@ from pathlib import Path
 import httpx
 import pytest
 
-from miles_sglang_plugin import router_main
-from miles_sglang_plugin.registry import RouterRegistry
-from miles_sglang_plugin.routers import (
-    API_KEY_ENV,
+from miles_sglang_plugin.rendering.router_specs import (
     RouterLaunchSpec,
-    RouterRequestError,
     RouterSettings,
     WorkerRegistration,
+    validate_router_settings,
+)
+from miles_sglang_plugin.serving import router_main
+from miles_sglang_plugin.serving.registry import ModelRoute, RouterRegistry
+from miles_sglang_plugin.serving.routers import (
+    API_KEY_ENV,
+    RouterRequestError,
     deregister_workers,
     register_workers,
     router_command,
     router_ready,
     router_workers,
-    validate_router_settings,
     wait_router_ready,
 )
 
@@ -58,7 +60,7 @@ def _spec(**kw) -> RouterLaunchSpec:
 def test_router_command_keeps_key_out_of_argv() -> None:
     spec = _spec(api_key=SECRET, settings=RouterSettings(policy="consistent_hashing"))
     argv, env = router_command(spec, python="/usr/bin/python3")
-    assert argv[:3] == ["/usr/bin/python3", "-m", "miles_sglang_plugin.router_main"]
+    assert argv[:3] == ["/usr/bin/python3", "-m", "miles_sglang_plugin.serving.router_main"]
     assert not any(SECRET in a for a in argv)
     assert env[API_KEY_ENV] == SECRET
     assert API_KEY_ENV == "MSP_ROUTER_API_KEY"
@@ -96,7 +98,9 @@ def test_spec_validation_and_url() -> None:
         _spec(port=0)
     with pytest.raises(ValueError, match="api_key"):
         _spec(api_key="")
-    route = _spec(settings=RouterSettings(policy="manual"), pd_disaggregation=True).route()
+    route = ModelRoute.from_launch_spec(
+        _spec(settings=RouterSettings(policy="manual"), pd_disaggregation=True)
+    )
     assert (route.name, route.base_url, route.policy, route.pd_disaggregation) == (
         "actor",
         "http://127.0.0.1:30100",
@@ -422,7 +426,7 @@ def test_regular_round_robin(launcher: Launcher) -> None:
     assert sorted(w["url"] for w in listed) == sorted([e1.url, e2.url])
     assert all(w["worker_type"] == "regular" and w["is_healthy"] is True for w in listed)
 
-    registry = RouterRegistry([spec.route()])
+    registry = RouterRegistry([ModelRoute.from_launch_spec(spec)])
     url = registry.get_model_url("actor")
     assert registry.routing_headers("actor", "ignored") == {}
     ports = []
@@ -494,7 +498,7 @@ def test_consistent_hashing_pins_routing_key(launcher: Launcher) -> None:
     register_workers(spec.url, workers)
     wait_router_ready(spec.url, workers, timeout_s=30, alive=lambda: router.popen.poll() is None)
 
-    registry = RouterRegistry.from_env(RouterRegistry([spec.route()]).to_env())
+    registry = RouterRegistry.from_env(RouterRegistry([ModelRoute.from_launch_spec(spec)]).to_env())
     with pytest.raises(ValueError, match="needs a routing key"):
         registry.routing_headers("actor", None)
     used = set()

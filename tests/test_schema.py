@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from miles_sglang_plugin.routers import RouterSettings
-from miles_sglang_plugin.schema import MilesTrainerArgs, RouterConf, SGLangDeployConf
-from miles_sglang_plugin.trainer_inputs import TrainerInputs
+from miles_sglang_plugin.config.schema import MilesTrainerArgs, RouterConf, SGLangDeployConf
+from miles_sglang_plugin.config.trainer_inputs import TrainerInputs
+from miles_sglang_plugin.rendering.router_specs import RouterSettings
 
 
 def _defaults(cls: type) -> dict[str, object]:

@@ -1,4 +1,4 @@
-"""Tests of miles_sglang_plugin.sglang_server_args against the installed SGLang (CPU-only, triton not needed)."""
+"""Tests of miles_sglang_plugin.rendering.sglang_server_args against the installed SGLang (CPU-only, triton not needed)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from miles_sglang_plugin import sglang_server_args as ssa
-from miles_sglang_plugin.sglang_server_args import (
+from miles_sglang_plugin.rendering import sglang_server_args as ssa
+from miles_sglang_plugin.rendering.sglang_server_args import (
     SGLangArgvError,
     SGLangUnavailableError,
     load_sglang_server_args_module,
@@ -257,7 +257,7 @@ _FRESH_PROCESS_CHECK = textwrap.dedent(
     import importlib.util, json, os, sys
 
     triton_before = importlib.util.find_spec("triton") is not None
-    from miles_sglang_plugin import sglang_server_args as ssa
+    from miles_sglang_plugin.rendering import sglang_server_args as ssa
     imported_sglang_early = "sglang" in sys.modules
     module = ssa.load_sglang_server_args_module()
     parsed = ssa.parse_launch_argv(["--model-path", "/nonexistent/x", "--tp-size", "2"])

@@ -109,7 +109,7 @@ PROBE = textwrap.dedent(
     import json, sys
     import hydra, hydra_plugins, miles_sglang_plugin
     import hydra_plugins.miles_sglang_plugin.miles_sglang_searchpath as plugin
-    from miles_sglang_plugin.config_store import config_search_path
+    from miles_sglang_plugin.config.store import config_search_path
     print(json.dumps({
         "package": miles_sglang_plugin.__file__,
         "plugin": plugin.__file__,

@@ -6,7 +6,7 @@ Hydra imports every module here at start-up of every app, so this stays tiny: no
 from hydra.core.config_search_path import ConfigSearchPath
 from hydra.plugins.search_path_plugin import SearchPathPlugin
 
-from miles_sglang_plugin.config_store import config_search_path, register_configs
+from miles_sglang_plugin.config.store import config_search_path, register_configs
 
 register_configs()
 

@@ -13,6 +13,6 @@ from hydra.experimental.callback import Callback
 
 class SGLangCleanupCallback(Callback):
     def on_job_end(self, config: Any, job_return: Any, **kwargs: Any) -> None:
-        from miles_sglang_plugin.launcher import stop_all_active
+        from miles_sglang_plugin.serving.deployment import stop_all_active
 
         stop_all_active()

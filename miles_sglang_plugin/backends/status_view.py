@@ -4,19 +4,27 @@ summary (model, router URL, engines, GPUs) once it is ready."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-if TYPE_CHECKING:
-    from miles_sglang_plugin.prepared import PreparedDeployment
-    from miles_sglang_plugin.registry import RouterRegistry
-
 _STYLE = {"starting": "yellow", "healthy": "cyan", "registered": "green", "live": "cyan", "ready": "green",
           "failed": "bold red"}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class SummaryRow:
+    """One model of a deployment that is ready."""
+
+    model: str
+    router: str
+    mode: str
+    engines: int
+    gpus: int
+    engine_kind: str
 
 
 @dataclass
@@ -80,22 +88,12 @@ class StatusView:
             self._live.stop()
             self._live = None
 
-    def summary(self, prepared: PreparedDeployment, registry: RouterRegistry) -> None:
+    def summary(self, rows: Iterable[SummaryRow]) -> None:
         table = Table(
             title=f"SGLang deployment ready in {time.monotonic() - self.t0:.1f} s", title_justify="left"
         )
         for col in ("model", "router", "mode", "engines", "GPUs", "engine kind"):
             table.add_column(col)
-        for m in prepared.plan.models:
-            if m.name not in registry:
-                continue
-            route = registry[m.name]
-            table.add_row(
-                m.name,
-                route.base_url,
-                "pd" if m.is_pd else "regular",
-                str(len(m.engines)),
-                str(sum(e.num_gpus for e in m.engines)),
-                prepared.launch.engine_kind.value,
-            )
+        for row in rows:
+            table.add_row(row.model, row.router, row.mode, str(row.engines), str(row.gpus), row.engine_kind)
         self.console.print(table)

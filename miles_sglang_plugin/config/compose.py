@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from omegaconf import DictConfig
 
-from miles_sglang_plugin.config_store import config_search_path, register_configs
+from miles_sglang_plugin.config.store import config_search_path, register_configs
 
 PRIMARY_CONFIG = "miles_sglang"
 

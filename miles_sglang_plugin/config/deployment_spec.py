@@ -1,7 +1,7 @@
 """The unresolved description of a deployment: models and their server groups, as the user wrote them.
 
-Every input format converges here: a composed Hydra ``sglang`` node (:mod:`miles_sglang_plugin.hydra_config`),
-a Miles/slime ``--sglang-config`` YAML file (:mod:`miles_sglang_plugin.miles_yaml`), or nothing at all (the
+Every input format converges here: a composed Hydra ``sglang`` node (:mod:`miles_sglang_plugin.config.reading`),
+a Miles/slime ``--sglang-config`` YAML file (:mod:`miles_sglang_plugin.miles.sglang_config`), or nothing at all (the
 trainer's legacy flags, handled by the resolver). ``None`` in an optional field means "not given: inherit".
 """
 

@@ -1,8 +1,8 @@
-"""The Hydra edge: from a composed config to the resolver's inputs, and back to one call.
+"""Reading a composed Hydra config into the resolver's inputs (the Hydra edge, inbound).
 
 Nothing past this module sees OmegaConf: it turns the ``sglang`` node into a
-:class:`~miles_sglang_plugin.deployment_spec.DeploymentSpec`, the root into
-:class:`~miles_sglang_plugin.trainer_inputs.TrainerInputs`, and ``sglang_deploy`` into plain dataclasses.
+:class:`~miles_sglang_plugin.config.deployment_spec.DeploymentSpec`, the root into
+:class:`~miles_sglang_plugin.config.trainer_inputs.TrainerInputs`, and ``sglang_deploy`` into plain dataclasses.
 
 A field that still holds its schema's default interpolation (``${..num_gpus_per_engine}``,
 ``${oc.select:hf_checkpoint,null}``) is passed on as "not given", so the resolver applies Miles' fallback chain
@@ -12,21 +12,14 @@ in one place; the interpolation itself shows the same value in ``--cfg job --res
 
 from __future__ import annotations
 
-import contextlib
 import os
-import time
-from collections.abc import Collection, Iterator
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from miles_sglang_plugin.deployment_spec import DeploymentSpec, GroupSpec, ModelSpec, WorkerType
-from miles_sglang_plugin.errors import ProblemCollector
-from miles_sglang_plugin.plan import DeploymentPlan
-from miles_sglang_plugin.resolution import resolve_deployment
-from miles_sglang_plugin.schema import (
+from miles_sglang_plugin.config.deployment_spec import DeploymentSpec, GroupSpec, ModelSpec, WorkerType
+from miles_sglang_plugin.config.schema import (
     EXTRA_GROUP_GPE_DEFAULT,
     GROUP_GPE_DEFAULT,
     GROUP_SLOTS,
@@ -36,22 +29,13 @@ from miles_sglang_plugin.schema import (
     ModelConf,
     SGLangDeployConf,
 )
-from miles_sglang_plugin.trainer_inputs import TrainerInputs
-
-if TYPE_CHECKING:
-    from miles_sglang_plugin.launcher import LocalLauncher
-    from miles_sglang_plugin.ports import PortClaims
-    from miles_sglang_plugin.prepared import PreparedDeployment
+from miles_sglang_plugin.config.trainer_inputs import TrainerInputs
+from miles_sglang_plugin.errors import ProblemCollector, first_line
 
 SGLANG_KEY = "sglang"
 #: Where the API key of engines and routers comes from when sglang_deploy.api_key is null.
 API_KEY_ENV = "SGLANG_API_KEY"
 DEPLOY_KEY = "sglang_deploy"
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
 
 
 def _value(
@@ -67,7 +51,7 @@ def _value(
     try:
         return node[field]
     except OmegaConfBaseException as exc:
-        problems.add(f"{key}.{field}", _first_line(exc))
+        problems.add(f"{key}.{field}", first_line(exc))
         return None
 
 
@@ -77,7 +61,7 @@ def _container(node: Any, key: str, problems: ProblemCollector) -> Any:
     try:
         return OmegaConf.to_container(node, resolve=True)
     except OmegaConfBaseException as exc:
-        problems.add(key, _first_line(exc))
+        problems.add(key, first_line(exc))
         return {}
 
 
@@ -92,7 +76,7 @@ def _typed(node: Any, schema: type, key: str, problems: ProblemCollector) -> Dic
     try:
         return OmegaConf.merge(OmegaConf.structured(schema), node)
     except OmegaConfBaseException as exc:
-        problems.add(key, f"{_first_line(exc)} (add models with +sglang_model@{key}=base)")
+        problems.add(key, f"{first_line(exc)} (add models with +sglang_model@{key}=base)")
         return None
 
 
@@ -204,86 +188,3 @@ def trainer_from_config(cfg: DictConfig) -> TrainerInputs:
             values["eval_sglang_overrides"], resolve=True
         )
     return TrainerInputs.from_mapping(values)
-
-
-def resolve_config(cfg: DictConfig, *, server_arg_fields: Collection[str] | None = None) -> DeploymentPlan:
-    """Compose-time config → frozen plan: the one call a Hydra app needs. Raises
-    :class:`~miles_sglang_plugin.errors.DeploymentConfigError` listing every problem."""
-    problems = ProblemCollector("the Hydra config")
-    try:
-        trainer = trainer_from_config(cfg)
-        server_defaults = deploy_settings_from_config(cfg).server_defaults
-    except (OmegaConfBaseException, TypeError, ValueError) as exc:
-        problems.add("", f"the trainer's arguments or sglang_deploy do not read: {_first_line(exc)}")
-        problems.raise_if_any()
-    spec = spec_from_config(cfg, problems)
-    problems.raise_if_any()
-    return resolve_deployment(
-        spec, trainer, server_arg_fields=server_arg_fields, server_defaults=server_defaults
-    )
-
-
-def prepare_from_config(
-    cfg: DictConfig, *, probe: bool = False, claims: PortClaims | None = None
-) -> PreparedDeployment:
-    """Resolve and render ``cfg`` with every check on: override keys against the installed SGLang's fields,
-    the deployment-wide settings, ports (probed and claimed on this machine when ``probe``)."""
-    from miles_sglang_plugin.prepared import prepare_deployment
-    from miles_sglang_plugin.server_arg_fields import known_server_arg_fields
-
-    fields = known_server_arg_fields().fields
-    plan = resolve_config(cfg, server_arg_fields=fields)
-    return prepare_deployment(
-        plan, deploy_settings_from_config(cfg), server_arg_fields=fields, probe=probe, claims=claims
-    )
-
-
-def resolve_config_or_exit(
-    cfg: DictConfig, *, server_arg_fields: Collection[str] | None = None
-) -> DeploymentPlan:
-    """:func:`resolve_config` for an app's entry point: a user error is printed (every problem, no traceback)
-    and the process exits with status 2 before anything starts. In a multirun the error is re-raised instead,
-    so that Hydra goes on with the other jobs and the sweep still ends with a non-zero status."""
-    import sys
-
-    from miles_sglang_plugin.errors import DeploymentConfigError
-
-    try:
-        return resolve_config(cfg, server_arg_fields=server_arg_fields)
-    except DeploymentConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        if _in_multirun():
-            raise
-        raise SystemExit(2) from None
-
-
-def _in_multirun() -> bool:
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
-
-
-def _default_log_dir() -> Path:
-    from hydra.core.hydra_config import HydraConfig
-
-    if HydraConfig.initialized():
-        return Path(HydraConfig.get().runtime.output_dir) / "sglang_logs"
-    return Path.cwd() / "sglang_logs" / time.strftime("%Y-%m-%d_%H-%M-%S")
-
-
-@contextlib.contextmanager
-def launch_from_config(cfg: DictConfig, *, log_dir: Path | None = None) -> Iterator[LocalLauncher]:
-    """Resolve, render and start the deployment of ``cfg``; stop everything when the block ends.
-
-    Every check (deployment, overrides against the installed SGLang's fields, deployment-wide settings, what
-    this backend supports) runs before the first process starts. Engine and router logs go to
-    ``sglang_deploy.launch.log_dir``, else ``sglang_logs/`` in the Hydra run directory."""
-    from miles_sglang_plugin.launcher import LocalLauncher
-    from miles_sglang_plugin.ports import claimed_ports
-
-    with claimed_ports() as claims:
-        prepared = prepare_from_config(cfg, probe=True, claims=claims)
-        target = Path(log_dir or prepared.settings.launch.log_dir or _default_log_dir())
-        with LocalLauncher(prepared, log_dir=target, claims=claims) as launcher:
-            yield launcher

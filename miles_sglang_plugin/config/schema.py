@@ -27,7 +27,7 @@ from typing import Any
 
 from omegaconf import II
 
-from miles_sglang_plugin.deployment_spec import WorkerType
+from miles_sglang_plugin.config.deployment_spec import WorkerType
 
 #: Group slots of a model, in their default deployment order.
 GROUP_SLOTS: tuple[str, ...] = ("prefill", "decode", "regular", "placeholder")
@@ -80,6 +80,12 @@ class EngineKind(StrEnum):
     simulated = "simulated"
 
 
+class BackendKind(StrEnum):
+    """Where engines run: subprocesses of this machine (``local``)."""
+
+    local = "local"
+
+
 @dataclass
 class RouterConf:
     """sglang-router (SGLang Model Gateway) settings, one router per model."""
@@ -108,6 +114,8 @@ class LaunchConf:
     """How engines are started and stopped."""
 
     engine: EngineKind = EngineKind.sglang
+    #: Which backend places and runs the engines (see the README's backends section).
+    backend: BackendKind = BackendKind.local
     #: Command prefix of an engine; ``{python}`` is this interpreter. ``[sglang, serve]`` also works.
     command: list[str] = field(default_factory=lambda: ["{python}", "-m", "sglang.launch_server"])
     #: Address engines and routers bind to on a single machine.

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from hydra.core.config_store import ConfigStore
 
-from miles_sglang_plugin.deployment_spec import WorkerType
-from miles_sglang_plugin.schema import (
+from miles_sglang_plugin.config.deployment_spec import WorkerType
+from miles_sglang_plugin.config.schema import (
     EngineKind,
     ExtraServerGroupConf,
     LaunchConf,
@@ -60,7 +60,7 @@ def register_configs() -> None:
         group="hydra/callbacks",
         name="sglang_cleanup",
         package="hydra.callbacks",
-        node={"sglang_cleanup": {"_target_": "miles_sglang_plugin.hydra_callback.SGLangCleanupCallback"}},
+        node={"sglang_cleanup": {"_target_": "miles_sglang_plugin.app.callbacks.SGLangCleanupCallback"}},
         provider=PROVIDER,
     )
 
@@ -74,5 +74,5 @@ def config_search_path() -> str:
 
     if importlib.util.find_spec("miles_sglang_plugin.conf") is not None:
         return "pkg://miles_sglang_plugin.conf"
-    checkout_conf = Path(__file__).resolve().parent.parent / "conf"
+    checkout_conf = Path(__file__).resolve().parents[2] / "conf"
     return f"file://{checkout_conf}"

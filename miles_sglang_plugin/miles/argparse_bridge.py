@@ -2,7 +2,7 @@
 
 ``resolve_namespace(args)`` reads Miles' own argument names (:meth:`TrainerInputs.from_namespace`) and, when
 ``args.sglang_config`` is set, the ``--sglang-config`` file (a path or Miles' ``base64:`` form, see
-:func:`~miles_sglang_plugin.miles_yaml.load_miles_config`); without it, Miles' legacy deployment
+:func:`~miles_sglang_plugin.miles.sglang_config.load_miles_config`); without it, Miles' legacy deployment
 (``--prefill-num-servers`` or one regular group, plus the ``--eval-num-gpus`` fleet). The plan equals the one the
 Hydra path resolves for the same deployment.
 """
@@ -12,11 +12,11 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
+from miles_sglang_plugin.config.trainer_inputs import TrainerInputs
 from miles_sglang_plugin.errors import ProblemCollector
-from miles_sglang_plugin.miles_yaml import load_miles_config
-from miles_sglang_plugin.plan import DeploymentPlan
-from miles_sglang_plugin.resolution import resolve_deployment
-from miles_sglang_plugin.trainer_inputs import TrainerInputs
+from miles_sglang_plugin.miles.sglang_config import load_miles_config
+from miles_sglang_plugin.planning.plan import DeploymentPlan
+from miles_sglang_plugin.planning.resolution import resolve_deployment
 
 
 def resolve_namespace(ns: Any, *, server_arg_fields: Collection[str] | None = None) -> DeploymentPlan:

@@ -8,7 +8,7 @@ miles-sglang export [--output FILE] [HYDRA OVERRIDES...]
     arguments go to stderr and into a ``# miles args:`` comment at the top of the file.
 
 User errors raise :class:`~miles_sglang_plugin.errors.DeploymentConfigError` /
-:class:`~miles_sglang_plugin.compose.CompositionError`, or print one line and return status 2.
+:class:`~miles_sglang_plugin.config.compose.CompositionError`, or print one line and return status 2.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from miles_sglang_plugin.deployment_spec import NAME_RE, DeploymentSpec
-from miles_sglang_plugin.miles_yaml import (
+from miles_sglang_plugin.config.deployment_spec import NAME_RE, DeploymentSpec
+from miles_sglang_plugin.miles.sglang_config import (
     BASE64_PREFIX,
     load_miles_config,
     miles_trainer_args,
@@ -80,7 +80,7 @@ def _fail(message: str) -> int:
 
 def builtin_preset_names() -> frozenset[str]:
     """Names of the presets shipped with the package (``conf/sglang/*.yaml``)."""
-    from miles_sglang_plugin.config_store import config_search_path
+    from miles_sglang_plugin.config.store import config_search_path
 
     location = config_search_path()
     names: set[str] = set()
@@ -226,8 +226,9 @@ def deploy_notes(deploy: Any) -> list[str]:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from miles_sglang_plugin.compose import compose_config
-    from miles_sglang_plugin.hydra_config import prepare_from_config, spec_from_config
+    from miles_sglang_plugin.app.hydra_edge import prepare_from_config
+    from miles_sglang_plugin.config.compose import compose_config
+    from miles_sglang_plugin.config.reading import spec_from_config
 
     cfg = compose_config(args.overrides)
     prepared = prepare_from_config(cfg)  # every check `plan` makes: never export what Miles would run wrongly

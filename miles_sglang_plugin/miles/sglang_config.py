@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from miles_sglang_plugin.deployment_spec import (
+from miles_sglang_plugin.config.deployment_spec import (
     NAME_RE,
     WORKER_TYPES,
     DeploymentSpec,
@@ -38,11 +38,11 @@ from miles_sglang_plugin.deployment_spec import (
     is_int,
     thaw,
 )
+from miles_sglang_plugin.config.schema import GROUP_SLOTS
+from miles_sglang_plugin.config.trainer_inputs import TrainerInputs
 from miles_sglang_plugin.errors import DeploymentConfigError, ProblemCollector
-from miles_sglang_plugin.plan import DeploymentPlan
-from miles_sglang_plugin.resolution import legacy_spec, normalise_overrides
-from miles_sglang_plugin.schema import GROUP_SLOTS
-from miles_sglang_plugin.trainer_inputs import TrainerInputs
+from miles_sglang_plugin.planning.plan import DeploymentPlan
+from miles_sglang_plugin.planning.resolution import legacy_spec, normalise_overrides
 
 #: Miles' inline form of ``--sglang-config``: ``base64:<base64 of the YAML text>``.
 BASE64_PREFIX = "base64:"

@@ -1,6 +1,6 @@
 """The resolved deployment: a frozen plan that every later stage (render, execute, serve) only reads.
 
-Produced by :func:`miles_sglang_plugin.resolution.resolve_deployment`. Numbers in it follow Miles' rules:
+Produced by :func:`miles_sglang_plugin.planning.resolution.resolve_deployment`. Numbers in it follow Miles' rules:
 ``gpu_offset`` counts the GPUs of every earlier group (placeholders included) across all models; a GPU *slot* is
 the global placement index ``rollout_offset + gpu_offset + ...``; a slot lives on node ``slot // num_gpus_per_node``
 as local GPU ``slot % num_gpus_per_node``.
@@ -13,8 +13,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from miles_sglang_plugin.deployment_spec import WorkerType, thaw
-from miles_sglang_plugin.trainer_inputs import TrainerInputs
+from miles_sglang_plugin.config.deployment_spec import WorkerType, thaw
+from miles_sglang_plugin.config.trainer_inputs import TrainerInputs
 
 
 @dataclass(frozen=True)

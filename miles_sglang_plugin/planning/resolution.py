@@ -14,7 +14,7 @@ import difflib
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from miles_sglang_plugin.deployment_spec import (
+from miles_sglang_plugin.config.deployment_spec import (
     NAME_RE,
     WORKER_TYPES,
     DeploymentSpec,
@@ -24,9 +24,16 @@ from miles_sglang_plugin.deployment_spec import (
     freeze,
     is_int,
 )
+from miles_sglang_plugin.config.trainer_inputs import TrainerInputs
 from miles_sglang_plugin.errors import ProblemCollector
-from miles_sglang_plugin.plan import DeploymentPlan, EnginePlan, EngineProcessPlan, GroupPlan, ModelPlan
-from miles_sglang_plugin.trainer_inputs import TrainerInputs
+from miles_sglang_plugin.masking import MASK, SECRET_FIELDS
+from miles_sglang_plugin.planning.plan import (
+    DeploymentPlan,
+    EnginePlan,
+    EngineProcessPlan,
+    GroupPlan,
+    ModelPlan,
+)
 
 #: ServerArgs fields that the plan decides; a group override may not set them.
 PLAN_OWNED_OVERRIDES: Mapping[str, str] = {
@@ -42,9 +49,6 @@ PLAN_OWNED_OVERRIDES: Mapping[str, str] = {
     "api_key": "it is a secret: set sglang_deploy.api_key (or SGLANG_API_KEY), which also reaches the routers",
     "admin_api_key": "it is a secret: pass it to the engines through sglang_deploy.env, not the config",
 }
-
-#: ServerArgs fields whose values are never shown.
-SECRET_FIELDS = frozenset({"api_key", "admin_api_key"})
 
 #: The eval fleet's lowest override layer (Miles ``_apply_eval_model_config``).
 EVAL_DEFAULT_OVERRIDES: Mapping[str, Any] = {
@@ -359,7 +363,7 @@ class _Resolver:
         p = self.problems
         for name, reason in PLAN_OWNED_OVERRIDES.items():
             if name in values:
-                shown = "***" if name in SECRET_FIELDS else repr(values[name])
+                shown = MASK if name in SECRET_FIELDS else repr(values[name])
                 p.add(f"{where}.{name}", f"cannot be overridden ({shown}): {reason}")
         if self.fields is not None:
             for name in values:

@@ -1,4 +1,4 @@
-"""Human-readable views of a plan (rich tables): per model, and per node which GPU runs what."""
+"""Human-readable views of a plan (rich tables): per model, per group, and per node which GPU runs what."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ from collections import defaultdict
 from rich.console import Console, Group
 from rich.table import Table
 
-from miles_sglang_plugin.plan import DeploymentPlan
-from miles_sglang_plugin.rendering import LaunchSpecs
+from miles_sglang_plugin.planning.plan import DeploymentPlan
 
 
 def _ids(ids: tuple[int, ...]) -> str:
@@ -99,17 +98,3 @@ def print_plan(plan: DeploymentPlan, console: Console | None = None) -> None:
     console.print(Group(summary, models_table(plan), groups_table(plan), *node_tables(plan)))
     for note in plan.notes:
         console.print(f"note: {note}")
-
-
-def print_commands(launch: LaunchSpecs, console: Console | None = None) -> None:
-    """Each engine process's command line (secrets masked) and GPU pinning; each router's URL."""
-    console = console or Console()
-    for e in launch.engines:
-        console.print(f"[bold]{e.name}[/] node {e.node} CUDA_VISIBLE_DEVICES={e.env['CUDA_VISIBLE_DEVICES']}")
-        console.print(f"  {e.display_command()}", markup=False, soft_wrap=True)
-    for r in launch.routers:
-        mode = "pd" if r.spec.pd_disaggregation else "regular"
-        console.print(
-            f"[bold]router {r.model}[/] {r.spec.url} ({mode}, policy {r.spec.settings.policy}, "
-            f"{len(r.workers)} workers)"
-        )

@@ -22,15 +22,15 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from miles_sglang_plugin.deployment_spec import WorkerType, thaw
+from miles_sglang_plugin.addresses import host_port, http_base_url
+from miles_sglang_plugin.config.deployment_spec import WorkerType, thaw
+from miles_sglang_plugin.config.schema import EngineKind, SGLangDeployConf
 from miles_sglang_plugin.errors import Problem
 from miles_sglang_plugin.masking import mask_argv, mask_env
-from miles_sglang_plugin.plan import DeploymentPlan, EnginePlan, EngineProcessPlan, GroupPlan
-from miles_sglang_plugin.ports import PortAssignment
-from miles_sglang_plugin.registry import http_base_url
-from miles_sglang_plugin.resolution import PLAN_OWNED_OVERRIDES, suggest
-from miles_sglang_plugin.routers import RouterLaunchSpec, RouterSettings, WorkerRegistration
-from miles_sglang_plugin.schema import EngineKind, SGLangDeployConf
+from miles_sglang_plugin.planning.plan import DeploymentPlan, EnginePlan, EngineProcessPlan, GroupPlan
+from miles_sglang_plugin.planning.resolution import PLAN_OWNED_OVERRIDES, suggest
+from miles_sglang_plugin.rendering.ports import PortAssignment
+from miles_sglang_plugin.rendering.router_specs import RouterLaunchSpec, RouterSettings, WorkerRegistration
 
 STANDIN_COMMAND = ("{python}", "-m", "miles_sglang_plugin.standin")
 
@@ -168,7 +168,7 @@ class LaunchSpecs:
 
 def check_deploy_settings(settings: SGLangDeployConf, fields: Collection[str] | None) -> list[Problem]:
     """Problems with ``sglang_deploy`` (server defaults, router settings); empty when fine."""
-    from miles_sglang_plugin.routers import validate_router_settings
+    from miles_sglang_plugin.rendering.router_specs import validate_router_settings
 
     out: list[Problem] = []
     for key in settings.server_defaults:
@@ -218,9 +218,7 @@ def _engine_server_args(
         "host": host,
         "port": own.http,
         "nccl_port": own.nccl,
-        "dist_init_addr": f"[{dist_host}]:{first.dist_init}"
-        if ":" in dist_host
-        else f"{dist_host}:{first.dist_init}",
+        "dist_init_addr": host_port(dist_host, first.dist_init),
         "nnodes": e.nnodes,
         "node_rank": proc.node_rank,
         "base_gpu_id": 0,

@@ -24,8 +24,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from miles_sglang_plugin.deployment_spec import WorkerType
-from miles_sglang_plugin.plan import DeploymentPlan
+from miles_sglang_plugin.config.deployment_spec import WorkerType
+from miles_sglang_plugin.planning.plan import DeploymentPlan
 
 #: Linux's default ephemeral range starts here; SGLang's own defaults (30000, 8998) stay outside our range too.
 EPHEMERAL_START = 32768

@@ -6,11 +6,11 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
+from miles_sglang_plugin.config.schema import SGLangDeployConf
 from miles_sglang_plugin.errors import DeploymentConfigError, ProblemCollector
-from miles_sglang_plugin.plan import DeploymentPlan
-from miles_sglang_plugin.ports import PortClaims, PortExhaustedError, assign_ports
-from miles_sglang_plugin.rendering import LaunchSpecs, check_deploy_settings, render_launch
-from miles_sglang_plugin.schema import SGLangDeployConf
+from miles_sglang_plugin.planning.plan import DeploymentPlan
+from miles_sglang_plugin.rendering.launch_specs import LaunchSpecs, check_deploy_settings, render_launch
+from miles_sglang_plugin.rendering.ports import PortClaims, PortExhaustedError, assign_ports
 
 
 @dataclass(frozen=True)

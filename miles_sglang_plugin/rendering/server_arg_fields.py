@@ -51,7 +51,7 @@ def _installed_sglang() -> tuple[str, str] | None:
 def known_server_arg_fields() -> KnownFields:
     """The installed SGLang's ServerArgs fields. Importing SGLang takes seconds (it imports torch), so the list
     is cached per SGLang version and install location under ``~/.cache/miles_sglang_plugin``."""
-    from miles_sglang_plugin import sglang_server_args
+    from miles_sglang_plugin.rendering import sglang_server_args
 
     installed = _installed_sglang()
     if installed is not None:

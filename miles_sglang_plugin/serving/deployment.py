@@ -1,22 +1,19 @@
-"""Execute: the local launcher — every engine as a subprocess pinned with ``CUDA_VISIBLE_DEVICES``, one real
-sglang-router per model, readiness with a deadline, and a teardown that leaves nothing behind.
+"""The running deployment: engines started through a backend, one real sglang-router per model, readiness
+with a deadline, a registry for rollout code, and a teardown that leaves nothing behind.
 
-    with LocalLauncher(prepared, log_dir=...) as deployment:
+    with Deployment(prepared, LocalBackend(), log_dir=...) as deployment:
         url = deployment.registry.get_model_url("actor")
 
-Start-up runs everything in parallel: all routers and all engines are spawned at once; then one loop polls
-each engine's health endpoint (checking at every poll that its process is alive), registers each healthy
-engine with its model's router (``POST /workers``), and ends when every router reports all its workers. An
-engine or router that exits during start-up fails the launch at once (its name, command, exit code and log
+Start-up runs everything in parallel: all routers (subprocesses of this machine, the driver) and all engine
+processes (through the backend, each on its node) are started at once; then one loop polls each engine's
+health endpoint (checking at every poll that its process is alive), registers each healthy engine with its
+model's router (``POST /workers``), and ends when every router reports all its workers. An engine or router
+that exits during start-up fails the launch at once (its name, where it ran, command, exit code and log
 tail); so does the deadline. Whatever was started is then stopped.
 
-Stopping (normal exit, exception, Ctrl-C, SIGTERM, interpreter exit, Hydra job end): SIGTERM to each process
-group, SIGKILL after the grace period, port claims released. If the launcher itself is SIGKILLed, its children
-receive SIGKILL from the kernel (``PR_SET_PDEATHSIG``).
-
-This backend runs on one machine. It refuses engines wider than a node and plans spread over several nodes,
-except with the stand-in engines, where the planned nodes run side by side here (ports kept apart), so that
-multi-node plans can be exercised without a cluster.
+Stopping (normal exit, exception, Ctrl-C, SIGTERM, interpreter exit, Hydra job end): routers and engines get
+SIGTERM at once, SIGKILL after the grace period, and the backend gives back what it took (port claims). If
+the launcher itself is SIGKILLed, its children receive SIGKILL from the kernel (``PR_SET_PDEATHSIG``).
 """
 
 from __future__ import annotations
@@ -28,7 +25,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,36 +34,68 @@ from typing import Any
 
 import httpx
 
+from miles_sglang_plugin.backends.base import Backend, EngineProcess, LaunchError
+from miles_sglang_plugin.backends.processes import ManagedProcess, stop_processes
+from miles_sglang_plugin.backends.status_view import StatusView, SummaryRow
 from miles_sglang_plugin.masking import mask_argv
-from miles_sglang_plugin.ports import PortClaims
-from miles_sglang_plugin.prepared import PreparedDeployment
-from miles_sglang_plugin.processes import ManagedProcess, stop_processes
-from miles_sglang_plugin.registry import RouterRegistry
-from miles_sglang_plugin.rendering import EngineProcessLaunch, RouterLaunch
-from miles_sglang_plugin.routers import RouterRequestError, register_workers, router_command, router_ready
-from miles_sglang_plugin.schema import EngineKind
-from miles_sglang_plugin.status_view import StatusView
+from miles_sglang_plugin.rendering.launch_specs import EngineProcessLaunch, RouterLaunch
+from miles_sglang_plugin.rendering.prepared import PreparedDeployment
+from miles_sglang_plugin.serving.registry import ModelRoute, RouterRegistry
+from miles_sglang_plugin.serving.routers import (
+    RouterRequestError,
+    register_workers,
+    router_command,
+    router_ready,
+)
 
 #: Engine health endpoint polled during start-up (as Miles: a real generation, not just a live socket).
 HEALTH_ENDPOINT = "/health_generate"
 
 
-class LaunchError(RuntimeError):
-    """The deployment did not come up; everything that was started has been stopped."""
+@dataclass(frozen=True)
+class EngineInfo:
+    """One engine of a running deployment, as the trainer sees it."""
 
-
-class UnsupportedPlanError(LaunchError):
-    """The plan needs something this backend cannot do (several nodes, engines wider than a node)."""
+    id: str
+    model: str
+    group: str
+    worker_type: str
+    url: str
+    node: int
+    #: The engine's ``CUDA_VISIBLE_DEVICES`` on its first node.
+    gpus: str
+    nnodes: int
+    #: ``starting``, ``healthy`` (answers its health endpoint), ``registered`` (with its router), ``failed``.
+    state: str
+    #: ``time.monotonic()`` when its first process was started, and when it first answered its health endpoint.
+    started_at: float | None = None
+    healthy_at: float | None = None
 
 
 @dataclass
 class _Engine:
     launch: EngineProcessLaunch
     followers: list[EngineProcessLaunch]
-    processes: list[ManagedProcess] = field(default_factory=list)
+    processes: list[EngineProcess] = field(default_factory=list)
     state: str = "starting"
     healthy_at: float | None = None
     registered: bool = False
+
+    def info(self) -> EngineInfo:
+        lead = self.launch
+        return EngineInfo(
+            id=lead.engine_id,
+            model=lead.model,
+            group=lead.group,
+            worker_type=lead.worker_type.value,
+            url=lead.url,
+            node=lead.node,
+            gpus=lead.env.get("CUDA_VISIBLE_DEVICES", ""),
+            nnodes=lead.nnodes,
+            state=self.state,
+            started_at=self.processes[0].started_at if self.processes else None,
+            healthy_at=self.healthy_at,
+        )
 
 
 @dataclass
@@ -76,63 +105,41 @@ class _Router:
     state: str = "starting"
 
 
-_ACTIVE: weakref.WeakSet[LocalLauncher] = weakref.WeakSet()
+_ACTIVE: weakref.WeakSet[Deployment] = weakref.WeakSet()
 
 
 def stop_all_active() -> None:
-    """Stop every launcher of this process that is still running (interpreter exit, Hydra job end)."""
-    for launcher in list(_ACTIVE):
-        launcher.stop()
+    """Stop every deployment of this process that is still running (interpreter exit, Hydra job end)."""
+    for deployment in list(_ACTIVE):
+        deployment.stop()
 
 
 atexit.register(stop_all_active)
 
 
-def check_supported(prepared: PreparedDeployment) -> list[str]:
-    """Problems that stop this backend from running ``prepared``; notes are returned for stand-in runs."""
-    plan = prepared.plan
-    wide = [e.id for e in plan.engines if e.nnodes > 1]
-    simulated = prepared.launch.engine_kind is EngineKind.simulated
-    notes: list[str] = []
-    if len(plan.nodes) > 1 or wide:
-        what = []
-        if len(plan.nodes) > 1:
-            what.append(
-                f"the plan places engines on {len(plan.nodes)} nodes ({', '.join(map(str, plan.nodes))})"
-            )
-        if wide:
-            what.append(f"engine(s) {', '.join(wide[:4])}{'…' if len(wide) > 4 else ''} span several nodes")
-        text = " and ".join(what)
-        if not simulated:
-            raise UnsupportedPlanError(
-                f"the local launcher runs on one machine, but {text}. Use a multi-node backend, or shrink the "
-                "deployment to one node (colocate=true or debug_rollout_only=true puts rollout GPUs at slot 0)"
-            )
-        notes.append(f"stand-in engines: {text}; they run side by side on this machine")
-    return notes
+class Deployment:
+    """Starts and stops one prepared deployment, whose engines run through ``backend``.
 
-
-class LocalLauncher:
-    """Starts and stops one prepared deployment on this machine."""
+    The deployment owns the backend: :meth:`stop` closes it (its port claims are released)."""
 
     def __init__(
         self,
         prepared: PreparedDeployment,
+        backend: Backend,
         *,
         log_dir: Path,
-        claims: PortClaims | None = None,
         status: StatusView | None = None,
         install_signal_handlers: bool = True,
     ) -> None:
         self.prepared = prepared
+        self.backend = backend
         self.settings = prepared.settings
         self.log_dir = Path(log_dir)
-        self.claims = claims
         self.status = status or StatusView(mode=self.settings.launch.live)
         self.install_signal_handlers = install_signal_handlers
-        self.notes = check_supported(prepared)
-        self.engines: list[_Engine] = []
-        self.routers: list[_Router] = []
+        self.notes = backend.check(prepared)
+        self._engines: list[_Engine] = []
+        self._routers: list[_Router] = []
         self._stopped = False
         self._started = False
         self._previous_sigterm: Any = None
@@ -142,12 +149,27 @@ class LocalLauncher:
     @property
     def registry(self) -> RouterRegistry:
         """Where rollout code finds each model's router."""
-        return RouterRegistry(r.launch.spec.route() for r in self.routers)
+        return RouterRegistry(ModelRoute.from_launch_spec(r.launch.spec) for r in self._routers)
 
-    def processes(self) -> list[ManagedProcess]:
-        return [p for e in self.engines for p in e.processes] + [r.process for r in self.routers]
+    def engines(self) -> tuple[EngineInfo, ...]:
+        """Every engine, in deployment order, with its URL, node, GPUs and state."""
+        return tuple(e.info() for e in self._engines)
 
-    def __enter__(self) -> LocalLauncher:
+    def processes(self) -> list[EngineProcess | ManagedProcess]:
+        """Every process started: engine processes (all nodes), then routers."""
+        return [p for e in self._engines for p in e.processes] + [r.process for r in self._routers]
+
+    def auth_headers(self) -> dict[str, str]:
+        """``Authorization`` for requests to the routers and engines (empty without an API key). The key
+        itself stays out of the registry, so that ``RouterRegistry.to_env()`` carries no secret."""
+        key = self.settings.api_key
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    def exited(self) -> list[tuple[str, int]]:
+        """Processes that have exited since start-up (name, exit code): a deployment that lost a member."""
+        return [(p.name, code) for p in self.processes() if (code := p.exit_code()) is not None]
+
+    def __enter__(self) -> Deployment:
         if self.install_signal_handlers and threading.current_thread() is threading.main_thread():
             self._previous_sigterm = signal.signal(signal.SIGTERM, _raise_on_sigterm)
         try:
@@ -168,7 +190,7 @@ class LocalLauncher:
     # --------------------------------------------------------------------------------------------- start
     def start(self) -> None:
         if self._started:
-            raise RuntimeError("a LocalLauncher starts once")
+            raise RuntimeError("a Deployment starts once")
         self._started = True
         _ACTIVE.add(self)
         for note in self.notes:
@@ -184,14 +206,13 @@ class LocalLauncher:
                 self.status.note("start-up interrupted: every engine and router was stopped")
             raise
         self.status.finish(ok=True)
-        self.status.summary(self.prepared, self.registry)
+        self.status.summary(self._summary_rows())
 
     def _spawn(self) -> None:
         launch = self.prepared.launch
-        lead = {e.engine_id: e for e in launch.engines if e.node_rank == 0}
-        for engine_id, first in lead.items():
-            followers = [e for e in launch.engines if e.engine_id == engine_id and e.node_rank > 0]
-            self.engines.append(_Engine(launch=first, followers=followers))
+        for lead in (e for e in launch.engines if e.node_rank == 0):
+            followers = [e for e in launch.engines if e.engine_id == lead.engine_id and e.node_rank > 0]
+            self._engines.append(_Engine(launch=lead, followers=followers))
         for r in launch.routers:
             argv, env = router_command(r.spec)
             proc = ManagedProcess(
@@ -201,87 +222,110 @@ class LocalLauncher:
                 log_path=self.log_dir / f"router.{r.model}.log",
                 display_command=" ".join(argv[:3]) + f" <spec of {r.model}>",
             )
-            self.routers.append(_Router(launch=r, process=proc))
+            self._routers.append(_Router(launch=r, process=proc))
             self.status.track(proc.name, "router", r.spec.url)
-        for e in self.engines:
-            for pl in (e.launch, *e.followers):
-                proc = ManagedProcess(
-                    name=pl.name,
-                    argv=pl.argv,
-                    env=pl.env,
-                    log_path=self.log_dir / f"{pl.name}.log",
-                    display_command=pl.display_command(),
-                )
-                e.processes.append(proc)
+        for e in self._engines:
             self.status.track(
                 e.launch.engine_id, "engine", f"{e.launch.url} GPUs {e.launch.env['CUDA_VISIBLE_DEVICES']}"
             )
-        for r in self.routers:
-            self._start_process(r.process, "router", r.process.name)
-        for e in self.engines:
-            for p in e.processes:
-                self._start_process(p, "engine", e.launch.engine_id)
+        for r in self._routers:
+            self._start_router(r)
+        for e in self._engines:
+            for pl in (e.launch, *e.followers):
+                self._start_engine_process(e, pl)
 
-    def _start_process(self, proc: ManagedProcess, what: str, row: str) -> None:
+    def _start_router(self, r: _Router) -> None:
         try:
-            proc.start()
-        except OSError as exc:  # e.g. the command does not exist: a LaunchError like any other failed start
-            self.status.update(row, "failed")
-            command = proc.display_command or " ".join(mask_argv(list(proc.argv)))
+            r.process.start()
+        except OSError as exc:
+            self.status.update(r.process.name, "failed")
             raise LaunchError(
-                f"{what} {proc.name} could not be started: {exc}\n  command: {command}"
+                f"router {r.process.name} could not be started: {exc}\n  command: {r.process.display_command}"
+            ) from exc
+
+    def _start_engine_process(self, e: _Engine, pl: EngineProcessLaunch) -> None:
+        try:
+            e.processes.append(self.backend.start(pl, log_path=self.log_dir / f"{pl.name}.log"))
+        except OSError as exc:  # e.g. the command does not exist: a LaunchError like any other failed start
+            self.status.update(e.launch.engine_id, "failed")
+            raise LaunchError(
+                f"engine {pl.name} could not be started: {exc}\n  command: {pl.display_command()}"
             ) from exc
 
     def _fail_if_exited(self) -> None:
-        for r in self.routers:
+        for r in self._routers:
             code = r.process.exit_code()
             if code is not None:
                 self.status.update(r.process.name, "failed")
-                raise LaunchError(_exited_message(r.process, code, "router"))
-        for e in self.engines:
+                raise LaunchError(
+                    _exited_message(
+                        f"router {r.process.name}",
+                        f"pid {r.process.pid} on this machine",
+                        code,
+                        time.monotonic() - r.process.started_at,
+                        r.process.display_command or " ".join(mask_argv(list(r.process.argv))),
+                        str(r.process.log_path),
+                        r.process.tail(15),
+                    )
+                )
+        for e in self._engines:
             for p in e.processes:
                 code = p.exit_code()
                 if code is not None:
                     self.status.update(e.launch.engine_id, "failed")
-                    raise LaunchError(_exited_message(p, code, "engine"))
+                    raise LaunchError(
+                        _exited_message(
+                            f"engine {p.name}",
+                            p.where,
+                            code,
+                            time.monotonic() - p.started_at,
+                            p.launch.display_command(),
+                            p.log_location,
+                            p.tail(15),
+                        )
+                    )
 
     def _wait_ready(self) -> None:
         launch_conf = self.settings.launch
         deadline = time.monotonic() + launch_conf.startup_timeout_s
-        key = self.settings.api_key
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
         # Health polls and registrations go out concurrently: one slow or hanging engine must not delay the
         # others, and registration time must not grow with the number of engines.
-        workers = min(32, max(4, len(self.engines) + len(self.routers)))
-        with httpx.Client(timeout=2.0, headers=headers) as client, ThreadPoolExecutor(workers) as pool:
+        workers = min(32, max(4, len(self._engines) + len(self._routers)))
+        with (
+            httpx.Client(timeout=2.0, headers=self.auth_headers()) as client,
+            ThreadPoolExecutor(workers) as pool,
+        ):
             while True:
                 self._fail_if_exited()
-                routers = [r for r in self.routers if r.state == "starting"]
-                engines = [e for e in self.engines if e.state == "starting"]
-                urls = [r.launch.spec.url + "/liveness" for r in routers] + [
-                    e.launch.url + HEALTH_ENDPOINT for e in engines
-                ]
-                ok = list(pool.map(lambda url: _get_ok(client, url), urls))
-                for r, live in zip(routers, ok[: len(routers)], strict=True):
-                    if live:
-                        r.state = "live"
-                        self.status.update(r.process.name, "live")
-                for e, healthy in zip(engines, ok[len(routers) :], strict=True):
-                    if healthy:
-                        e.state, e.healthy_at = "healthy", time.monotonic()
-                        self.status.update(e.launch.engine_id, "healthy")
+                self._poll_health(client, pool)
                 self._register_healthy(pool)
-                if all(e.registered for e in self.engines) and self._routers_ready():
+                if all(e.registered for e in self._engines) and self._routers_ready():
                     return
                 if time.monotonic() > deadline:
                     raise LaunchError(self._timeout_message(launch_conf.startup_timeout_s))
                 time.sleep(launch_conf.poll_interval_s)
 
+    def _poll_health(self, client: httpx.Client, pool: ThreadPoolExecutor) -> None:
+        routers = [r for r in self._routers if r.state == "starting"]
+        engines = [e for e in self._engines if e.state == "starting"]
+        urls = [r.launch.spec.url + "/liveness" for r in routers] + [
+            e.launch.url + HEALTH_ENDPOINT for e in engines
+        ]
+        answered = list(pool.map(lambda url: _get_ok(client, url), urls))
+        for r, live in zip(routers, answered[: len(routers)], strict=True):
+            if live:
+                r.state = "live"
+                self.status.update(r.process.name, "live")
+        for e, healthy in zip(engines, answered[len(routers) :], strict=True):
+            if healthy:
+                e.state, e.healthy_at = "healthy", time.monotonic()
+                self.status.update(e.launch.engine_id, "healthy")
+
     def _register_healthy(self, pool: ThreadPoolExecutor) -> None:
-        by_model = {r.launch.model: r for r in self.routers}
+        by_model = {r.launch.model: r for r in self._routers}
         due = [
             (e, router)
-            for e in self.engines
+            for e in self._engines
             if e.state == "healthy"
             and not e.registered
             and (router := by_model.get(e.launch.model)) is not None
@@ -301,11 +345,12 @@ class LocalLauncher:
             if error is not None:
                 raise LaunchError(error)
             e.registered = True
+            e.state = "registered"
             self.status.update(e.launch.engine_id, "registered")
 
     def _routers_ready(self) -> bool:
         ready = True
-        for r in self.routers:
+        for r in self._routers:
             if r.state == "ready":
                 continue
             ok, _detail = router_ready(r.launch.spec.url, r.launch.workers, api_key=self.settings.api_key)
@@ -320,42 +365,57 @@ class LocalLauncher:
         lines = [
             f"the deployment was not ready after {timeout_s:g} s (sglang_deploy.launch.startup_timeout_s):"
         ]
-        for e in self.engines:
+        for e in self._engines:
             if e.state == "starting":
                 p = e.processes[0]
                 lines.append(
                     f"  engine {e.launch.engine_id} never answered {HEALTH_ENDPOINT} at {e.launch.url} "
-                    f"(process {p.pid} still running); last log lines of {p.log_path}:"
+                    f"({p.where}, still running); last log lines of {p.log_location}:"
                 )
                 lines += [f"    | {line}" for line in p.tail(10).splitlines()]
-        for r in self.routers:
+        for r in self._routers:
             if r.state != "ready":
                 lines.append(f"  router of {r.launch.model} at {r.launch.spec.url}: {r.state}")
         return "\n".join(lines)
 
-    def auth_headers(self) -> dict[str, str]:
-        """``Authorization`` for requests to the routers and engines (empty without an API key). The key
-        itself stays out of the registry, so that ``RouterRegistry.to_env()`` carries no secret."""
-        key = self.settings.api_key
-        return {"Authorization": f"Bearer {key}"} if key else {}
-
-    def exited(self) -> list[tuple[str, int]]:
-        """Processes that have exited since start-up (name, exit code): a deployment that lost a member."""
-        return [(p.name, code) for p in self.processes() if (code := p.exit_code()) is not None]
+    def _summary_rows(self) -> list[SummaryRow]:
+        registry = self.registry
+        rows = []
+        for m in self.prepared.plan.models:
+            if m.name not in registry:
+                continue
+            rows.append(
+                SummaryRow(
+                    model=m.name,
+                    router=registry[m.name].base_url,
+                    mode="pd" if m.is_pd else "regular",
+                    engines=len(m.engines),
+                    gpus=sum(e.num_gpus for e in m.engines),
+                    engine_kind=self.prepared.launch.engine_kind.value,
+                )
+            )
+        return rows
 
     # ---------------------------------------------------------------------------------------------- stop
     def stop(self) -> None:
-        """Stop every process this launcher started (idempotent)."""
+        """Stop every process this deployment started and close its backend (idempotent)."""
         with self._lock:
             if self._stopped:
                 return
             # A second Ctrl-C or SIGTERM must not cut the teardown short: hold them off while stopping.
             with _signals_held():
-                stop_processes(self.processes(), grace_s=self.settings.launch.shutdown_grace_s)
-                self._stopped = True
-                if self.claims is not None:
-                    self.claims.release()
-                _ACTIVE.discard(self)
+                grace = self.settings.launch.shutdown_grace_s
+                routers = [r.process for r in self._routers]
+                for p in routers:  # routers stop while the engines are given their grace period
+                    if p.running:
+                        p.signal_group(signal.SIGTERM)
+                try:
+                    self.backend.stop([p for e in self._engines for p in e.processes], grace_s=grace)
+                finally:
+                    stop_processes(routers, grace_s=grace)
+                    self.backend.close()
+                    self._stopped = True
+                    _ACTIVE.discard(self)
 
     def _restore_signals(self) -> None:
         if self._previous_sigterm is not None:
@@ -390,13 +450,15 @@ def _get_ok(client: httpx.Client, url: str) -> bool:
         return False
 
 
-def _exited_message(proc: ManagedProcess, code: int, what: str) -> str:
-    elapsed = time.monotonic() - proc.started_at
+def _exited_message(
+    what: str, where: str, code: int, elapsed_s: float, command: str, log: str, tail: str
+) -> str:
     lines = [
-        f"{what} {proc.name} exited with code {code} during start-up (after {elapsed:.1f} s)",
-        f"  command: {proc.display_command or ' '.join(mask_argv(list(proc.argv)))}",
-        f"  last log lines of {proc.log_path}:",
-        *(f"    | {line}" for line in proc.tail(15).splitlines()),
+        f"{what} exited with code {code} during start-up (after {elapsed_s:.1f} s)",
+        f"  where: {where}",
+        f"  command: {command}",
+        f"  last log lines of {log}:",
+        *(f"    | {line}" for line in tail.splitlines()),
     ]
     return "\n".join(lines)
 
@@ -404,15 +466,14 @@ def _exited_message(proc: ManagedProcess, code: int, what: str) -> str:
 @contextlib.contextmanager
 def launched(
     prepared: PreparedDeployment,
+    backend: Backend,
     *,
     log_dir: Path,
-    claims: PortClaims | None = None,
     status: StatusView | None = None,
-) -> Iterator[LocalLauncher]:
-    """Start ``prepared`` and stop it when the block ends, however it ends."""
-    launcher = LocalLauncher(prepared, log_dir=log_dir, claims=claims, status=status)
-    with launcher:
-        yield launcher
+) -> Iterator[Deployment]:
+    """Start ``prepared`` through ``backend`` and stop it when the block ends, however it ends."""
+    with Deployment(prepared, backend, log_dir=log_dir, status=status) as deployment:
+        yield deployment
 
 
-__all__ = ["LaunchError", "LocalLauncher", "UnsupportedPlanError", "launched", "stop_all_active"]
+__all__: Sequence[str] = ["Deployment", "EngineInfo", "launched", "stop_all_active"]

@@ -21,50 +21,24 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
+from miles_sglang_plugin.addresses import http_base_url, strip_brackets
+from miles_sglang_plugin.rendering.router_specs import ROUTER_POLICIES, ROUTING_KEY_POLICIES, RouterLaunchSpec
+
 __all__ = [
     "ENV_VAR",
-    "ROUTER_POLICIES",
     "ROUTING_KEY_HEADER",
-    "ROUTING_KEY_POLICIES",
     "ModelRoute",
     "RouterRegistry",
     "UnknownModelError",
     "get_model_url",
-    "http_base_url",
 ]
 
 ENV_VAR = "MSP_ROUTERS"
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
 
-# Policies the router accepts for its main ``policy`` (sglang-router 0.3.2). ``consistent_hashing`` is
-# reachable only through the Python ``RouterArgs`` (not a CLI choice); ``bucket`` is only a prefill policy.
-ROUTER_POLICIES: tuple[str, ...] = (
-    "cache_aware",
-    "round_robin",
-    "power_of_two",
-    "random",
-    "manual",
-    "consistent_hashing",
-)
-# Policies that pick the worker from the ``X-SMG-Routing-Key`` header: a request must carry one.
-ROUTING_KEY_POLICIES: frozenset[str] = frozenset({"consistent_hashing", "manual"})
 
 _JSON_VERSION = 1
 _ROUTE_KEYS = ("name", "host", "port", "policy", "pd_disaggregation")
-
-
-def _strip_brackets(host: str) -> str:
-    if host.startswith("[") and host.endswith("]"):
-        return host[1:-1]
-    return host
-
-
-def http_base_url(host: str, port: int, scheme: str = "http") -> str:
-    """``http://host:port``, with an IPv6 host wrapped in ``[]`` (an already wrapped one is kept as is)."""
-    host = _strip_brackets(host)
-    if ":" in host:
-        host = f"[{host}]"
-    return f"{scheme}://{host}:{port}"
 
 
 def _close_matches(word: str, candidates: Iterable[str]) -> list[str]:
@@ -104,11 +78,11 @@ class ModelRoute:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"model name must be a non-empty string, got {self.name!r}")
-        if not isinstance(self.host, str) or not _strip_brackets(self.host):
+        if not isinstance(self.host, str) or not strip_brackets(self.host):
             raise ValueError(
                 f"router host of model {self.name!r} must be a non-empty string, got {self.host!r}"
             )
-        object.__setattr__(self, "host", _strip_brackets(self.host))
+        object.__setattr__(self, "host", strip_brackets(self.host))
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 < self.port < 65536:
             raise ValueError(
                 f"router port of model {self.name!r} must be an integer in 1..65535, got {self.port!r}"
@@ -132,6 +106,17 @@ class ModelRoute:
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in _ROUTE_KEYS}
+
+    @classmethod
+    def from_launch_spec(cls, spec: RouterLaunchSpec) -> ModelRoute:
+        """The route to the router that ``spec`` starts."""
+        return cls(
+            name=spec.model,
+            host=spec.host,
+            port=spec.port,
+            policy=spec.settings.policy,
+            pd_disaggregation=spec.pd_disaggregation,
+        )
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ModelRoute:

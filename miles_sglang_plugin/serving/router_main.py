@@ -1,8 +1,8 @@
-"""``python -m miles_sglang_plugin.router_main --spec-json '<json>'``: run the sglang-router of one model.
+"""``python -m miles_sglang_plugin.serving.router_main --spec-json '<json>'``: run the sglang-router of one model.
 
-The spec is a :class:`~miles_sglang_plugin.routers.RouterLaunchSpec` as JSON (``RouterLaunchSpec.to_json``);
+The spec is a :class:`~miles_sglang_plugin.rendering.router_specs.RouterLaunchSpec` as JSON (``RouterLaunchSpec.to_json``);
 the API key, when the spec says there is one, comes from the environment variable ``MSP_ROUTER_API_KEY``
-(never argv). Build the command with :func:`miles_sglang_plugin.routers.router_command`.
+(never argv). Build the command with :func:`miles_sglang_plugin.serving.routers.router_command`.
 
 The router runs through the Python API (``Router.from_args(RouterArgs(...)).start()``), not the CLI, because
 sglang-router 0.3.2 accepts ``consistent_hashing`` only there. It starts with no workers; they are added
@@ -27,13 +27,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from miles_sglang_plugin.routers import (
-    API_KEY_ENV,
-    RouterLaunchSpec,
-    validate_router_settings,
-)
+from miles_sglang_plugin.rendering.router_specs import RouterLaunchSpec, validate_router_settings
+from miles_sglang_plugin.serving.routers import API_KEY_ENV
 
-_TAG = "[miles_sglang_plugin.router_main]"
+_TAG = "[miles_sglang_plugin.serving.router_main]"
 
 
 def _fail(code: int, message: str) -> int:
@@ -60,7 +57,7 @@ def build_router_args_kwargs(spec: RouterLaunchSpec) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m miles_sglang_plugin.router_main",
+        prog="python -m miles_sglang_plugin.serving.router_main",
         description="Run one sglang-router (Python API) from a RouterLaunchSpec JSON. "
         f"The API key, if any, is read from ${API_KEY_ENV}.",
     )

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from miles_sglang_plugin.masking import SECRET_FIELDS, mask_argv
-from miles_sglang_plugin.server_arg_fields import shipped_server_arg_fields
+from miles_sglang_plugin.rendering.server_arg_fields import shipped_server_arg_fields
 
 ALIASES: dict[str, str] = {
     "model": "model_path",

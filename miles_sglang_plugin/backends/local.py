@@ -1,0 +1,120 @@
+"""The local backend: every engine process a subprocess of this machine, pinned with ``CUDA_VISIBLE_DEVICES``.
+
+Each process runs in its own process group with a log file and ``PR_SET_PDEATHSIG``
+(:class:`~miles_sglang_plugin.backends.processes.ManagedProcess`); ports are probed on this machine and
+claimed against concurrent launches (:mod:`miles_sglang_plugin.rendering.ports`) for as long as the backend
+is open.
+
+It runs on one machine: it refuses engines wider than a node and plans spread over several nodes, except with
+the stand-in engines, whose planned nodes run side by side here (ports kept apart), so that multi-node plans
+can be exercised without a cluster.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from pathlib import Path
+
+from miles_sglang_plugin.backends.base import Backend, EngineProcess, UnsupportedPlanError
+from miles_sglang_plugin.backends.processes import ManagedProcess, stop_processes
+from miles_sglang_plugin.config.schema import EngineKind, SGLangDeployConf
+from miles_sglang_plugin.planning.plan import DeploymentPlan
+from miles_sglang_plugin.rendering.launch_specs import EngineProcessLaunch
+from miles_sglang_plugin.rendering.ports import PortClaims, default_lock_dir
+from miles_sglang_plugin.rendering.prepared import PreparedDeployment, prepare_deployment
+
+
+class LocalEngineProcess(EngineProcess):
+    """An engine process started here: a :class:`ManagedProcess`."""
+
+    def __init__(self, launch: EngineProcessLaunch, process: ManagedProcess) -> None:
+        super().__init__(launch)
+        self.process = process
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
+    @property
+    def argv(self) -> Sequence[str]:
+        return self.process.argv
+
+    def exit_code(self) -> int | None:
+        return self.process.exit_code()
+
+    def tail(self, lines: int = 20) -> str:
+        return self.process.tail(lines)
+
+    @property
+    def where(self) -> str:
+        return f"pid {self.pid} on this machine"
+
+    @property
+    def log_location(self) -> str:
+        return str(self.process.log_path)
+
+
+class LocalBackend(Backend):
+    """Engines as subprocesses of this machine.
+
+    ``claims``: port claims to use (and release at :meth:`close`); by default the backend takes its own in the
+    user's lock directory when it prepares a deployment."""
+
+    name = "local"
+
+    def __init__(self, claims: PortClaims | None = None) -> None:
+        self.claims = claims
+
+    def prepare(
+        self,
+        plan: DeploymentPlan,
+        settings: SGLangDeployConf,
+        *,
+        server_arg_fields: Collection[str] | None = None,
+    ) -> PreparedDeployment:
+        if self.claims is None:
+            self.claims = PortClaims(default_lock_dir())
+        prepared = prepare_deployment(
+            plan, settings, server_arg_fields=server_arg_fields, probe=True, claims=self.claims
+        )
+        self.check(prepared)
+        return prepared
+
+    def check(self, prepared: PreparedDeployment) -> list[str]:
+        plan = prepared.plan
+        wide = [e.id for e in plan.engines if e.nnodes > 1]
+        if len(plan.nodes) <= 1 and not wide:
+            return []
+        what = []
+        if len(plan.nodes) > 1:
+            what.append(
+                f"the plan places engines on {len(plan.nodes)} nodes ({', '.join(map(str, plan.nodes))})"
+            )
+        if wide:
+            what.append(f"engine(s) {', '.join(wide[:4])}{'…' if len(wide) > 4 else ''} span several nodes")
+        text = " and ".join(what)
+        if prepared.launch.engine_kind is not EngineKind.simulated:
+            raise UnsupportedPlanError(
+                f"the local launcher runs on one machine, but {text}. Use a multi-node backend, or shrink the "
+                "deployment to one node (colocate=true or debug_rollout_only=true puts rollout GPUs at slot 0)"
+            )
+        return [f"stand-in engines: {text}; they run side by side on this machine"]
+
+    def start(self, launch: EngineProcessLaunch, *, log_path: Path) -> LocalEngineProcess:
+        process = ManagedProcess(
+            name=launch.name,
+            argv=launch.argv,
+            env=launch.env,
+            log_path=log_path,
+            display_command=launch.display_command(),
+        )
+        handle = LocalEngineProcess(launch, process)
+        process.start()
+        return handle
+
+    def stop(self, processes: Sequence[EngineProcess], *, grace_s: float) -> None:
+        stop_processes([p.process for p in processes if isinstance(p, LocalEngineProcess)], grace_s=grace_s)
+
+    def close(self) -> None:
+        if self.claims is not None:
+            self.claims.release()

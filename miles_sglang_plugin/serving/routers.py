@@ -1,0 +1,311 @@
+"""The HTTP side of a model's router: the command that starts it, worker registration, readiness, removal.
+
+Small synchronous helpers over sglang-router's control API; the router's settings and launch spec are
+:mod:`miles_sglang_plugin.rendering.router_specs`. What sglang-router 0.3.2 does on the wire (checked against
+the real router):
+
+* ``POST /workers {"url", "worker_type", "bootstrap_port"?, "api_key"?}`` answers **202** with
+  ``{"status": "accepted", "worker_id", "url", "location", "message"}``; the worker is probed (``/health``,
+  ``/server_info``, ``/model_info``) and added in the background, usually within ~0.1 s. A worker that is down
+  is retried until ``worker_startup_timeout_secs`` (1800 s by default) and is not listed meanwhile.
+* ``GET /workers`` answers ``{"workers": [{"id", "url", "model_id", "priority", "cost", "worker_type",
+  "is_healthy", "load", "connection_mode", "bootstrap_port"? (prefill), "metadata": {...},
+  "disable_health_check"}], "total": n, "stats": {"prefill_count", "decode_count", "regular_count"}}``.
+* ``GET /readiness`` answers 200 ``{"status": "ready", "healthy_workers": n, "total_workers": n}`` or 503
+  ``{"status": "not ready", "reason": "insufficient healthy workers"}``; in PD mode it needs a healthy prefill
+  *and* decode worker. It does not need the API key.
+* ``DELETE /workers/{id}`` answers 202 (removal queued).
+* With an API key, ``/workers`` and ``/generate`` answer 401 without ``Authorization: Bearer <key>``.
+"""
+
+from __future__ import annotations
+
+import os
+import site
+import sys
+import time
+from collections.abc import Callable, Collection, Iterable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from miles_sglang_plugin.rendering.router_specs import RouterLaunchSpec, WorkerRegistration
+
+__all__ = [
+    "API_KEY_ENV",
+    "RouterRequestError",
+    "deregister_workers",
+    "register_workers",
+    "router_command",
+    "router_ready",
+    "router_workers",
+    "wait_router_ready",
+]
+
+#: The router process reads its API key from here (never from argv, which ``ps`` shows to every user).
+API_KEY_ENV = "MSP_ROUTER_API_KEY"
+ROUTER_MAIN_MODULE = "miles_sglang_plugin.serving.router_main"
+
+_HTTP_TIMEOUT_S = 10.0
+
+
+# ----------------------------------------------------------------------------------------------------
+# Launch command
+# ----------------------------------------------------------------------------------------------------
+def _source_root_env() -> dict[str, str]:
+    """PYTHONPATH entry for a source checkout that is not installed, so ``-m`` works from any cwd."""
+    root = Path(__file__).resolve().parents[2]
+    site_dirs = {Path(p).resolve() for p in [*site.getsitepackages(), site.getusersitepackages()]}
+    if root in site_dirs:
+        return {}
+    existing = os.environ.get("PYTHONPATH")
+    parts = [str(root)] + ([existing] if existing else [])
+    return {"PYTHONPATH": os.pathsep.join(parts)}
+
+
+def router_command(spec: RouterLaunchSpec, python: str = sys.executable) -> tuple[list[str], dict[str, str]]:
+    """``(argv, extra_env)`` that start the router of ``spec``: ``python -m miles_sglang_plugin.serving.router_main``.
+
+    The spec travels as JSON in argv; the API key never does (argv is world-readable through ``ps``): it is
+    in ``extra_env[MSP_ROUTER_API_KEY]``. Merge ``extra_env`` over ``os.environ`` when starting the process.
+    """
+    argv = [python, "-m", ROUTER_MAIN_MODULE, "--spec-json", spec.to_json()]
+    env = _source_root_env()
+    env["PYTHONUNBUFFERED"] = "1"
+    if spec.api_key is not None:
+        env[API_KEY_ENV] = spec.api_key
+    return argv, env
+
+
+# ----------------------------------------------------------------------------------------------------
+# HTTP helpers
+# ----------------------------------------------------------------------------------------------------
+class RouterRequestError(RuntimeError):
+    """A router control-plane call failed (connection error or non-2xx answer)."""
+
+    def __init__(self, message: str, status_code: int | None = None, body: str | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.body = body
+
+
+def _headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def _base(router_url: str) -> str:
+    return router_url.rstrip("/")
+
+
+def _request(
+    method: str,
+    url: str,
+    *,
+    api_key: str | None,
+    timeout_s: float,
+    json_body: Any = None,
+    ok: Callable[[int], bool] = lambda s: 200 <= s < 300,
+) -> httpx.Response:
+    try:
+        resp = httpx.request(method, url, json=json_body, headers=_headers(api_key), timeout=timeout_s)
+    except httpx.HTTPError as e:
+        raise RouterRequestError(f"{method} {url} failed: {type(e).__name__}: {e}") from e
+    if not ok(resp.status_code):
+        body = resp.text
+        shown = body if len(body) <= 2000 else body[:2000] + "…"
+        hint = " (the router has an API key: pass api_key)" if resp.status_code == 401 and not api_key else ""
+        raise RouterRequestError(
+            f"{method} {url} answered {resp.status_code}{hint}: {shown or '<empty body>'}",
+            status_code=resp.status_code,
+            body=body,
+        )
+    return resp
+
+
+def register_workers(
+    router_url: str,
+    workers: Iterable[WorkerRegistration],
+    api_key: str | None = None,
+    timeout_s: float = _HTTP_TIMEOUT_S,
+    *,
+    worker_api_key: str | None = None,
+) -> list[dict[str, Any]]:
+    """``POST {router_url}/workers`` for each worker; returns the router's answers (``worker_id`` etc.).
+
+    ``api_key`` authenticates to the router (``Authorization: Bearer``) and is also sent as the worker's
+    ``api_key`` unless ``worker_api_key`` is given. The router adds workers in the background (202): use
+    :func:`router_ready` / :func:`wait_router_ready` to know when they are in. Raises RouterRequestError.
+    """
+    answers = []
+    for worker in workers:
+        if not isinstance(worker, WorkerRegistration):
+            raise TypeError(f"expected WorkerRegistration, got {type(worker).__name__}")
+        body = worker.payload(worker_api_key if worker_api_key is not None else api_key)
+        resp = _request(
+            "POST", f"{_base(router_url)}/workers", api_key=api_key, timeout_s=timeout_s, json_body=body
+        )
+        try:
+            answers.append(resp.json())
+        except ValueError:
+            answers.append({"status": resp.status_code, "body": resp.text})
+    return answers
+
+
+def router_workers(
+    router_url: str, api_key: str | None = None, timeout_s: float = _HTTP_TIMEOUT_S
+) -> list[dict]:
+    """The ``workers`` list of ``GET {router_url}/workers`` (only workers whose registration completed)."""
+    resp = _request("GET", f"{_base(router_url)}/workers", api_key=api_key, timeout_s=timeout_s)
+    try:
+        data = resp.json()
+    except ValueError as e:
+        raise RouterRequestError(f"GET {router_url}/workers: not JSON: {resp.text[:500]}") from e
+    workers = data.get("workers") if isinstance(data, dict) else None
+    if not isinstance(workers, list):
+        raise RouterRequestError(f"GET {router_url}/workers: unexpected answer {str(data)[:500]}")
+    return workers
+
+
+def _same_worker(listed_url: Any, url: str) -> bool:
+    """A router entry belongs to ``url``; dp-aware routers list ``url@rank`` per data-parallel rank."""
+    listed = str(listed_url or "").rstrip("/")
+    return listed == url or listed.startswith(url + "@")
+
+
+def router_ready(
+    router_url: str,
+    expected: Collection[WorkerRegistration],
+    api_key: str | None = None,
+    timeout_s: float = 5.0,
+) -> tuple[bool, str]:
+    """``(ready, detail)``: ready when every expected worker is listed by ``GET /workers`` with its
+    worker_type (and bootstrap_port) and ``is_healthy``, and ``GET /readiness`` answers 200.
+
+    ``detail`` says what is missing (or, when ready, how many workers are healthy). Never raises for a router
+    that is down or not answering: that is reported as not ready.
+    """
+    base = _base(router_url)
+    try:
+        workers = router_workers(base, api_key=api_key, timeout_s=timeout_s)
+    except RouterRequestError as e:
+        if e.status_code is None:
+            return False, f"router at {base} not reachable: {e}"
+        return False, f"router at {base}: {e}"
+
+    problems: dict[str, list[str]] = {}
+    for exp in expected:
+        entries = [w for w in workers if _same_worker(w.get("url"), exp.url)]
+        if not entries:
+            problems.setdefault(exp.url, []).append(f"{exp.describe()} not registered yet")
+            continue
+        for entry in entries:
+            label = entry.get("url", exp.url)
+            wtype = entry.get("worker_type")
+            if wtype != exp.worker_type:
+                msg = f"{label} registered as {wtype!r}, expected {exp.worker_type!r}"
+            elif exp.worker_type == "prefill" and entry.get("bootstrap_port") != exp.bootstrap_port:
+                got = entry.get("bootstrap_port")
+                msg = f"{label} has bootstrap_port {got!r}, expected {exp.bootstrap_port!r}"
+            elif not entry.get("is_healthy", False):
+                msg = f"{label} ({wtype}) registered but not healthy"
+            else:
+                continue
+            problems.setdefault(exp.url, []).append(msg)
+
+    try:
+        resp = httpx.get(f"{base}/readiness", headers=_headers(api_key), timeout=timeout_s)
+        ready_ok = resp.status_code == 200
+        try:
+            data = resp.json()
+            readiness = (
+                f"{data.get('healthy_workers')}/{data.get('total_workers')} workers healthy"
+                if ready_ok
+                else f"not ready ({data.get('reason', resp.text)})"
+            )
+        except ValueError:
+            readiness = f"HTTP {resp.status_code}: {resp.text[:200]}"
+    except httpx.HTTPError as e:
+        ready_ok, readiness = False, f"unreachable ({type(e).__name__}: {e})"
+
+    others = sorted(
+        str(w.get("url")) for w in workers if not any(_same_worker(w.get("url"), e.url) for e in expected)
+    )
+    note = f"; also registered: {', '.join(others)}" if others else ""
+
+    if problems:
+        listed = "; ".join(m for msgs in problems.values() for m in msgs)
+        n_expected = len({e.url for e in expected})
+        return False, f"waiting for {len(problems)} of {n_expected} workers: {listed}{note}"
+    if not ready_ok:
+        return False, f"all {len(expected)} expected workers registered, but /readiness: {readiness}{note}"
+    return True, f"ready: {readiness}{note}"
+
+
+def wait_router_ready(
+    router_url: str,
+    expected: Collection[WorkerRegistration],
+    api_key: str | None = None,
+    timeout_s: float = 60.0,
+    interval_s: float = 0.1,
+    alive: Callable[[], bool] | None = None,
+) -> str:
+    """Poll :func:`router_ready` until True; returns its detail. Raises TimeoutError with the last detail, or
+    RuntimeError as soon as ``alive()`` returns False (e.g. ``lambda: proc.poll() is None``)."""
+    deadline = time.monotonic() + timeout_s
+    detail = "not checked yet"
+    while True:
+        if alive is not None and not alive():
+            raise RuntimeError(f"router at {router_url} exited before it was ready (last state: {detail})")
+        ok, detail = router_ready(router_url, expected, api_key=api_key, timeout_s=min(5.0, timeout_s))
+        if ok:
+            return detail
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"router at {router_url} not ready after {timeout_s:g}s: {detail}")
+        time.sleep(interval_s)
+
+
+def deregister_workers(
+    router_url: str,
+    api_key: str | None = None,
+    timeout_s: float = _HTTP_TIMEOUT_S,
+    wait: bool = True,
+) -> list[str]:
+    """Remove every worker the router lists (``GET /workers``, then ``DELETE /workers/{id}``).
+
+    Removal is queued by the router (202); with ``wait`` this polls until the list no longer shows them (up
+    to ``timeout_s``). Returns the removed URLs. A registration still in progress (not yet listed) is not
+    affected.
+    """
+    base = _base(router_url)
+    workers = router_workers(base, api_key=api_key, timeout_s=timeout_s)
+    removed = []
+    ids = set()
+    for w in workers:
+        wid = w.get("id")
+        if not wid:
+            continue
+        _request(
+            "DELETE",
+            f"{base}/workers/{wid}",
+            api_key=api_key,
+            timeout_s=timeout_s,
+            ok=lambda s: 200 <= s < 300 or s == 404,  # already gone is fine
+        )
+        ids.add(wid)
+        removed.append(str(w.get("url")))
+    if wait and ids:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = [
+                w for w in router_workers(base, api_key=api_key, timeout_s=timeout_s) if w.get("id") in ids
+            ]
+            if not left:
+                break
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"router at {base} still lists {', '.join(str(w.get('url')) for w in left)} "
+                    f"{timeout_s:g}s after DELETE"
+                )
+            time.sleep(0.05)
+    return removed

@@ -1,0 +1,72 @@
+"""The package's shape: the public API at the top, lazily loaded, and listed in the README; the stage layering
+checked by import-linter (the contracts in pyproject.toml); the benchmarks still run (smoke mode)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import miles_sglang_plugin
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _readme_api_names() -> set[str]:
+    text = (REPO / "README.md").read_text()
+    section = text.split("## Public API", 1)[1].split("\n## ", 1)[0]
+    return set(re.findall(r"`(\w+)`", section.split("```", 1)[0]))
+
+
+def test_every_public_name_resolves_to_the_object_its_module_defines() -> None:
+    import importlib
+
+    for name in miles_sglang_plugin.__all__:
+        module = importlib.import_module(miles_sglang_plugin._EXPORTS[name])
+        assert getattr(miles_sglang_plugin, name) is getattr(module, name), name
+    assert sorted(miles_sglang_plugin.__all__) == sorted(miles_sglang_plugin._EXPORTS)
+
+
+def test_an_unknown_name_is_an_attribute_error() -> None:
+    with pytest.raises(AttributeError, match="has no attribute 'LocalLauncher'"):
+        miles_sglang_plugin.LocalLauncher  # noqa: B018 - the old name is gone, no compatibility shim
+
+
+def test_the_readme_lists_exactly_the_public_api() -> None:
+    assert _readme_api_names() == set(miles_sglang_plugin.__all__)
+
+
+def test_importing_the_package_loads_no_stage() -> None:
+    """The Hydra plugin scan imports the package in every Hydra app: it must not pull in the stages."""
+    code = (
+        "import sys, miles_sglang_plugin; "
+        "print(sorted(m for m in sys.modules if m.startswith('miles_sglang_plugin.')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_the_layers_hold(tmp_path: Path) -> None:
+    """import-linter's contracts (pyproject.toml): each stage imports only earlier ones."""
+    lint = Path(sys.executable).with_name("lint-imports")
+    result = subprocess.run([str(lint), "--no-cache"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 broken" in result.stdout
+
+
+@pytest.mark.parametrize("script", ["bench_resolve.py", "bench_launch.py"])
+def test_benchmark_smoke_run(script: str) -> None:
+    """Each benchmark's --smoke mode: one quick repetition at the smallest sizes, so the scripts cannot rot."""
+    result = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / script), "--smoke"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    expected = "(b)/(a):" if script == "bench_resolve.py" else "(3) POST /generate req/s"
+    assert expected in result.stdout, result.stdout[-3000:]

@@ -28,6 +28,8 @@ from typing import Any
 from omegaconf import II
 
 from miles_sglang_plugin.config.deployment_spec import WorkerType
+from miles_sglang_plugin.config.shared_fields import fields_of, mapping_as_dict
+from miles_sglang_plugin.config.trainer_inputs import TrainerInputs
 
 #: Group slots of a model, in their default deployment order.
 GROUP_SLOTS: tuple[str, ...] = ("prefill", "decode", "regular", "placeholder")
@@ -176,32 +178,13 @@ class SGLangDeployConf:
 
 
 @dataclass
+@fields_of(TrainerInputs, retype=mapping_as_dict)
 class MilesTrainerArgs:
-    """Trainer inputs under Miles' argument names, as a typed root schema a Hydra trainer can extend."""
+    """Trainer inputs under Miles' argument names, as a typed root schema a Hydra trainer can extend.
 
-    hf_checkpoint: str | None = None
-    rollout_num_gpus: int | None = None
-    rollout_num_gpus_per_engine: int = 1
-    num_gpus_per_node: int = 8
-    actor_num_nodes: int = 1
-    actor_num_gpus_per_node: int = 8
-    colocate: bool = False
-    offload_rollout: bool = False
-    eval_num_gpus: int = 0
-    eval_num_gpus_per_engine: int | None = None
-    prefill_num_servers: int | None = None
-    debug_rollout_only: bool = False
-    debug_train_only: bool = False
-    use_critic: bool = False
-    critic_train_only: bool = False
-    critic_num_nodes: int | None = None
-    critic_num_gpus_per_node: int | None = None
-    seed: int = 1234
-    use_rollout_routing_replay: bool = False
-    use_rollout_indexer_replay: bool = False
-    fp16: bool = False
-    eval_sglang_overrides: dict[str, Any] = field(default_factory=dict)
-    num_nodes: int | None = None
+    Its first fields are those of :class:`TrainerInputs` (names, types, defaults; each one's meaning is
+    documented there), copied from it, followed by the group's own nodes."""
+
     #: Filled by the ``sglang`` group (models by name) and its presets (deployment settings).
     sglang: dict[str, ModelConf] = field(default_factory=dict)
     sglang_deploy: SGLangDeployConf = field(default_factory=SGLangDeployConf)

@@ -22,7 +22,10 @@ EVAL_SGLANG_PREFIX = "eval_sglang_"
 
 @dataclass(frozen=True)
 class TrainerInputs:
-    """Trainer-side inputs of resolution, named exactly as Miles' command-line arguments."""
+    """Trainer-side inputs of resolution, named exactly as Miles' command-line arguments.
+
+    The one definition of these fields: the Hydra root schema ``MilesTrainerArgs`` copies them, so a field
+    added here is a typed config key as well."""
 
     hf_checkpoint: str | None = None
     #: GPUs for rollout (eval excluded). None: follow from the server groups.

@@ -20,6 +20,8 @@ from types import MappingProxyType
 from typing import Any
 
 from miles_sglang_plugin.addresses import http_base_url, strip_brackets
+from miles_sglang_plugin.config.schema import RouterConf
+from miles_sglang_plugin.config.shared_fields import dict_as_mapping, fields_of
 
 __all__ = [
     "DECODE_POLICIES",
@@ -76,25 +78,10 @@ _MANAGED_BY_SPEC = {
 # Settings and specs
 # ----------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
+@fields_of(RouterConf, retype=dict_as_mapping)
 class RouterSettings:
-    """User-facing router knobs (filled from a Hydra config node). ``extra``: other ``RouterArgs`` fields."""
-
-    policy: str = "cache_aware"
-    prefill_policy: str | None = None
-    decode_policy: str | None = None
-    request_timeout_secs: int = 14400
-    health_check_interval_secs: int = 60
-    health_failure_threshold: int = 3
-    health_success_threshold: int = 2
-    health_check_timeout_secs: int = 5
-    disable_health_check: bool = False
-    retry_max_retries: int = 5
-    disable_retries: bool = False
-    cb_failure_threshold: int = 10
-    cb_timeout_duration_secs: int = 60
-    disable_circuit_breaker: bool = False
-    log_level: str = "warn"
-    extra: Mapping[str, Any] = field(default_factory=dict)
+    """User-facing router knobs: the fields of the schema's :class:`RouterConf` (copied from it), frozen.
+    ``extra``: other ``RouterArgs`` fields."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.extra, Mapping):

@@ -1,8 +1,10 @@
 """The package's shape: the public API at the top, lazily loaded, and listed in the README; the stage layering
-checked by import-linter (the contracts in pyproject.toml); the benchmarks still run (smoke mode)."""
+checked by import-linter (the contracts in pyproject.toml); functions short enough to read; the benchmarks
+still run (smoke mode)."""
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 import sys
@@ -55,6 +57,42 @@ def test_the_layers_hold(tmp_path: Path) -> None:
     result = subprocess.run([str(lint), "--no-cache"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "0 broken" in result.stdout
+
+
+#: The longest a function of the package may be, from its ``def`` line to its last line (ruff's C901, configured
+#: in pyproject.toml, bounds the complexity).
+MAX_FUNCTION_LINES = 60
+
+
+def _functions_longer_than(limit: int, source: str) -> list[tuple[str, int, int]]:
+    """(name, first line, length) of every function or method in ``source`` longer than ``limit`` lines."""
+    return [
+        (node.name, node.lineno, node.end_lineno - node.lineno + 1)
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.end_lineno is not None
+        and node.end_lineno - node.lineno + 1 > limit
+    ]
+
+
+def _function_source(name: str, body_lines: int, indent: str = "") -> str:
+    lines = [f"{indent}def {name}():", *(f"{indent}    x{i} = {i}" for i in range(body_lines))]
+    return "\n".join(lines) + "\n"
+
+
+def test_function_length_counts_from_the_def_line_to_the_last_line() -> None:
+    assert _functions_longer_than(60, _function_source("fits", 59)) == []  # def + 59 lines = 60
+    method = "class C:\n" + _function_source("method", 60, indent="    ")  # def + 60 lines = 61
+    assert _functions_longer_than(60, method) == [("method", 2, 61)]
+
+
+def test_no_function_of_the_package_is_longer_than_60_lines() -> None:
+    too_long = [
+        f"{path.relative_to(REPO)}:{line} {name} ({length} lines)"
+        for path in sorted((REPO / "miles_sglang_plugin").rglob("*.py"))
+        for name, line, length in _functions_longer_than(MAX_FUNCTION_LINES, path.read_text())
+    ]
+    assert too_long == [], "split these functions into well-named pieces:\n" + "\n".join(too_long)
 
 
 @pytest.mark.parametrize("script", ["bench_resolve.py", "bench_launch.py"])

@@ -81,67 +81,91 @@ def _typed(node: Any, schema: type, key: str, problems: ProblemCollector) -> Dic
 
 
 def _group(
-    name: str, wt: Any, node: DictConfig, default_gpe: str, key: str, p: ProblemCollector
+    name: str,
+    worker_type: Any,
+    node: DictConfig,
+    default_gpus_per_engine: str,
+    key: str,
+    problems: ProblemCollector,
 ) -> GroupSpec:
     return GroupSpec(
         name=name,
-        worker_type=wt,
-        num_gpus=_value(node, "num_gpus", "", key, p),
-        num_gpus_per_engine=_value(node, "num_gpus_per_engine", default_gpe, key, p),
-        overrides=_container(node.get("overrides"), f"{key}.overrides", p),
+        worker_type=worker_type,
+        num_gpus=_value(node, "num_gpus", "", key, problems),
+        num_gpus_per_engine=_value(node, "num_gpus_per_engine", default_gpus_per_engine, key, problems),
+        overrides=_container(node.get("overrides"), f"{key}.overrides", problems),
         key=key,
     )
 
 
-def _model(name: str, node: DictConfig, key: str, p: ProblemCollector) -> ModelSpec:
+def _extra_groups(
+    node: DictConfig, key: str, known: list[str], problems: ProblemCollector
+) -> dict[str, GroupSpec]:
+    """The enabled groups under ``extra_groups`` by name; appends every extra group's name to ``known``."""
     enabled: dict[str, GroupSpec] = {}
-    known: list[str] = list(GROUP_SLOTS)
-    for slot in GROUP_SLOTS:
-        g = _group(slot, WorkerType(slot), node[slot], GROUP_GPE_DEFAULT, f"{key}.{slot}", p)
-        if g.num_gpus != 0:
-            enabled[slot] = g
     extras = node.get("extra_groups") or {}
     for extra_name in extras:
-        gkey = f"{key}.extra_groups.{extra_name}"
+        group_key = f"{key}.extra_groups.{extra_name}"
         if extra_name in GROUP_SLOTS:
-            p.add(
-                gkey,
+            problems.add(
+                group_key,
                 f"{extra_name!r} is already a group slot of the model; give the extra group another name",
             )
             continue
-        extra = _typed(extras[extra_name], ExtraServerGroupConf, gkey, p)
+        extra = _typed(extras[extra_name], ExtraServerGroupConf, group_key, problems)
         if extra is None:
             continue
         known.append(str(extra_name))
-        wt = _value(extra, "worker_type", "", gkey, p)
-        g = _group(str(extra_name), wt, extra, EXTRA_GROUP_GPE_DEFAULT, gkey, p)
-        if g.num_gpus != 0:
-            enabled[str(extra_name)] = g
+        worker_type = _value(extra, "worker_type", "", group_key, problems)
+        group = _group(str(extra_name), worker_type, extra, EXTRA_GROUP_GPE_DEFAULT, group_key, problems)
+        if group.num_gpus != 0:
+            enabled[str(extra_name)] = group
+    return enabled
 
+
+def _ordered_groups(
+    node: DictConfig,
+    enabled: dict[str, GroupSpec],
+    known: list[str],
+    key: str,
+    problems: ProblemCollector,
+) -> list[GroupSpec]:
+    """The enabled groups in ``group_order`` (checked: known names, every enabled group, once each), or in
+    their default order when it is empty or wrong."""
     order = [str(x) for x in (node.get("group_order") or [])]
-    groups = list(enabled.values())
-    if order:
-        unknown = [n for n in order if n not in known]
-        if unknown:
-            p.add(f"{key}.group_order", f"names groups that do not exist: {unknown}; groups: {known}")
-        missing = [n for n in enabled if n not in order]
-        if missing:
-            p.add(
-                f"{key}.group_order",
-                f"must list every enabled group; missing: {missing} (order given: {order})",
-            )
-        repeated = sorted({n for n in order if order.count(n) > 1})
-        if repeated:
-            p.add(f"{key}.group_order", f"lists {repeated} more than once")
-        if not (unknown or missing or repeated):
-            groups = [enabled[n] for n in order if n in enabled]
+    if not order:
+        return list(enabled.values())
+    unknown = [name for name in order if name not in known]
+    if unknown:
+        problems.add(f"{key}.group_order", f"names groups that do not exist: {unknown}; groups: {known}")
+    missing = [name for name in enabled if name not in order]
+    if missing:
+        problems.add(
+            f"{key}.group_order",
+            f"must list every enabled group; missing: {missing} (order given: {order})",
+        )
+    repeated = sorted({name for name in order if order.count(name) > 1})
+    if repeated:
+        problems.add(f"{key}.group_order", f"lists {repeated} more than once")
+    if unknown or missing or repeated:
+        return list(enabled.values())
+    return [enabled[name] for name in order if name in enabled]
 
+
+def _model(name: str, node: DictConfig, key: str, problems: ProblemCollector) -> ModelSpec:
+    enabled: dict[str, GroupSpec] = {}
+    known: list[str] = list(GROUP_SLOTS)
+    for slot in GROUP_SLOTS:
+        group = _group(slot, WorkerType(slot), node[slot], GROUP_GPE_DEFAULT, f"{key}.{slot}", problems)
+        if group.num_gpus != 0:
+            enabled[slot] = group
+    enabled.update(_extra_groups(node, key, known, problems))
     return ModelSpec(
         name=name,
-        groups=tuple(groups),
-        model_path=_value(node, "model_path", MODEL_PATH_DEFAULT, key, p),
-        update_weights=_value(node, "update_weights", "", key, p),
-        num_gpus_per_engine=_value(node, "num_gpus_per_engine", MODEL_GPE_DEFAULT, key, p),
+        groups=tuple(_ordered_groups(node, enabled, known, key, problems)),
+        model_path=_value(node, "model_path", MODEL_PATH_DEFAULT, key, problems),
+        update_weights=_value(node, "update_weights", "", key, problems),
+        num_gpus_per_engine=_value(node, "num_gpus_per_engine", MODEL_GPE_DEFAULT, key, problems),
         key=key,
     )
 

@@ -169,150 +169,297 @@ def _check_keys(
             )
 
 
-def _load_group(
-    g: Any, gkey: str, model_gpe_path: str, counts: dict[str, int], p: ProblemCollector
-) -> GroupSpec | None:
-    if not isinstance(g, Mapping):
-        p.add(
-            gkey,
-            f"a server group must be a mapping with worker_type and num_gpus, got {_type_name(g)} ({g!r})",
-        )
-        return None
-    _check_keys(g, GROUP_KEYS, gkey, "server group", p)
-    ok = True
-
-    wt = g.get("worker_type")
-    if "worker_type" not in g:
-        p.add(f"{gkey}.worker_type", f"is required ({', '.join(WORKER_TYPES)})")
-        ok = False
-    elif wt == "encoder":
-        p.add(
-            f"{gkey}.worker_type",
+def _worker_type_ok(raw_group: Mapping[Any, Any], group_key: str, problems: ProblemCollector) -> bool:
+    key = f"{group_key}.worker_type"
+    valid = ", ".join(WORKER_TYPES)
+    if "worker_type" not in raw_group:
+        problems.add(key, f"is required ({valid})")
+        return False
+    worker_type = raw_group["worker_type"]
+    if worker_type == "encoder":
+        problems.add(
+            key,
             "'encoder' (slime's encoder/EPD worker) is not supported: Miles and this plugin have no encoder "
-            f"worker type; valid: {', '.join(WORKER_TYPES)}",
+            f"worker type; valid: {valid}",
         )
-        ok = False
-    elif not isinstance(wt, str) or wt not in WORKER_TYPES:
-        hint = _did_you_mean(wt, WORKER_TYPES) if isinstance(wt, str) else ""
-        p.add(f"{gkey}.worker_type", f"{wt!r} is not a worker type{hint} (valid: {', '.join(WORKER_TYPES)})")
-        ok = False
+        return False
+    if not isinstance(worker_type, str) or worker_type not in WORKER_TYPES:
+        hint = _did_you_mean(worker_type, WORKER_TYPES) if isinstance(worker_type, str) else ""
+        problems.add(key, f"{worker_type!r} is not a worker type{hint} (valid: {valid})")
+        return False
+    return True
 
-    num_gpus = g.get("num_gpus")
-    if "num_gpus" not in g:
-        p.add(f"{gkey}.num_gpus", "is required: the group's total GPU count, an integer > 0")
-        ok = False
-    elif not is_int(num_gpus) or num_gpus < 1:
-        p.add(f"{gkey}.num_gpus", f"must be an integer > 0, got {num_gpus!r}")
-        ok = False
 
-    gpe = g.get("num_gpus_per_engine")
-    if gpe is not None and (not is_int(gpe) or gpe < 1):
-        p.add(
-            f"{gkey}.num_gpus_per_engine",
-            f"must be an integer > 0 (or left out to inherit {model_gpe_path}), got {gpe!r}",
+def _group_num_gpus_ok(raw_group: Mapping[Any, Any], group_key: str, problems: ProblemCollector) -> bool:
+    num_gpus = raw_group.get("num_gpus")
+    if "num_gpus" not in raw_group:
+        problems.add(f"{group_key}.num_gpus", "is required: the group's total GPU count, an integer > 0")
+        return False
+    if not is_int(num_gpus) or num_gpus < 1:
+        problems.add(f"{group_key}.num_gpus", f"must be an integer > 0, got {num_gpus!r}")
+        return False
+    return True
+
+
+def _group_gpus_per_engine_ok(
+    raw_group: Mapping[Any, Any], group_key: str, model_gpus_per_engine_key: str, problems: ProblemCollector
+) -> bool:
+    gpus_per_engine = raw_group.get("num_gpus_per_engine")
+    if gpus_per_engine is not None and (not is_int(gpus_per_engine) or gpus_per_engine < 1):
+        problems.add(
+            f"{group_key}.num_gpus_per_engine",
+            f"must be an integer > 0 (or left out to inherit {model_gpus_per_engine_key}), "
+            f"got {gpus_per_engine!r}",
         )
-        ok = False
+        return False
+    return True
 
-    overrides = g.get("overrides")
+
+def _group_overrides_ok(raw_group: Mapping[Any, Any], group_key: str, problems: ProblemCollector) -> bool:
+    overrides = raw_group.get("overrides")
     if overrides is None:
-        overrides = {}
-    elif not isinstance(overrides, Mapping):
-        p.add(
-            f"{gkey}.overrides",
+        return True
+    if not isinstance(overrides, Mapping):
+        problems.add(
+            f"{group_key}.overrides",
             f"must be a mapping of SGLang ServerArgs field -> value, got {_type_name(overrides)} ({overrides!r})",
         )
-        ok = False
-    else:
-        for k in overrides:
-            if not isinstance(k, str):
-                p.add(
-                    f"{gkey}.overrides.{k}", f"override keys are ServerArgs field names (strings), got {k!r}"
-                )
-                ok = False
+        return False
+    ok = True
+    for key in overrides:
+        if not isinstance(key, str):
+            problems.add(
+                f"{group_key}.overrides.{key}",
+                f"override keys are ServerArgs field names (strings), got {key!r}",
+            )
+            ok = False
+    return ok
 
-    if not ok:
+
+def _load_group(
+    raw_group: Any,
+    group_key: str,
+    model_gpus_per_engine_key: str,
+    counts: dict[str, int],
+    problems: ProblemCollector,
+) -> GroupSpec | None:
+    if not isinstance(raw_group, Mapping):
+        problems.add(
+            group_key,
+            "a server group must be a mapping with worker_type and num_gpus, got "
+            f"{_type_name(raw_group)} ({raw_group!r})",
+        )
         return None
-    counts[wt] = counts.get(wt, 0) + 1
-    name = wt if counts[wt] == 1 else f"{wt}_{counts[wt]}"
+    _check_keys(raw_group, GROUP_KEYS, group_key, "server group", problems)
+    checks = (
+        _worker_type_ok(raw_group, group_key, problems),
+        _group_num_gpus_ok(raw_group, group_key, problems),
+        _group_gpus_per_engine_ok(raw_group, group_key, model_gpus_per_engine_key, problems),
+        _group_overrides_ok(raw_group, group_key, problems),
+    )
+    if not all(checks):
+        return None
+    worker_type = raw_group["worker_type"]
+    counts[worker_type] = counts.get(worker_type, 0) + 1
+    name = worker_type if counts[worker_type] == 1 else f"{worker_type}_{counts[worker_type]}"
     return GroupSpec(
         name=name,
-        worker_type=WorkerType(wt),
-        num_gpus=num_gpus,
-        num_gpus_per_engine=gpe,
-        overrides=dict(overrides),
-        key=gkey,
+        worker_type=WorkerType(worker_type),
+        num_gpus=raw_group["num_gpus"],
+        num_gpus_per_engine=raw_group.get("num_gpus_per_engine"),
+        overrides=dict(raw_group.get("overrides") or {}),
+        key=group_key,
     )
 
 
-def _load_model(m: Any, mkey: str, p: ProblemCollector) -> ModelSpec | None:
-    if not isinstance(m, Mapping):
-        p.add(mkey, f"a model must be a mapping (name, server_groups, ...), got {_type_name(m)} ({m!r})")
-        return None
-    _check_keys(m, MODEL_KEYS, mkey, "model", p)
+def _model_name_ok(raw_model: Mapping[Any, Any], model_key: str, problems: ProblemCollector) -> bool:
+    name = raw_model.get("name")
+    if "name" not in raw_model:
+        problems.add(f"{model_key}.name", "is required: a unique model name (e.g. actor, ref, reward)")
+        return False
+    if not isinstance(name, str) or not name:
+        problems.add(f"{model_key}.name", f"must be a non-empty string, got {name!r}")
+        return False
+    return True
+
+
+def _model_values_ok(raw_model: Mapping[Any, Any], model_key: str, problems: ProblemCollector) -> bool:
+    """``model_path``, ``update_weights`` and ``num_gpus_per_engine``, each optional."""
     ok = True
-
-    name = m.get("name")
-    if "name" not in m:
-        p.add(f"{mkey}.name", "is required: a unique model name (e.g. actor, ref, reward)")
-        ok = False
-    elif not isinstance(name, str) or not name:
-        p.add(f"{mkey}.name", f"must be a non-empty string, got {name!r}")
-        ok = False
-
-    model_path = m.get("model_path")
+    model_path = raw_model.get("model_path")
     if model_path is not None and not isinstance(model_path, str):
-        p.add(
-            f"{mkey}.model_path",
+        problems.add(
+            f"{model_key}.model_path",
             f"must be a string (a checkpoint path), got {_type_name(model_path)} ({model_path!r})",
         )
         ok = False
-    update_weights = m.get("update_weights")
+    update_weights = raw_model.get("update_weights")
     if update_weights is not None and not isinstance(update_weights, bool):
-        p.add(f"{mkey}.update_weights", f"must be true, false or left out (inferred), got {update_weights!r}")
+        problems.add(
+            f"{model_key}.update_weights",
+            f"must be true, false or left out (inferred), got {update_weights!r}",
+        )
         ok = False
-    gpe = m.get("num_gpus_per_engine")
-    if gpe is not None and (not is_int(gpe) or gpe < 1):
-        p.add(f"{mkey}.num_gpus_per_engine", f"must be an integer > 0, got {gpe!r}")
+    gpus_per_engine = raw_model.get("num_gpus_per_engine")
+    if gpus_per_engine is not None and (not is_int(gpus_per_engine) or gpus_per_engine < 1):
+        problems.add(f"{model_key}.num_gpus_per_engine", f"must be an integer > 0, got {gpus_per_engine!r}")
         ok = False
+    return ok
 
-    if "server_groups" in m and "engine_groups" in m:
-        p.add(
-            f"{mkey}.engine_groups",
+
+def _raw_server_groups(
+    raw_model: Mapping[Any, Any], model_key: str, problems: ProblemCollector
+) -> tuple[str, list[Any]] | None:
+    """(the spelling used: ``server_groups`` or its alias ``engine_groups``, the non-empty list of groups)."""
+    if "server_groups" in raw_model and "engine_groups" in raw_model:
+        problems.add(
+            f"{model_key}.engine_groups",
             "both server_groups and its legacy alias engine_groups are given; keep only server_groups",
         )
         return None
-    spelling = "engine_groups" if "engine_groups" in m else "server_groups"
-    raw_groups = m.get(spelling)
-    if spelling not in m:
-        p.add(f"{mkey}.server_groups", "is required: a list of server groups (worker_type, num_gpus, ...)")
+    spelling = "engine_groups" if "engine_groups" in raw_model else "server_groups"
+    if spelling not in raw_model:
+        problems.add(
+            f"{model_key}.server_groups", "is required: a list of server groups (worker_type, num_gpus, ...)"
+        )
         return None
+    raw_groups = raw_model[spelling]
     if not isinstance(raw_groups, list):
         hint = (
             " (write each group as a list item: '- worker_type: ...')"
             if isinstance(raw_groups, Mapping)
             else ""
         )
-        p.add(f"{mkey}.{spelling}", f"must be a list of server groups, got {_type_name(raw_groups)}{hint}")
+        problems.add(
+            f"{model_key}.{spelling}", f"must be a list of server groups, got {_type_name(raw_groups)}{hint}"
+        )
         return None
     if not raw_groups:
-        p.add(f"{mkey}.{spelling}", "is empty; give at least one server group")
+        problems.add(f"{model_key}.{spelling}", "is empty; give at least one server group")
         return None
+    return spelling, raw_groups
 
+
+def _load_model(raw_model: Any, model_key: str, problems: ProblemCollector) -> ModelSpec | None:
+    if not isinstance(raw_model, Mapping):
+        problems.add(
+            model_key,
+            f"a model must be a mapping (name, server_groups, ...), "
+            f"got {_type_name(raw_model)} ({raw_model!r})",
+        )
+        return None
+    _check_keys(raw_model, MODEL_KEYS, model_key, "model", problems)
+    checks = (
+        _model_name_ok(raw_model, model_key, problems),
+        _model_values_ok(raw_model, model_key, problems),
+    )
+    found = _raw_server_groups(raw_model, model_key, problems)
+    if found is None:
+        return None
+    spelling, raw_groups = found
     counts: dict[str, int] = {}
     groups = [
-        _load_group(g, f"{mkey}.{spelling}[{j}]", f"{mkey}.num_gpus_per_engine", counts, p)
-        for j, g in enumerate(raw_groups)
+        _load_group(
+            raw_group, f"{model_key}.{spelling}[{j}]", f"{model_key}.num_gpus_per_engine", counts, problems
+        )
+        for j, raw_group in enumerate(raw_groups)
     ]
-    if not ok or any(g is None for g in groups):
+    if not all(checks) or any(group is None for group in groups):
         return None
     return ModelSpec(
-        name=name,
-        groups=tuple(g for g in groups if g is not None),
-        model_path=model_path,
-        update_weights=update_weights,
-        num_gpus_per_engine=gpe,
-        key=mkey,
+        name=raw_model["name"],
+        groups=tuple(group for group in groups if group is not None),
+        model_path=raw_model.get("model_path"),
+        update_weights=raw_model.get("update_weights"),
+        num_gpus_per_engine=raw_model.get("num_gpus_per_engine"),
+        key=model_key,
     )
+
+
+def _misplaced_top_level_key(key: Any) -> str:
+    """What to say about a top-level key that is neither ``sglang`` nor ``models``."""
+    if key in ("server_groups", "engine_groups"):
+        return (
+            "belongs to a model: wrap your server_groups inside a model entry under 'sglang', e.g. "
+            "'sglang: [{name: actor, server_groups: [...]}]'"
+        )
+    if key in MODEL_KEYS:
+        return "is a model key: put the model as a list item under 'sglang'"
+    return f"unknown top-level key{_did_you_mean(key, TOP_LEVEL_KEYS)} (valid: sglang, or its alias models)"
+
+
+def _check_top_level_mapping(data: Any, label: str, problems: ProblemCollector) -> None:
+    """Raise unless the file's top level is a mapping."""
+    if data is None:
+        problems.add(label, "is empty; expected a top-level 'sglang' key holding a list of models")
+        problems.raise_if_any()
+    if not isinstance(data, Mapping):
+        hint = ""
+        if isinstance(data, list):
+            hint = "; put the list of models under a top-level key: 'sglang:'"
+        problems.add(
+            label,
+            f"the top level must be a mapping with key 'sglang' (a list of models), got {_type_name(data)}{hint}",
+        )
+        problems.raise_if_any()
+
+
+def _check_models_list(raw_models: Any, where: str, problems: ProblemCollector) -> None:
+    """Raise unless the models are a non-empty list."""
+    if not isinstance(raw_models, list):
+        hint = ""
+        if isinstance(raw_models, Mapping):
+            hint = " (write each model as a list item with a name: '- name: actor')"
+        problems.add(where, f"must be a list of models, got {_type_name(raw_models)}{hint}")
+        problems.raise_if_any()
+    if not raw_models:
+        problems.add(where, "is empty; give at least one model")
+        problems.raise_if_any()
+
+
+def _top_level_models(data: Any, label: str, problems: ProblemCollector) -> tuple[str, list[Any]]:
+    """(the top-level key used: ``sglang`` or its alias ``models``, the list of models); raises when the file
+    has no usable list of models."""
+    _check_top_level_mapping(data, label, problems)
+    spellings = [key for key in TOP_LEVEL_KEYS if key in data]
+    for key in data:
+        if key not in TOP_LEVEL_KEYS:
+            problems.add(f"{label}: {key}", _misplaced_top_level_key(key))
+    if not spellings:
+        problems.add(
+            f"{label}: sglang",
+            "is missing: the top-level key 'sglang' (or 'models') must hold the list of models",
+        )
+        problems.raise_if_any()
+    if len(spellings) > 1:
+        problems.add(f"{label}: models", "both 'sglang' and its alias 'models' are given; keep only 'sglang'")
+        problems.raise_if_any()
+    top = spellings[0]
+    raw_models = data[top]
+    _check_models_list(raw_models, f"{label}: {top}", problems)
+    return top, raw_models
+
+
+def _load_models(
+    raw_models: list[Any], label: str, top: str, problems: ProblemCollector
+) -> list[ModelSpec | None]:
+    """Every model of the list (None where it does not load); model names must be unique."""
+    models: list[ModelSpec | None] = []
+    first_index: dict[str, int] = {}
+    for i, raw_model in enumerate(raw_models):
+        name = raw_model.get("name") if isinstance(raw_model, Mapping) else None
+        named = isinstance(name, str) and bool(name)
+        model_key = f"{label}: {top}[{i}]" + (f" ({name})" if named else "")
+        if named and name in first_index:
+            problems.add(
+                f"{model_key}.name",
+                f"model name {name!r} is already used by {top}[{first_index[name]}]; model names must be "
+                "unique (each model gets its own router)",
+            )
+        elif named:
+            first_index[name] = i
+        models.append(_load_model(raw_model, model_key, problems))
+    return models
 
 
 def load_miles_config(source: str | os.PathLike[str]) -> DeploymentSpec:
@@ -320,81 +467,19 @@ def load_miles_config(source: str | os.PathLike[str]) -> DeploymentSpec:
 
     Raises one :class:`DeploymentConfigError` listing every problem found in the file.
     """
-    p = ProblemCollector()
-    label, origin, text = _read_source(source, p)
-    p.source = origin
+    problems = ProblemCollector()
+    label, origin, text = _read_source(source, problems)
+    problems.source = origin
     if text is None:
-        p.raise_if_any()
+        problems.raise_if_any()
     assert text is not None
-    parsed, data = _parse_yaml(text, label, p)
+    parsed, data = _parse_yaml(text, label, problems)
     if not parsed:
-        p.raise_if_any()
-
-    if data is None:
-        p.add(label, "is empty; expected a top-level 'sglang' key holding a list of models")
-        p.raise_if_any()
-    if not isinstance(data, Mapping):
-        hint = ""
-        if isinstance(data, list):
-            hint = "; put the list of models under a top-level key: 'sglang:'"
-        p.add(
-            label,
-            f"the top level must be a mapping with key 'sglang' (a list of models), got {_type_name(data)}{hint}",
-        )
-        p.raise_if_any()
-
-    spellings = [k for k in TOP_LEVEL_KEYS if k in data]
-    for k in data:
-        if k not in TOP_LEVEL_KEYS:
-            if k in ("server_groups", "engine_groups"):
-                msg = (
-                    "belongs to a model: wrap your server_groups inside a model entry under 'sglang', e.g. "
-                    "'sglang: [{name: actor, server_groups: [...]}]'"
-                )
-            elif k in MODEL_KEYS:
-                msg = "is a model key: put the model as a list item under 'sglang'"
-            else:
-                msg = f"unknown top-level key{_did_you_mean(k, TOP_LEVEL_KEYS)} (valid: sglang, or its alias models)"
-            p.add(f"{label}: {k}", msg)
-    if not spellings:
-        p.add(
-            f"{label}: sglang",
-            "is missing: the top-level key 'sglang' (or 'models') must hold the list of models",
-        )
-        p.raise_if_any()
-    if len(spellings) > 1:
-        p.add(f"{label}: models", "both 'sglang' and its alias 'models' are given; keep only 'sglang'")
-        p.raise_if_any()
-    top = spellings[0]
-    raw_models = data[top]
-    if not isinstance(raw_models, list):
-        hint = ""
-        if isinstance(raw_models, Mapping):
-            hint = " (write each model as a list item with a name: '- name: actor')"
-        p.add(f"{label}: {top}", f"must be a list of models, got {_type_name(raw_models)}{hint}")
-        p.raise_if_any()
-    if not raw_models:
-        p.add(f"{label}: {top}", "is empty; give at least one model")
-        p.raise_if_any()
-
-    models: list[ModelSpec | None] = []
-    first_index: dict[str, int] = {}
-    for i, m in enumerate(raw_models):
-        name = m.get("name") if isinstance(m, Mapping) else None
-        mkey = f"{label}: {top}[{i}]" + (f" ({name})" if isinstance(name, str) and name else "")
-        if isinstance(name, str) and name:
-            if name in first_index:
-                p.add(
-                    f"{mkey}.name",
-                    f"model name {name!r} is already used by {top}[{first_index[name]}]; model names must be "
-                    "unique (each model gets its own router)",
-                )
-            else:
-                first_index[name] = i
-        models.append(_load_model(m, mkey, p))
-
-    p.raise_if_any()
-    return DeploymentSpec(models=tuple(m for m in models if m is not None), source=origin)
+        problems.raise_if_any()
+    top, raw_models = _top_level_models(data, label, problems)
+    models = _load_models(raw_models, label, top, problems)
+    problems.raise_if_any()
+    return DeploymentSpec(models=tuple(model for model in models if model is not None), source=origin)
 
 
 # ============================================================================================ Hydra preset
@@ -467,23 +552,9 @@ def _unrepresentable(value: Any, key: str) -> list[tuple[str, str]]:
 def _first_difference(expected: Any, actual: Any, key: str) -> str | None:
     """Where ``actual`` differs from ``expected``, types included (``1``, ``1.0`` and ``True`` differ)."""
     if isinstance(expected, Mapping):
-        if not isinstance(actual, Mapping):
-            return key
-        if list(expected) != list(actual):
-            return key
-        for k in expected:
-            diff = _first_difference(expected[k], actual[k], f"{key}.{k}")
-            if diff:
-                return diff
-        return None
+        return _first_mapping_difference(expected, actual, key)
     if isinstance(expected, list):
-        if not isinstance(actual, list) or len(expected) != len(actual):
-            return key
-        for i, (e, a) in enumerate(zip(expected, actual, strict=True)):
-            diff = _first_difference(e, a, f"{key}[{i}]")
-            if diff:
-                return diff
-        return None
+        return _first_list_difference(expected, actual, key)
     if type(expected) is not type(actual):
         return key
     if isinstance(expected, float) and math.isnan(expected) and math.isnan(actual):
@@ -491,8 +562,181 @@ def _first_difference(expected: Any, actual: Any, key: str) -> str | None:
     return None if expected == actual else key
 
 
-def _group_location(g: GroupSpec, m: ModelSpec) -> str:
-    return g.key or f"sglang.{m.name}.{g.name}"
+def _first_mapping_difference(expected: Mapping[Any, Any], actual: Any, key: str) -> str | None:
+    if not isinstance(actual, Mapping) or list(expected) != list(actual):
+        return key
+    for name in expected:
+        difference = _first_difference(expected[name], actual[name], f"{key}.{name}")
+        if difference:
+            return difference
+    return None
+
+
+def _first_list_difference(expected: list[Any], actual: Any, key: str) -> str | None:
+    if not isinstance(actual, list) or len(expected) != len(actual):
+        return key
+    for i, (expected_item, actual_item) in enumerate(zip(expected, actual, strict=True)):
+        difference = _first_difference(expected_item, actual_item, f"{key}[{i}]")
+        if difference:
+            return difference
+    return None
+
+
+def _group_location(group: GroupSpec, model: ModelSpec) -> str:
+    return group.key or f"sglang.{model.name}.{group.name}"
+
+
+def _preset_model_name_ok(
+    model: ModelSpec, written: Mapping[str, Any], model_key: str, problems: ProblemCollector
+) -> bool:
+    """Whether the model's name can be a key of the preset (valid, not reserved, not written already)."""
+    if not isinstance(model.name, str) or not HYDRA_KEY_RE.match(model.name):
+        problems.add(
+            f"{model_key}.name",
+            f"model name {model.name!r} cannot be a key of the Hydra 'sglang' node: it must start with a letter or "
+            "'_' and hold only letters, digits, '_' or '-'; rename the model",
+        )
+        return False
+    if model.name in RESERVED_MODEL_NAMES:
+        problems.add(
+            f"{model_key}.name", f"model name {model.name!r} is reserved in a preset; rename the model"
+        )
+        return False
+    if model.name in written:
+        problems.add(f"{model_key}.name", f"model name {model.name!r} is used more than once")
+        return False
+    return True
+
+
+def _preset_model_values(model: ModelSpec, model_key: str, problems: ProblemCollector) -> dict[str, Any]:
+    """The model's optional values, only where the spec gives them (the others keep inheriting)."""
+    node: dict[str, Any] = {}
+    if model.model_path is not None:
+        if not isinstance(model.model_path, str):
+            problems.add(f"{model_key}.model_path", f"must be a string, got {model.model_path!r}")
+        node["model_path"] = model.model_path
+    if model.update_weights is not None:
+        if not isinstance(model.update_weights, bool):
+            problems.add(
+                f"{model_key}.update_weights", f"must be true or false, got {model.update_weights!r}"
+            )
+        node["update_weights"] = model.update_weights
+    if model.num_gpus_per_engine is not None:
+        if not is_int(model.num_gpus_per_engine) or model.num_gpus_per_engine < 1:
+            problems.add(
+                f"{model_key}.num_gpus_per_engine",
+                f"must be an integer > 0, got {model.num_gpus_per_engine!r}",
+            )
+        node["num_gpus_per_engine"] = model.num_gpus_per_engine
+    return node
+
+
+def _preset_group(
+    group: GroupSpec, group_key: str, problems: ProblemCollector
+) -> tuple[WorkerType, dict[str, Any]] | None:
+    """(the group's worker type, its body in a preset), or None when the group cannot be written."""
+    try:
+        worker_type = WorkerType(str(group.worker_type))
+    except ValueError:
+        problems.add(
+            f"{group_key}.worker_type",
+            f"{group.worker_type!r} is not a worker type ({', '.join(WORKER_TYPES)})",
+        )
+        return None
+    if not is_int(group.num_gpus) or group.num_gpus < 1:
+        problems.add(
+            f"{group_key}.num_gpus",
+            f"must be an integer > 0 (a preset's num_gpus: 0 means the group is off), got {group.num_gpus!r}",
+        )
+        return None
+    body: dict[str, Any] = {"num_gpus": group.num_gpus}
+    if group.num_gpus_per_engine is not None:
+        if not is_int(group.num_gpus_per_engine) or group.num_gpus_per_engine < 1:
+            problems.add(
+                f"{group_key}.num_gpus_per_engine",
+                f"must be an integer > 0, got {group.num_gpus_per_engine!r}",
+            )
+        body["num_gpus_per_engine"] = group.num_gpus_per_engine
+    overrides = thaw(group.overrides)
+    for where, what in _unrepresentable(overrides, f"{group_key}.overrides"):
+        problems.add(where, f"a Hydra config cannot hold this {what}; write it as a string or a number")
+    if overrides:
+        body["overrides"] = overrides
+    return worker_type, body
+
+
+def _extra_group_name_ok(
+    group: GroupSpec,
+    model: ModelSpec,
+    extras: Mapping[str, Any],
+    group_key: str,
+    problems: ProblemCollector,
+) -> bool:
+    if group.name in GROUP_SLOTS or group.name in extras or not HYDRA_KEY_RE.match(str(group.name)):
+        problems.add(
+            group_key,
+            f"group name {group.name!r} cannot name an extra group of model {model.name!r} (it must be a valid "
+            "key, unique, and not one of the slots " + ", ".join(GROUP_SLOTS) + ")",
+        )
+        return False
+    return True
+
+
+def _preset_groups(model: ModelSpec, problems: ProblemCollector) -> dict[str, Any]:
+    """The model's groups in a preset: the slots, ``extra_groups``, and ``group_order`` where the spec's order
+    differs from the canonical one."""
+    slots: dict[str, dict[str, Any]] = {}
+    extras: dict[str, dict[str, Any]] = {}
+    order: list[str] = []
+    for group in model.groups:
+        group_key = _group_location(group, model)
+        written = _preset_group(group, group_key, problems)
+        if written is None:
+            continue
+        worker_type, body = written
+        if group.name == worker_type.value and worker_type.value not in slots:
+            slots[worker_type.value] = body
+            order.append(worker_type.value)
+        elif _extra_group_name_ok(group, model, extras, group_key, problems):
+            extras[group.name] = {"worker_type": worker_type.value, **body}
+            order.append(group.name)
+    node: dict[str, Any] = {slot: slots[slot] for slot in GROUP_SLOTS if slot in slots}
+    if extras:
+        node["extra_groups"] = extras
+    canonical = [slot for slot in GROUP_SLOTS if slot in slots] + list(extras)
+    if order != canonical:
+        node["group_order"] = order
+    return node
+
+
+def _preset_models(spec: DeploymentSpec, problems: ProblemCollector) -> dict[str, Any]:
+    """The ``sglang`` node of the preset: model name -> model."""
+    data: dict[str, Any] = {}
+    if not spec.models:
+        problems.add("sglang", "no models to write")
+    for model in spec.models:
+        model_key = model.key or f"sglang.{model.name}"
+        if not _preset_model_name_ok(model, data, model_key, problems):
+            continue
+        node = _preset_model_values(model, model_key, problems)
+        node.update(_preset_groups(model, problems))
+        data[model.name] = node
+    return data
+
+
+def _preset_text(data: dict[str, Any], source: str | None) -> str:
+    defaults: list[Any] = [{f"/sglang_model@{name}": "base"} for name in data]
+    defaults += [{"/sglang_deploy@_global_.sglang_deploy": "default"}, "_self_"]
+    head = yaml.dump({"defaults": defaults}, Dumper=_PresetDumper, sort_keys=False, default_flow_style=False)
+    body = yaml.dump(
+        _escape_interpolations(data),
+        Dumper=_PresetDumper,
+        sort_keys=False,
+        default_flow_style=False,
+        allow_unicode=True,
+    )
+    origin = os.path.basename(source) if source else "a Miles --sglang-config file"
+    return f"# SGLang deployment imported from {origin} (Miles/slime --sglang-config).\n{head}\n{body}"
 
 
 def spec_to_preset(spec: DeploymentSpec) -> str:
@@ -504,109 +748,11 @@ def spec_to_preset(spec: DeploymentSpec) -> str:
     keep inheriting. Anything the preset schema cannot hold is an error, never silently dropped; the text is
     read back with Hydra's YAML loader and compared before it is returned.
     """
-    p = ProblemCollector(spec.source)
-    data: dict[str, Any] = {}
-    if not spec.models:
-        p.add("sglang", "no models to write")
-    for m in spec.models:
-        mkey = m.key or f"sglang.{m.name}"
-        if not isinstance(m.name, str) or not HYDRA_KEY_RE.match(m.name):
-            p.add(
-                f"{mkey}.name",
-                f"model name {m.name!r} cannot be a key of the Hydra 'sglang' node: it must start with a letter or "
-                "'_' and hold only letters, digits, '_' or '-'; rename the model",
-            )
-            continue
-        if m.name in RESERVED_MODEL_NAMES:
-            p.add(f"{mkey}.name", f"model name {m.name!r} is reserved in a preset; rename the model")
-            continue
-        if m.name in data:
-            p.add(f"{mkey}.name", f"model name {m.name!r} is used more than once")
-            continue
-        node: dict[str, Any] = {}
-        if m.model_path is not None:
-            if not isinstance(m.model_path, str):
-                p.add(f"{mkey}.model_path", f"must be a string, got {m.model_path!r}")
-            node["model_path"] = m.model_path
-        if m.update_weights is not None:
-            if not isinstance(m.update_weights, bool):
-                p.add(f"{mkey}.update_weights", f"must be true or false, got {m.update_weights!r}")
-            node["update_weights"] = m.update_weights
-        if m.num_gpus_per_engine is not None:
-            if not is_int(m.num_gpus_per_engine) or m.num_gpus_per_engine < 1:
-                p.add(f"{mkey}.num_gpus_per_engine", f"must be an integer > 0, got {m.num_gpus_per_engine!r}")
-            node["num_gpus_per_engine"] = m.num_gpus_per_engine
-
-        slots: dict[str, dict[str, Any]] = {}
-        extras: dict[str, dict[str, Any]] = {}
-        order: list[str] = []
-        for g in m.groups:
-            gkey = _group_location(g, m)
-            try:
-                wt = WorkerType(str(g.worker_type))
-            except ValueError:
-                p.add(
-                    f"{gkey}.worker_type",
-                    f"{g.worker_type!r} is not a worker type ({', '.join(WORKER_TYPES)})",
-                )
-                continue
-            if not is_int(g.num_gpus) or g.num_gpus < 1:
-                p.add(
-                    f"{gkey}.num_gpus",
-                    f"must be an integer > 0 (a preset's num_gpus: 0 means the group is off), got {g.num_gpus!r}",
-                )
-                continue
-            body: dict[str, Any] = {"num_gpus": g.num_gpus}
-            if g.num_gpus_per_engine is not None:
-                if not is_int(g.num_gpus_per_engine) or g.num_gpus_per_engine < 1:
-                    p.add(
-                        f"{gkey}.num_gpus_per_engine",
-                        f"must be an integer > 0, got {g.num_gpus_per_engine!r}",
-                    )
-                body["num_gpus_per_engine"] = g.num_gpus_per_engine
-            overrides = thaw(g.overrides)
-            for where, what in _unrepresentable(overrides, f"{gkey}.overrides"):
-                p.add(where, f"a Hydra config cannot hold this {what}; write it as a string or a number")
-            if overrides:
-                body["overrides"] = overrides
-
-            if g.name == wt.value and wt.value not in slots:
-                slots[wt.value] = body
-                order.append(wt.value)
-            else:
-                if g.name in GROUP_SLOTS or g.name in extras or not HYDRA_KEY_RE.match(str(g.name)):
-                    p.add(
-                        gkey,
-                        f"group name {g.name!r} cannot name an extra group of model {m.name!r} (it must be a valid "
-                        "key, unique, and not one of the slots " + ", ".join(GROUP_SLOTS) + ")",
-                    )
-                    continue
-                extras[g.name] = {"worker_type": wt.value, **body}
-                order.append(g.name)
-        for slot in GROUP_SLOTS:
-            if slot in slots:
-                node[slot] = slots[slot]
-        if extras:
-            node["extra_groups"] = extras
-        canonical = [s for s in GROUP_SLOTS if s in slots] + list(extras)
-        if order != canonical:
-            node["group_order"] = order
-        data[m.name] = node
-    p.raise_if_any()
-
-    defaults: list[Any] = [{f"/sglang_model@{name}": "base"} for name in data]
-    defaults += [{"/sglang_deploy@_global_.sglang_deploy": "default"}, "_self_"]
-    head = yaml.dump({"defaults": defaults}, Dumper=_PresetDumper, sort_keys=False, default_flow_style=False)
-    body = yaml.dump(
-        _escape_interpolations(data),
-        Dumper=_PresetDumper,
-        sort_keys=False,
-        default_flow_style=False,
-        allow_unicode=True,
-    )
-    origin = os.path.basename(spec.source) if spec.source else "a Miles --sglang-config file"
-    text = f"# SGLang deployment imported from {origin} (Miles/slime --sglang-config).\n{head}\n{body}"
-    _verify_preset(text, data, p)
+    problems = ProblemCollector(spec.source)
+    data = _preset_models(spec, problems)
+    problems.raise_if_any()
+    text = _preset_text(data, spec.source)
+    _verify_preset(text, data, problems)
     return text
 
 

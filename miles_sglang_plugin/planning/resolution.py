@@ -136,6 +136,22 @@ def legacy_spec(trainer: TrainerInputs, problems: ProblemCollector) -> Deploymen
     return DeploymentSpec(models=tuple(models), source="trainer arguments")
 
 
+#: Where the deployment-wide server defaults are written, for messages.
+SERVER_DEFAULTS_KEY = "sglang_deploy.server_defaults"
+
+#: An override layer: where it was written (for messages) and its values.
+OverrideLayer = tuple[str, Mapping[str, Any]]
+
+
+def _layered_value(layers: list[OverrideLayer], name: str, default: Any) -> tuple[Any, str]:
+    """The value of ``name`` in the highest layer that sets it, and where that is (``default`` and "" when no
+    layer sets it)."""
+    for where, layer in reversed(layers):
+        if name in layer:
+            return layer[name], f"{where}.{name}"
+    return default, ""
+
+
 class _Resolver:
     def __init__(
         self,
@@ -146,10 +162,10 @@ class _Resolver:
         server_defaults: Mapping[str, Any] | None = None,
     ) -> None:
         self.spec = spec
-        self.t = trainer
+        self.trainer = trainer
         self.problems = problems
         self.fields = frozenset(server_arg_fields) if server_arg_fields is not None else None
-        self.defaults = normalise_overrides(server_defaults or {}, "sglang_deploy.server_defaults", problems)
+        self.defaults = normalise_overrides(server_defaults or {}, SERVER_DEFAULTS_KEY, problems)
         self.eval_overrides = normalise_overrides(
             trainer.eval_sglang_overrides, "eval_sglang_overrides", problems
         )
@@ -161,193 +177,186 @@ class _Resolver:
 
     # -------------------------------------------------------------------------------------------- deployment
     def run(self) -> tuple[ModelPlan, ...]:
-        p, t = self.problems, self.t
-        names = [m.name for m in self.spec.models]
+        self.check_model_names()
+        if self.eval_active:
+            self.check_eval_fleet()
+        elif self.trainer.eval_sglang_overrides:
+            self.problems.add(
+                "eval_sglang_overrides",
+                f"eval overrides {sorted(self.trainer.eval_sglang_overrides)} are set but eval_num_gpus is 0",
+            )
+        models = tuple(self.model_plan(model) for model in self.spec.models)
+        self.check_weight_updates(models)
+        return models
+
+    def check_model_names(self) -> None:
+        names = [model.name for model in self.spec.models]
         for name in sorted({n for n in names if names.count(n) > 1}):
-            p.add(
+            self.problems.add(
                 f"sglang.{name}",
                 f"model name {name!r} is used {names.count(name)} times; names must be unique",
             )
         if not self.spec.models:
-            p.add("sglang", "no models: a deployment needs at least one model with at least one server group")
-
-        evals = [m for m in self.spec.models if m.name == "eval"]
-        if self.eval_active:
-            if len(evals) != 1:
-                p.add(
-                    "sglang",
-                    f"eval_num_gpus={t.eval_num_gpus} needs exactly one model named 'eval', found {len(evals)}; "
-                    f"models: {names}",
-                )
-            else:
-                eval_gpus = sum(g.num_gpus for g in evals[0].groups if is_int(g.num_gpus))
-                if eval_gpus != t.eval_num_gpus:
-                    p.add(
-                        evals[0].key or "sglang.eval",
-                        f"holds {eval_gpus} GPUs but eval_num_gpus={t.eval_num_gpus}; they must be equal",
-                    )
-            eval_gpe = t.effective_eval_num_gpus_per_engine
-            if t.eval_num_gpus % eval_gpe:
-                p.add(
-                    "eval_num_gpus_per_engine",
-                    f"eval_num_gpus={t.eval_num_gpus} does not split into engines of {eval_gpe} GPUs",
-                )
-            self.check_keys("eval_sglang_overrides", self.eval_overrides)
-        elif t.eval_sglang_overrides:
-            p.add(
-                "eval_sglang_overrides",
-                f"eval overrides {sorted(t.eval_sglang_overrides)} are set but eval_num_gpus is 0",
+            self.problems.add(
+                "sglang", "no models: a deployment needs at least one model with at least one server group"
             )
 
-        models = tuple(self.model(m) for m in self.spec.models)
+    def check_eval_fleet(self) -> None:
+        """Exactly one model ``eval``, of ``eval_num_gpus`` GPUs in whole engines; eval override keys."""
+        trainer = self.trainer
+        evals = [model for model in self.spec.models if model.name == "eval"]
+        if len(evals) != 1:
+            names = [model.name for model in self.spec.models]
+            self.problems.add(
+                "sglang",
+                f"eval_num_gpus={trainer.eval_num_gpus} needs exactly one model named 'eval', "
+                f"found {len(evals)}; models: {names}",
+            )
+        else:
+            eval_gpus = sum(group.num_gpus for group in evals[0].groups if is_int(group.num_gpus))
+            if eval_gpus != trainer.eval_num_gpus:
+                self.problems.add(
+                    evals[0].key or "sglang.eval",
+                    f"holds {eval_gpus} GPUs but eval_num_gpus={trainer.eval_num_gpus}; they must be equal",
+                )
+        eval_gpus_per_engine = trainer.effective_eval_num_gpus_per_engine
+        if trainer.eval_num_gpus % eval_gpus_per_engine:
+            self.problems.add(
+                "eval_num_gpus_per_engine",
+                f"eval_num_gpus={trainer.eval_num_gpus} does not split into engines of "
+                f"{eval_gpus_per_engine} GPUs",
+            )
+        self.check_keys("eval_sglang_overrides", self.eval_overrides)
 
-        updatable = [m.name for m in models if m.update_weights]
+    def check_weight_updates(self, models: tuple[ModelPlan, ...]) -> None:
+        updatable = [model.name for model in models if model.update_weights]
         if len(updatable) > 1:
-            p.add(
+            self.problems.add(
                 "sglang",
                 f"{len(updatable)} models receive weight updates ({', '.join(updatable)}); at most one may. "
                 "Set update_weights: false on the frozen ones",
             )
-        return models
 
     # ------------------------------------------------------------------------------------------------ model
-    def model(self, m: ModelSpec) -> ModelPlan:
-        p, t = self.problems, self.t
-        key = m.key or f"sglang.{m.name}"
-        is_eval = self.eval_active and m.name == "eval"
-        if not isinstance(m.name, str) or not NAME_RE.match(m.name):
-            p.add(
+    def model_plan(self, model: ModelSpec) -> ModelPlan:
+        key = model.key or f"sglang.{model.name}"
+        is_eval = self.eval_active and model.name == "eval"
+        self.check_model_fields(model, key)
+        self.check_worker_types(model, key)
+        model_level_path = model.model_path or self.trainer.hf_checkpoint
+        groups = tuple(self.group_plan(model, group, is_eval, model_level_path) for group in model.groups)
+        model_path = self.served_model_path(groups, key)
+        return ModelPlan(
+            name=model.name,
+            model_path=model_path or "",
+            update_weights=self.update_weights(model, is_eval, model_path),
+            groups=groups,
+            is_eval=is_eval,
+        )
+
+    def check_model_fields(self, model: ModelSpec, key: str) -> None:
+        """The model's name, ``num_gpus_per_engine`` and ``update_weights``; its groups, uniquely named."""
+        problems = self.problems
+        if not isinstance(model.name, str) or not NAME_RE.match(model.name):
+            problems.add(
                 key,
-                f"model name {m.name!r} must start with a letter or '_' and hold only letters, digits, _ or -",
+                f"model name {model.name!r} must start with a letter or '_' and hold only letters, digits, "
+                "_ or -",
             )
-        if m.num_gpus_per_engine is not None and (
-            not is_int(m.num_gpus_per_engine) or m.num_gpus_per_engine < 1
+        if model.num_gpus_per_engine is not None and (
+            not is_int(model.num_gpus_per_engine) or model.num_gpus_per_engine < 1
         ):
-            p.add(f"{key}.num_gpus_per_engine", f"must be an integer >= 1, got {m.num_gpus_per_engine!r}")
-        if m.update_weights is not None and not isinstance(m.update_weights, bool):
-            p.add(f"{key}.update_weights", f"must be true, false or null, got {m.update_weights!r}")
-        if not m.groups:
-            p.add(key, "has no server groups; give at least one group num_gpus > 0")
-
-        group_names = [g.name for g in m.groups]
+            problems.add(
+                f"{key}.num_gpus_per_engine", f"must be an integer >= 1, got {model.num_gpus_per_engine!r}"
+            )
+        if model.update_weights is not None and not isinstance(model.update_weights, bool):
+            problems.add(
+                f"{key}.update_weights", f"must be true, false or null, got {model.update_weights!r}"
+            )
+        if not model.groups:
+            problems.add(key, "has no server groups; give at least one group num_gpus > 0")
+        group_names = [group.name for group in model.groups]
         for name in sorted({n for n in group_names if group_names.count(n) > 1}):
-            p.add(
+            problems.add(
                 f"{key}.{name}",
-                f"group name {name!r} is used {group_names.count(name)} times in model {m.name!r}",
+                f"group name {name!r} is used {group_names.count(name)} times in model {model.name!r}",
             )
 
-        types = {str(g.worker_type) for g in m.groups}
+    def check_worker_types(self, model: ModelSpec, key: str) -> None:
+        """Regular or PD-disaggregated (prefill and decode both), never mixed."""
+        types = {str(group.worker_type) for group in model.groups}
         if "regular" in types and types & {"prefill", "decode"}:
-            p.add(
+            self.problems.add(
                 key,
                 "mixes regular groups with prefill/decode groups; a model is either PD-disaggregated "
                 "(prefill + decode) or regular. Put the regular engines in a model of their own",
             )
         if ("prefill" in types) != ("decode" in types):
             have, missing = ("prefill", "decode") if "prefill" in types else ("decode", "prefill")
-            p.add(key, f"has {have} groups but no {missing} group; PD disaggregation needs both")
+            self.problems.add(key, f"has {have} groups but no {missing} group; PD disaggregation needs both")
 
-        model_level_path = m.model_path or t.hf_checkpoint
-        groups = tuple(self.group(m, g, is_eval, model_level_path) for g in m.groups)
-
-        serving = [g for g in groups if g.worker_type is not WorkerType.placeholder]
-        paths = {g.name: g.overrides.get("model_path") for g in serving}
-        distinct = {v for v in paths.values()}
+    def served_model_path(self, groups: tuple[GroupPlan, ...], key: str) -> str | None:
+        """The one model path that every serving group serves (None when there is none, or several)."""
+        serving = [group for group in groups if group.worker_type is not WorkerType.placeholder]
+        paths = {group.name: group.overrides.get("model_path") for group in serving}
+        distinct = set(paths.values())
         model_path = next(iter(distinct)) if len(distinct) == 1 else None
         if len(distinct) > 1:
-            p.add(
+            self.problems.add(
                 key,
                 "all groups of a model must serve one model path, got "
-                + ", ".join(f"{n}={v!r}" for n, v in paths.items())
+                + ", ".join(f"{name}={path!r}" for name, path in paths.items())
                 + "; define a separate model for a different checkpoint",
             )
         elif serving and model_path is None:
-            p.add(f"{key}.model_path", "no model path: set it, or set the trainer's hf_checkpoint")
+            self.problems.add(
+                f"{key}.model_path", "no model path: set it, or set the trainer's hf_checkpoint"
+            )
+        return model_path
 
-        if m.update_weights is not None:
-            update_weights = bool(m.update_weights)
-        elif is_eval:
-            update_weights = False
-        else:
-            update_weights = model_path is not None and model_path == t.hf_checkpoint
-
-        return ModelPlan(
-            name=m.name,
-            model_path=model_path or "",
-            update_weights=update_weights,
-            groups=groups,
-            is_eval=is_eval,
-        )
+    def update_weights(self, model: ModelSpec, is_eval: bool, model_path: str | None) -> bool:
+        """As given; else false for the eval fleet; else whether the model serves the trainer's checkpoint."""
+        if model.update_weights is not None:
+            return bool(model.update_weights)
+        if is_eval:
+            return False
+        return model_path is not None and model_path == self.trainer.hf_checkpoint
 
     # ------------------------------------------------------------------------------------------------ group
-    def group(self, m: ModelSpec, g: GroupSpec, is_eval: bool, model_level_path: str | None) -> GroupPlan:
-        p, t = self.problems, self.t
-        key = g.key or f"sglang.{m.name}.{g.name}"
-
-        worker_type: WorkerType | None
-        try:
-            worker_type = WorkerType(str(g.worker_type))
-        except ValueError:
-            p.add(
-                f"{key}.worker_type",
-                f"{g.worker_type!r} is not a worker type; valid: {', '.join(WORKER_TYPES)}",
-            )
-            worker_type = None
-
-        num_gpus = g.num_gpus
-        if not is_int(num_gpus) or num_gpus < 1:
-            p.add(f"{key}.num_gpus", f"must be an integer >= 1, got {num_gpus!r}")
-            num_gpus = 0
-
-        if g.num_gpus_per_engine is not None:
-            gpe, gpe_from = g.num_gpus_per_engine, f"{key}.num_gpus_per_engine"
-        elif is_eval:
-            gpe, gpe_from = t.effective_eval_num_gpus_per_engine, "eval_num_gpus_per_engine"
-        elif m.num_gpus_per_engine is not None:
-            gpe, gpe_from = m.num_gpus_per_engine, f"{m.key or 'sglang.' + m.name}.num_gpus_per_engine"
-        else:
-            gpe, gpe_from = t.rollout_num_gpus_per_engine, "rollout_num_gpus_per_engine"
-        if not is_int(gpe) or gpe < 1:
-            if gpe_from == f"{key}.num_gpus_per_engine":
-                p.add(gpe_from, f"must be an integer >= 1, got {gpe!r}")
-            gpe = 1
-
-        user = normalise_overrides(g.overrides, key, p)
+    def group_plan(
+        self, model: ModelSpec, group: GroupSpec, is_eval: bool, model_level_path: str | None
+    ) -> GroupPlan:
+        key = group.key or f"sglang.{model.name}.{group.name}"
+        worker_type = self.worker_type(group, key)
+        num_gpus = self.group_num_gpus(group, key)
+        gpus_per_engine = self.gpus_per_engine(model, group, key, is_eval)
+        user = normalise_overrides(group.overrides, key, self.problems)
         gpu_offset = self.cursor
         self.cursor += num_gpus
-        group_abs_start = self.rollout_offset + gpu_offset
-        needs_offload = bool(t.offload_rollout and group_abs_start < self.megatron)
-
-        # Override layers, lowest first; each remembers where it was written, for messages.
-        layers: list[tuple[str, Mapping[str, Any]]] = [("sglang_deploy.server_defaults", self.defaults)]
-        overrides: dict[str, Any] = {}
-        if model_level_path is not None:
-            overrides["model_path"] = model_level_path
-        if t.offload_rollout and not needs_offload:
-            overrides["enable_memory_saver"] = False
-        if is_eval:
-            eval_layer: dict[str, Any] = dict(EVAL_DEFAULT_OVERRIDES)
-            if gpe != t.rollout_num_gpus_per_engine:
-                eval_layer.update(dict.fromkeys(EVAL_PARALLEL_RESETS, 1))
-            overrides.update(eval_layer)
-            layers.append(("(eval fleet default)", eval_layer))
-            overrides.update(self.eval_overrides)
-            layers.append(("eval_sglang_overrides", self.eval_overrides))
-        overrides.update(user)
-        layers.append((f"{key}.overrides", user))
+        needs_offload = bool(
+            self.trainer.offload_rollout and self.rollout_offset + gpu_offset < self.megatron
+        )
+        layers = self.override_layers(key, user, is_eval, gpus_per_engine)
+        overrides = self.injected_overrides(model_level_path, needs_offload)
+        for _, layer in layers:
+            overrides.update(layer)
 
         engines: tuple[EnginePlan, ...] = ()
-        sizes = {"tp_size": gpe, "pp_size": 1, "dp_size": 1}
+        sizes = {"tp_size": gpus_per_engine, "pp_size": 1, "dp_size": 1}
         if worker_type is not None and worker_type is not WorkerType.placeholder and num_gpus:
             self.check_keys(f"{key}.overrides", user)
-            sizes = self.check_parallel(layers, worker_type, gpe)
-            engines = self.engines(m.name, g.name, key, worker_type, num_gpus, gpe, gpu_offset)
+            sizes = self.check_parallel(
+                [(SERVER_DEFAULTS_KEY, self.defaults), *layers], worker_type, gpus_per_engine
+            )
+            engines = self.engine_plans(
+                model.name, group.name, key, worker_type, num_gpus, gpus_per_engine, gpu_offset
+            )
 
         return GroupPlan(
-            name=g.name,
+            name=group.name,
             worker_type=worker_type or WorkerType.regular,
             num_gpus=num_gpus,
-            num_gpus_per_engine=gpe,
+            num_gpus_per_engine=gpus_per_engine,
             tp_size=sizes["tp_size"],
             pp_size=sizes["pp_size"],
             dp_size=sizes["dp_size"],
@@ -358,129 +367,286 @@ class _Resolver:
             key=key,
         )
 
+    def worker_type(self, group: GroupSpec, key: str) -> WorkerType | None:
+        try:
+            return WorkerType(str(group.worker_type))
+        except ValueError:
+            self.problems.add(
+                f"{key}.worker_type",
+                f"{group.worker_type!r} is not a worker type; valid: {', '.join(WORKER_TYPES)}",
+            )
+            return None
+
+    def group_num_gpus(self, group: GroupSpec, key: str) -> int:
+        if not is_int(group.num_gpus) or group.num_gpus < 1:
+            self.problems.add(f"{key}.num_gpus", f"must be an integer >= 1, got {group.num_gpus!r}")
+            return 0
+        return group.num_gpus
+
+    def gpus_per_engine(self, model: ModelSpec, group: GroupSpec, key: str, is_eval: bool) -> int:
+        """Group -> model (the eval fleet: ``eval_num_gpus_per_engine``) -> the trainer's
+        ``rollout_num_gpus_per_engine``."""
+        trainer = self.trainer
+        group_key = f"{key}.num_gpus_per_engine"
+        if group.num_gpus_per_engine is not None:
+            value, given_at = group.num_gpus_per_engine, group_key
+        elif is_eval:
+            value, given_at = trainer.effective_eval_num_gpus_per_engine, "eval_num_gpus_per_engine"
+        elif model.num_gpus_per_engine is not None:
+            value, given_at = (
+                model.num_gpus_per_engine,
+                f"{model.key or 'sglang.' + model.name}.num_gpus_per_engine",
+            )
+        else:
+            value, given_at = trainer.rollout_num_gpus_per_engine, "rollout_num_gpus_per_engine"
+        if not is_int(value) or value < 1:
+            if given_at == group_key:
+                self.problems.add(given_at, f"must be an integer >= 1, got {value!r}")
+            value = 1
+        return value
+
+    def override_layers(
+        self, key: str, user: Mapping[str, Any], is_eval: bool, gpus_per_engine: int
+    ) -> list[OverrideLayer]:
+        """The override layers above the server defaults, lowest first: the eval fleet's defaults and
+        ``eval_sglang_overrides`` (eval only), then the group's own."""
+        layers: list[OverrideLayer] = []
+        if is_eval:
+            eval_layer: dict[str, Any] = dict(EVAL_DEFAULT_OVERRIDES)
+            if gpus_per_engine != self.trainer.rollout_num_gpus_per_engine:
+                eval_layer.update(dict.fromkeys(EVAL_PARALLEL_RESETS, 1))
+            layers.append(("(eval fleet default)", eval_layer))
+            layers.append(("eval_sglang_overrides", self.eval_overrides))
+        layers.append((f"{key}.overrides", user))
+        return layers
+
+    def injected_overrides(self, model_level_path: str | None, needs_offload: bool) -> dict[str, Any]:
+        """What the plan injects below every override layer: the model path, and the memory saver off for
+        groups that need no offload."""
+        overrides: dict[str, Any] = {}
+        if model_level_path is not None:
+            overrides["model_path"] = model_level_path
+        if self.trainer.offload_rollout and not needs_offload:
+            overrides["enable_memory_saver"] = False
+        return overrides
+
     def check_keys(self, where: str, values: Mapping[str, Any]) -> None:
         """Keys the plan owns, and keys that are not ServerArgs fields of the installed SGLang."""
-        p = self.problems
         for name, reason in PLAN_OWNED_OVERRIDES.items():
             if name in values:
                 shown = MASK if name in SECRET_FIELDS else repr(values[name])
-                p.add(f"{where}.{name}", f"cannot be overridden ({shown}): {reason}")
+                self.problems.add(f"{where}.{name}", f"cannot be overridden ({shown}): {reason}")
         if self.fields is not None:
             for name in values:
                 if name not in self.fields:
                     close = suggest(name, self.fields)
                     hint = f"; did you mean {', '.join(close)}?" if close else ""
-                    p.add(f"{where}.{name}", f"is not a ServerArgs field of the installed SGLang{hint}")
+                    self.problems.add(
+                        f"{where}.{name}", f"is not a ServerArgs field of the installed SGLang{hint}"
+                    )
 
     def check_parallel(
-        self, layers: list[tuple[str, Mapping[str, Any]]], worker_type: WorkerType, gpe: int
+        self, layers: list[OverrideLayer], worker_type: WorkerType, gpus_per_engine: int
     ) -> dict[str, int]:
         """The engine's tp/pp/dp sizes from all override layers, checked against num_gpus_per_engine."""
-        p = self.problems
-
-        def value(name: str, default: Any) -> tuple[Any, str]:
-            for where, layer in reversed(layers):
-                if name in layer:
-                    return layer[name], f"{where}.{name}"
-            return default, ""
-
-        mode, where = value("disaggregation_mode", None)
+        problems = self.problems
+        mode, where = _layered_value(layers, "disaggregation_mode", None)
         expected_mode = worker_type.value if worker_type.is_pd else "null"
         if mode is not None and str(mode) != expected_mode:
-            p.add(
+            problems.add(
                 where,
                 f"{mode!r} contradicts worker_type {worker_type.value!r} (which implies {expected_mode!r}); "
                 "set the worker type instead",
             )
-        pp, where = value("pp_size", 1)
-        if not is_int(pp) or pp < 1:
-            p.add(where, f"must be an integer >= 1, got {pp!r}")
-            pp = 1
-        elif gpe % pp:
-            p.add(where, f"{pp} does not divide num_gpus_per_engine={gpe}")
-            pp = 1
-        tp, where = value("tp_size", None)
-        if tp is not None and tp != gpe // pp:
-            p.add(
+        pp_size = self.pipeline_size(layers, gpus_per_engine)
+        tp_size, where = _layered_value(layers, "tp_size", None)
+        if tp_size is not None and tp_size != gpus_per_engine // pp_size:
+            problems.add(
                 where,
-                f"{tp!r} disagrees with num_gpus_per_engine={gpe}"
-                + (f" / pp_size={pp}" if pp > 1 else "")
-                + f" (tp_size would be {gpe // pp}); set num_gpus_per_engine instead",
+                f"{tp_size!r} disagrees with num_gpus_per_engine={gpus_per_engine}"
+                + (f" / pp_size={pp_size}" if pp_size > 1 else "")
+                + f" (tp_size would be {gpus_per_engine // pp_size}); set num_gpus_per_engine instead",
             )
-        sizes = {"tp_size": gpe // pp, "pp_size": pp, "dp_size": 1}
+        sizes = {"tp_size": gpus_per_engine // pp_size, "pp_size": pp_size, "dp_size": 1}
         for name in ("dp_size", "ep_size"):
-            v, where = value(name, 1)
-            if not is_int(v) or v < 1 or v > gpe:
-                p.add(where, f"must be an integer between 1 and num_gpus_per_engine={gpe}, got {v!r}")
+            value, where = _layered_value(layers, name, 1)
+            if not is_int(value) or value < 1 or value > gpus_per_engine:
+                problems.add(
+                    where,
+                    f"must be an integer between 1 and num_gpus_per_engine={gpus_per_engine}, got {value!r}",
+                )
             elif name == "dp_size":
-                sizes["dp_size"] = v
+                sizes["dp_size"] = value
         return sizes
 
+    def pipeline_size(self, layers: list[OverrideLayer], gpus_per_engine: int) -> int:
+        """``pp_size`` from the layers (1 when unset or wrong)."""
+        pp_size, where = _layered_value(layers, "pp_size", 1)
+        if not is_int(pp_size) or pp_size < 1:
+            self.problems.add(where, f"must be an integer >= 1, got {pp_size!r}")
+            return 1
+        if gpus_per_engine % pp_size:
+            self.problems.add(where, f"{pp_size} does not divide num_gpus_per_engine={gpus_per_engine}")
+            return 1
+        return pp_size
+
     # ---------------------------------------------------------------------------------------------- engines
-    def engines(
-        self, model: str, group: str, key: str, wt: WorkerType, num_gpus: int, gpe: int, gpu_offset: int
+    def engine_plans(
+        self,
+        model: str,
+        group: str,
+        key: str,
+        worker_type: WorkerType,
+        num_gpus: int,
+        gpus_per_engine: int,
+        gpu_offset: int,
     ) -> tuple[EnginePlan, ...]:
-        p, gpn = self.problems, self.t.num_gpus_per_node
-        if num_gpus % gpe:
-            whole = num_gpus // gpe
-            p.add(
-                f"{key}.num_gpus",
-                f"{num_gpus} GPUs do not split into engines of num_gpus_per_engine={gpe}: {whole} engine(s) "
-                f"would leave {num_gpus - whole * gpe} GPU(s) idle; use a multiple of {gpe}",
-            )
-            return ()
-        if gpe > gpn and gpe % gpn:
-            p.add(
-                f"{key}.num_gpus_per_engine",
-                f"an engine of {gpe} GPUs is wider than a node of num_gpus_per_node={gpn} GPUs, so it must use "
-                f"whole nodes (a multiple of {gpn})",
-            )
+        if not self.engines_fit(key, num_gpus, gpus_per_engine):
             return ()
         engines = []
         reported = False
-        for i in range(num_gpus // gpe):
-            start = self.rollout_offset + gpu_offset + i * gpe
-            slots = tuple(range(start, start + gpe))
-            if not reported and gpe <= gpn and start // gpn != slots[-1] // gpn:
-                p.add(
-                    key,
-                    f"engine {i} would take GPU slots {start}..{slots[-1]}, across the boundary of node "
-                    f"{start // gpn} and node {slots[-1] // gpn} (num_gpus_per_node={gpn}); an engine must sit on "
-                    f"one node. The group starts at slot {self.rollout_offset + gpu_offset} (rollout_offset="
-                    f"{self.rollout_offset} + gpu_offset={gpu_offset}); resize or reorder the groups before it",
-                )
-                reported = True
-            if not reported and gpe > gpn and start % gpn:
-                p.add(
-                    key,
-                    f"engine {i} spans {gpe // gpn} nodes but starts at GPU slot {start}, in the middle of node "
-                    f"{start // gpn}; a multi-node engine must start at a node boundary",
-                )
-                reported = True
-            processes = []
-            for rank, node_start in enumerate(range(start, start + gpe, min(gpe, gpn))):
-                chunk = slots[node_start - start : node_start - start + min(gpe, gpn)]
-                processes.append(
-                    EngineProcessPlan(
-                        node=chunk[0] // gpn,
-                        node_rank=rank,
-                        gpu_slots=chunk,
-                        local_gpu_ids=tuple(s % gpn for s in chunk),
-                    )
-                )
+        for i in range(num_gpus // gpus_per_engine):
+            start = self.rollout_offset + gpu_offset + i * gpus_per_engine
+            slots = tuple(range(start, start + gpus_per_engine))
+            if not reported:
+                reported = self.check_engine_placement(key, i, slots, gpu_offset)
             engines.append(
                 EnginePlan(
                     model=model,
                     group=group,
                     index=i,
                     rank=self.rank,
-                    worker_type=wt,
+                    worker_type=worker_type,
                     gpu_slots=slots,
-                    processes=tuple(processes),
+                    processes=self.engine_processes(slots),
                 )
             )
             self.rank += 1
         return tuple(engines)
+
+    def engines_fit(self, key: str, num_gpus: int, gpus_per_engine: int) -> bool:
+        """Whether the group's GPUs split into whole engines, and an engine wider than a node takes whole
+        nodes."""
+        gpus_per_node = self.trainer.num_gpus_per_node
+        if num_gpus % gpus_per_engine:
+            whole = num_gpus // gpus_per_engine
+            self.problems.add(
+                f"{key}.num_gpus",
+                f"{num_gpus} GPUs do not split into engines of num_gpus_per_engine={gpus_per_engine}: "
+                f"{whole} engine(s) would leave {num_gpus - whole * gpus_per_engine} GPU(s) idle; "
+                f"use a multiple of {gpus_per_engine}",
+            )
+            return False
+        if gpus_per_engine > gpus_per_node and gpus_per_engine % gpus_per_node:
+            self.problems.add(
+                f"{key}.num_gpus_per_engine",
+                f"an engine of {gpus_per_engine} GPUs is wider than a node of num_gpus_per_node={gpus_per_node} "
+                f"GPUs, so it must use whole nodes (a multiple of {gpus_per_node})",
+            )
+            return False
+        return True
+
+    def check_engine_placement(self, key: str, index: int, slots: tuple[int, ...], gpu_offset: int) -> bool:
+        """Whether engine ``index`` of a group is misplaced (reported): across a node boundary, or a multi-node
+        engine that does not start at one."""
+        gpus_per_node = self.trainer.num_gpus_per_node
+        start, last = slots[0], slots[-1]
+        if len(slots) <= gpus_per_node and start // gpus_per_node != last // gpus_per_node:
+            self.problems.add(
+                key,
+                f"engine {index} would take GPU slots {start}..{last}, across the boundary of node "
+                f"{start // gpus_per_node} and node {last // gpus_per_node} (num_gpus_per_node={gpus_per_node}); "
+                f"an engine must sit on one node. The group starts at slot {self.rollout_offset + gpu_offset} "
+                f"(rollout_offset={self.rollout_offset} + gpu_offset={gpu_offset}); resize or reorder the groups "
+                "before it",
+            )
+            return True
+        if len(slots) > gpus_per_node and start % gpus_per_node:
+            self.problems.add(
+                key,
+                f"engine {index} spans {len(slots) // gpus_per_node} nodes but starts at GPU slot {start}, in the "
+                f"middle of node {start // gpus_per_node}; a multi-node engine must start at a node boundary",
+            )
+            return True
+        return False
+
+    def engine_processes(self, slots: tuple[int, ...]) -> tuple[EngineProcessPlan, ...]:
+        """One process per node the engine's GPU slots are on (one in all for an engine within a node)."""
+        gpus_per_node = self.trainer.num_gpus_per_node
+        per_process = min(len(slots), gpus_per_node)
+        chunks = [slots[offset : offset + per_process] for offset in range(0, len(slots), per_process)]
+        return tuple(
+            EngineProcessPlan(
+                node=chunk[0] // gpus_per_node,
+                node_rank=rank,
+                gpu_slots=chunk,
+                local_gpu_ids=tuple(slot % gpus_per_node for slot in chunk),
+            )
+            for rank, chunk in enumerate(chunks)
+        )
+
+
+def _plan_without_engines(trainer: TrainerInputs, source: str) -> DeploymentPlan:
+    """The plan of ``debug_train_only``: no engines."""
+    return DeploymentPlan(
+        models=(),
+        trainer=trainer,
+        total_gpus=0,
+        rollout_num_gpus=0,
+        rollout_offset=trainer.rollout_offset,
+        megatron_num_gpus=trainer.megatron_num_gpus,
+        source=source,
+        notes=("debug_train_only: no rollout engines are started",),
+    )
+
+
+def _given_or_legacy_spec(
+    spec: DeploymentSpec | None, trainer: TrainerInputs, problems: ProblemCollector
+) -> DeploymentSpec:
+    """``spec``, or Miles' legacy deployment when none is given (``prefill_num_servers`` is only for that)."""
+    if spec is None:
+        legacy = legacy_spec(trainer, problems)
+        problems.raise_if_any()
+        return legacy
+    if trainer.prefill_num_servers is not None:
+        problems.add(
+            "prefill_num_servers",
+            f"{trainer.prefill_num_servers} cannot be combined with an sglang deployment; describe prefill and "
+            "decode groups in the deployment instead",
+        )
+    return spec
+
+
+def _check_total(
+    trainer: TrainerInputs, models: tuple[ModelPlan, ...], total: int, problems: ProblemCollector
+) -> None:
+    """A pinned ``rollout_num_gpus`` (plus eval) must equal the groups' total; eval cannot exceed it."""
+    if trainer.rollout_num_gpus is not None and trainer.rollout_num_gpus + trainer.eval_num_gpus != total:
+        breakdown = ", ".join(f"{model.name}={model.num_gpus}" for model in models)
+        problems.add(
+            "rollout_num_gpus",
+            f"is {trainer.rollout_num_gpus}"
+            + (f" (+ eval_num_gpus={trainer.eval_num_gpus})" if trainer.eval_num_gpus else "")
+            + f" but the server groups hold {total} GPUs ({breakdown}); make them equal, or leave "
+            "rollout_num_gpus unset to follow the groups",
+        )
+    elif total - trainer.eval_num_gpus < 0:
+        problems.add("eval_num_gpus", f"{trainer.eval_num_gpus} exceeds the {total} GPUs of the deployment")
+
+
+def _check_capacity(trainer: TrainerInputs, total: int, problems: ProblemCollector) -> None:
+    """The deployment fits the cluster of ``num_nodes`` (when given)."""
+    if trainer.num_nodes is None:
+        return
+    capacity = trainer.num_nodes * trainer.num_gpus_per_node
+    needed = max(trainer.rollout_offset + total, trainer.megatron_num_gpus)
+    if needed > capacity:
+        problems.add(
+            "num_nodes",
+            f"the deployment needs {needed} GPU slots (rollout_offset={trainer.rollout_offset} + {total} "
+            f"rollout GPUs) but the cluster has num_nodes={trainer.num_nodes} x num_gpus_per_node="
+            f"{trainer.num_gpus_per_node} = {capacity}",
+        )
 
 
 def resolve_deployment(
@@ -498,66 +664,25 @@ def resolve_deployment(
     ``server_defaults`` (``sglang_deploy.server_defaults``, Miles' ``--sglang-*`` values) take part in each
     engine's tp/pp/dp sizes, below every override.
     """
-    problems = ProblemCollector(spec.source if spec is not None else "trainer arguments")
+    source = spec.source if spec is not None else "trainer arguments"
+    problems = ProblemCollector(source)
     problems.extend(trainer.problems())
     problems.raise_if_any()
-
     if trainer.debug_train_only:
-        return DeploymentPlan(
-            models=(),
-            trainer=trainer,
-            total_gpus=0,
-            rollout_num_gpus=0,
-            rollout_offset=trainer.rollout_offset,
-            megatron_num_gpus=trainer.megatron_num_gpus,
-            source=spec.source if spec is not None else "trainer arguments",
-            notes=("debug_train_only: no rollout engines are started",),
-        )
+        return _plan_without_engines(trainer, source)
 
-    if spec is None:
-        spec = legacy_spec(trainer, problems)
-        problems.raise_if_any()
-    elif trainer.prefill_num_servers is not None:
-        problems.add(
-            "prefill_num_servers",
-            f"{trainer.prefill_num_servers} cannot be combined with an sglang deployment; describe prefill and "
-            "decode groups in the deployment instead",
-        )
-
+    spec = _given_or_legacy_spec(spec, trainer, problems)
     resolver = _Resolver(spec, trainer, problems, server_arg_fields, server_defaults)
     models = resolver.run()
     total = resolver.cursor
-
-    rollout_num_gpus = total - trainer.eval_num_gpus
-    if trainer.rollout_num_gpus is not None and trainer.rollout_num_gpus + trainer.eval_num_gpus != total:
-        breakdown = ", ".join(f"{m.name}={m.num_gpus}" for m in models)
-        problems.add(
-            "rollout_num_gpus",
-            f"is {trainer.rollout_num_gpus}"
-            + (f" (+ eval_num_gpus={trainer.eval_num_gpus})" if trainer.eval_num_gpus else "")
-            + f" but the server groups hold {total} GPUs ({breakdown}); make them equal, or leave "
-            "rollout_num_gpus unset to follow the groups",
-        )
-    elif rollout_num_gpus < 0:
-        problems.add("eval_num_gpus", f"{trainer.eval_num_gpus} exceeds the {total} GPUs of the deployment")
-
-    if trainer.num_nodes is not None:
-        capacity = trainer.num_nodes * trainer.num_gpus_per_node
-        needed = max(resolver.rollout_offset + total, trainer.megatron_num_gpus)
-        if needed > capacity:
-            problems.add(
-                "num_nodes",
-                f"the deployment needs {needed} GPU slots (rollout_offset={resolver.rollout_offset} + {total} "
-                f"rollout GPUs) but the cluster has num_nodes={trainer.num_nodes} x num_gpus_per_node="
-                f"{trainer.num_gpus_per_node} = {capacity}",
-            )
-
+    _check_total(trainer, models, total, problems)
+    _check_capacity(trainer, total, problems)
     problems.raise_if_any()
     return DeploymentPlan(
         models=models,
         trainer=trainer,
         total_gpus=total,
-        rollout_num_gpus=rollout_num_gpus,
+        rollout_num_gpus=total - trainer.eval_num_gpus,
         rollout_offset=resolver.rollout_offset,
         megatron_num_gpus=trainer.megatron_num_gpus,
         source=spec.source,

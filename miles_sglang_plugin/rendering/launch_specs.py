@@ -24,12 +24,19 @@ from typing import Any
 
 from miles_sglang_plugin.addresses import host_port, http_base_url
 from miles_sglang_plugin.config.deployment_spec import WorkerType, thaw
-from miles_sglang_plugin.config.schema import EngineKind, SGLangDeployConf
+from miles_sglang_plugin.config.schema import EngineKind, LoraConf, SGLangDeployConf
+from miles_sglang_plugin.config.trainer_inputs import TrainerInputs
 from miles_sglang_plugin.errors import Problem
 from miles_sglang_plugin.masking import mask_argv, mask_env
-from miles_sglang_plugin.planning.plan import DeploymentPlan, EnginePlan, EngineProcessPlan, GroupPlan
+from miles_sglang_plugin.planning.plan import (
+    DeploymentPlan,
+    EnginePlan,
+    EngineProcessPlan,
+    GroupPlan,
+    ModelPlan,
+)
 from miles_sglang_plugin.planning.resolution import PLAN_OWNED_OVERRIDES, suggest
-from miles_sglang_plugin.rendering.ports import PortAssignment
+from miles_sglang_plugin.rendering.ports import EnginePorts, PortAssignment
 from miles_sglang_plugin.rendering.router_specs import RouterLaunchSpec, RouterSettings, WorkerRegistration
 
 STANDIN_COMMAND = ("{python}", "-m", "miles_sglang_plugin.standin")
@@ -196,11 +203,85 @@ def check_deploy_settings(settings: SGLangDeployConf, fields: Collection[str] | 
     return out
 
 
+def _placement_args(
+    plan: DeploymentPlan,
+    group: GroupPlan,
+    engine: EnginePlan,
+    process: EngineProcessPlan,
+    ports: PortAssignment,
+    host: str,
+    dist_host: str,
+) -> dict[str, Any]:
+    """What the plan decides for every engine process: model, seed, addresses and ports, node rank, TP."""
+    trainer = plan.trainer
+    own = ports.engines[(engine.id, process.node_rank)]
+    first = ports.engines[(engine.id, 0)]
+    return {
+        "model_path": group.overrides.get("model_path"),
+        "trust_remote_code": True,
+        "random_seed": trainer.seed + engine.rank,
+        "host": host,
+        "port": own.http,
+        "nccl_port": own.nccl,
+        "dist_init_addr": host_port(dist_host, first.dist_init),
+        "nnodes": engine.nnodes,
+        "node_rank": process.node_rank,
+        "base_gpu_id": 0,
+        "gpu_id_step": 1,
+        "tp_size": group.tp_size,
+        "enable_memory_saver": trainer.offload_rollout,
+        "skip_server_warmup": True,
+        "enable_metrics": True,
+        "enable_draft_weights_cpu_backup": True,
+        "engine_info_bootstrap_port": first.engine_info_bootstrap,
+    }
+
+
+def _disaggregation_args(worker_type: WorkerType, first_process_ports: EnginePorts) -> dict[str, Any]:
+    """Miles' PD flags: the mode, a prefill engine's bootstrap port and load balancing."""
+    if worker_type is WorkerType.prefill:
+        return {
+            "disaggregation_mode": "prefill",
+            "disaggregation_bootstrap_port": first_process_ports.disaggregation_bootstrap,
+            "load_balance_method": "round_robin",
+        }
+    if worker_type is WorkerType.decode:
+        return {"disaggregation_mode": "decode", "prefill_round_robin_balance": True}
+    return {}
+
+
+def _trainer_feature_args(trainer: TrainerInputs) -> dict[str, Any]:
+    """Routing replay, indexer replay and fp16, as the trainer asks."""
+    values: dict[str, Any] = {}
+    if trainer.use_rollout_routing_replay:
+        values["enable_return_routed_experts"] = True
+    if trainer.use_rollout_indexer_replay:
+        values["enable_return_indexer_topk"] = True
+    if trainer.fp16:
+        values["dtype"] = "float16"
+    return values
+
+
+def _lora_args(lora: LoraConf) -> dict[str, Any]:
+    if not lora.enabled:
+        return {}
+    values: dict[str, Any] = {
+        "enable_lora": True,
+        "max_loras_per_batch": lora.max_loras_per_batch,
+        "max_lora_rank": lora.max_lora_rank,
+    }
+    if lora.target_modules:
+        values["lora_target_modules"] = list(lora.target_modules)
+    if lora.paths:
+        values["lora_paths"] = [f"{name}={path}" for name, path in lora.paths.items()]
+    return values
+
+
 def _engine_server_args(
     plan: DeploymentPlan,
-    g: GroupPlan,
-    e: EnginePlan,
-    proc: EngineProcessPlan,
+    group: GroupPlan,
+    engine: EnginePlan,
+    process: EngineProcessPlan,
     settings: SGLangDeployConf,
     ports: PortAssignment,
     host: str,
@@ -208,59 +289,23 @@ def _engine_server_args(
     fields: Collection[str] | None,
     dropped: set[str],
 ) -> dict[str, Any]:
-    t = plan.trainer
-    own = ports.engines[(e.id, proc.node_rank)]
-    first = ports.engines[(e.id, 0)]
-    derived: dict[str, Any] = {
-        "model_path": g.overrides.get("model_path"),
-        "trust_remote_code": True,
-        "random_seed": t.seed + e.rank,
-        "host": host,
-        "port": own.http,
-        "nccl_port": own.nccl,
-        "dist_init_addr": host_port(dist_host, first.dist_init),
-        "nnodes": e.nnodes,
-        "node_rank": proc.node_rank,
-        "base_gpu_id": 0,
-        "gpu_id_step": 1,
-        "tp_size": g.tp_size,
-        "enable_memory_saver": t.offload_rollout,
-        "skip_server_warmup": True,
-        "enable_metrics": True,
-        "enable_draft_weights_cpu_backup": True,
-        "engine_info_bootstrap_port": first.engine_info_bootstrap,
+    """The ServerArgs values of one engine process: server defaults < the plan's values < group overrides.
+    Values the plan derives for fields the installed SGLang lacks are left out and added to ``dropped``."""
+    derived = {
+        **_placement_args(plan, group, engine, process, ports, host, dist_host),
+        **_disaggregation_args(group.worker_type, ports.engines[(engine.id, 0)]),
+        **_trainer_feature_args(plan.trainer),
+        **_lora_args(settings.lora),
     }
-    if g.worker_type is WorkerType.prefill:
-        derived["disaggregation_mode"] = "prefill"
-        derived["disaggregation_bootstrap_port"] = first.disaggregation_bootstrap
-        derived["load_balance_method"] = "round_robin"
-    elif g.worker_type is WorkerType.decode:
-        derived["disaggregation_mode"] = "decode"
-        derived["prefill_round_robin_balance"] = True
-    if t.use_rollout_routing_replay:
-        derived["enable_return_routed_experts"] = True
-    if t.use_rollout_indexer_replay:
-        derived["enable_return_indexer_topk"] = True
-    if t.fp16:
-        derived["dtype"] = "float16"
-    lora = settings.lora
-    if lora.enabled:
-        derived["enable_lora"] = True
-        derived["max_loras_per_batch"] = lora.max_loras_per_batch
-        derived["max_lora_rank"] = lora.max_lora_rank
-        if lora.target_modules:
-            derived["lora_target_modules"] = list(lora.target_modules)
-        if lora.paths:
-            derived["lora_paths"] = [f"{name}={path}" for name, path in lora.paths.items()]
     if settings.api_key:
         derived["api_key"] = settings.api_key
 
     defaults = {k.replace("-", "_"): v for k, v in settings.server_defaults.items()}
-    if g.worker_type is WorkerType.decode:
+    if group.worker_type is WorkerType.decode:
         defaults.pop("enable_hierarchical_cache", None)  # Miles never fills it for decode workers
-    values = {**defaults, **derived, **thaw(g.overrides)}
+    values = {**defaults, **derived, **thaw(group.overrides)}
     if fields is not None:
-        for key in [k for k in derived if k not in fields and k not in g.overrides]:
+        for key in [k for k in derived if k not in fields and k not in group.overrides]:
             dropped.add(key)
             del values[key]
     return values
@@ -272,14 +317,121 @@ def standin_fault_env(settings: SGLangDeployConf, engine_id: str) -> dict[str, s
     env: dict[str, str] = {}
     if faults.start_delay_s:
         env["MSP_STANDIN_START_DELAY_S"] = str(faults.start_delay_s)
-    if any(fnmatch.fnmatchcase(engine_id, p) for p in faults.fail_at_start):
+    if any(fnmatch.fnmatchcase(engine_id, pattern) for pattern in faults.fail_at_start):
         env["MSP_STANDIN_FAIL_AT_START"] = "1"
-    if any(fnmatch.fnmatchcase(engine_id, p) for p in faults.never_healthy):
+    if any(fnmatch.fnmatchcase(engine_id, pattern) for pattern in faults.never_healthy):
         env["MSP_STANDIN_NEVER_HEALTHY"] = "1"
     for pattern, seconds in faults.die_after_s.items():
         if fnmatch.fnmatchcase(engine_id, pattern):
             env["MSP_STANDIN_DIE_AFTER_S"] = str(seconds)
     return env
+
+
+def _worker_registration(launch: EngineProcessLaunch) -> WorkerRegistration:
+    """How the engine of ``launch`` (its first process) registers with its model's router."""
+    return WorkerRegistration(
+        url=launch.url,
+        worker_type=launch.worker_type.value,
+        bootstrap_port=launch.bootstrap_port if launch.worker_type is WorkerType.prefill else None,
+    )
+
+
+@dataclass
+class _EngineRendering:
+    """What every engine process of one rendering shares; collects the ServerArgs fields left out."""
+
+    plan: DeploymentPlan
+    settings: SGLangDeployConf
+    ports: PortAssignment
+    host_of_node: Callable[[int], str]
+    server_arg_fields: Collection[str] | None
+    kind: EngineKind
+    prefix: tuple[str, ...]
+    dropped: set[str] = field(default_factory=set)
+
+    def model_engines(self, model: ModelPlan) -> tuple[list[EngineProcessLaunch], list[WorkerRegistration]]:
+        """Every engine process of ``model``, and the workers its router registers (one per engine)."""
+        launches: list[EngineProcessLaunch] = []
+        workers: list[WorkerRegistration] = []
+        for group in model.groups:
+            for engine in group.engines:
+                dist_host = self.host_of_node(engine.processes[0].node)
+                for process in engine.processes:
+                    launch = self.process_launch(model, group, engine, process, dist_host)
+                    launches.append(launch)
+                    if process.node_rank == 0:
+                        workers.append(_worker_registration(launch))
+        return launches, workers
+
+    def process_launch(
+        self,
+        model: ModelPlan,
+        group: GroupPlan,
+        engine: EnginePlan,
+        process: EngineProcessPlan,
+        dist_host: str,
+    ) -> EngineProcessLaunch:
+        host = self.host_of_node(process.node)
+        values = _engine_server_args(
+            self.plan,
+            group,
+            engine,
+            process,
+            self.settings,
+            self.ports,
+            host,
+            dist_host,
+            self.server_arg_fields,
+            self.dropped,
+        )
+        bootstrap_port = values.get("disaggregation_bootstrap_port")
+        return EngineProcessLaunch(
+            engine_id=engine.id,
+            model=model.name,
+            group=group.name,
+            worker_type=group.worker_type,
+            node=process.node,
+            node_rank=process.node_rank,
+            nnodes=engine.nnodes,
+            host=host,
+            port=int(values["port"]),
+            argv=(*self.prefix, *server_args_to_argv(values)),
+            env=self.env(group, engine, process),
+            server_args=values,
+            bootstrap_port=int(bootstrap_port) if bootstrap_port is not None else None,
+        )
+
+    def env(self, group: GroupPlan, engine: EnginePlan, process: EngineProcessPlan) -> dict[str, str]:
+        """Miles' engine defaults < the stand-in's faults < ``sglang_deploy.env`` < ``CUDA_VISIBLE_DEVICES``."""
+        simulated = self.kind is EngineKind.simulated
+        custom_all_reduce = "0" if self.plan.trainer.colocate and group.num_gpus_per_engine > 1 else "1"
+        return {
+            **MILES_ENGINE_ENV,
+            **(standin_fault_env(self.settings, engine.id) if simulated else {}),
+            "SGLANG_OPT_USE_CUSTOM_ALL_REDUCE_V2": custom_all_reduce,
+            **self.settings.env,
+            "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in process.local_gpu_ids),
+        }
+
+
+def _router_launch(
+    model: ModelPlan,
+    settings: SGLangDeployConf,
+    ports: PortAssignment,
+    router_host: str,
+    workers: list[WorkerRegistration],
+) -> RouterLaunch:
+    router_ports = ports.routers[model.name]
+    spec = RouterLaunchSpec(
+        model=model.name,
+        host=router_host,
+        port=router_ports.http,
+        prometheus_port=router_ports.prometheus,
+        pd_disaggregation=model.is_pd,
+        settings=RouterSettings.from_mapping(asdict(settings.router)),
+        api_key=settings.api_key,
+    )
+    return RouterLaunch(model=model.name, spec=spec, workers=tuple(workers))
 
 
 def render_launch(
@@ -295,70 +447,24 @@ def render_launch(
     """Every engine process's argv and environment, and every router's launch spec (pure: no I/O)."""
     kind = EngineKind(settings.launch.engine)
     prefix = STANDIN_COMMAND if kind is EngineKind.simulated else tuple(settings.launch.command)
-    prefix = tuple(python if part == "{python}" else part for part in prefix)
-    dropped: set[str] = set()
+    rendering = _EngineRendering(
+        plan=plan,
+        settings=settings,
+        ports=ports,
+        host_of_node=host_of_node,
+        server_arg_fields=server_arg_fields,
+        kind=kind,
+        prefix=tuple(python if part == "{python}" else part for part in prefix),
+    )
     engines: list[EngineProcessLaunch] = []
     routers: list[RouterLaunch] = []
-    for m in plan.models:
-        workers: list[WorkerRegistration] = []
-        for g in m.groups:
-            for e in g.engines:
-                dist_host = host_of_node(e.processes[0].node)
-                for proc in e.processes:
-                    host = host_of_node(proc.node)
-                    values = _engine_server_args(
-                        plan, g, e, proc, settings, ports, host, dist_host, server_arg_fields, dropped
-                    )
-                    env = {
-                        **MILES_ENGINE_ENV,
-                        **(standin_fault_env(settings, e.id) if kind is EngineKind.simulated else {}),
-                        "SGLANG_OPT_USE_CUSTOM_ALL_REDUCE_V2": "0"
-                        if plan.trainer.colocate and g.num_gpus_per_engine > 1
-                        else "1",
-                        **settings.env,
-                        "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in proc.local_gpu_ids),
-                    }
-                    boot = values.get("disaggregation_bootstrap_port")
-                    launch = EngineProcessLaunch(
-                        engine_id=e.id,
-                        model=m.name,
-                        group=g.name,
-                        worker_type=g.worker_type,
-                        node=proc.node,
-                        node_rank=proc.node_rank,
-                        nnodes=e.nnodes,
-                        host=host,
-                        port=int(values["port"]),
-                        argv=(*prefix, *server_args_to_argv(values)),
-                        env=env,
-                        server_args=values,
-                        bootstrap_port=int(boot) if boot is not None else None,
-                    )
-                    engines.append(launch)
-                    if proc.node_rank == 0:
-                        workers.append(
-                            WorkerRegistration(
-                                url=launch.url,
-                                worker_type=g.worker_type.value,
-                                bootstrap_port=launch.bootstrap_port
-                                if g.worker_type is WorkerType.prefill
-                                else None,
-                            )
-                        )
-        if m.engines:
-            rp = ports.routers[m.name]
-            spec = RouterLaunchSpec(
-                model=m.name,
-                host=router_host,
-                port=rp.http,
-                prometheus_port=rp.prometheus,
-                pd_disaggregation=m.is_pd,
-                settings=RouterSettings.from_mapping(asdict(settings.router)),
-                api_key=settings.api_key,
-            )
-            routers.append(RouterLaunch(model=m.name, spec=spec, workers=tuple(workers)))
+    for model in plan.models:
+        launches, workers = rendering.model_engines(model)
+        engines += launches
+        if model.engines:
+            routers.append(_router_launch(model, settings, ports, router_host, workers))
     notes = tuple(
         f"left out {key}: Miles sets it, but the installed SGLang has no such ServerArgs field"
-        for key in sorted(dropped)
+        for key in sorted(rendering.dropped)
     )
     return LaunchSpecs(engine_kind=kind, engines=tuple(engines), routers=tuple(routers), notes=notes)

@@ -303,22 +303,23 @@ _INT_MINIMUMS = {
     "cb_timeout_duration_secs": 1,
 }
 _BOOL_SETTINGS = ("disable_health_check", "disable_retries", "disable_circuit_breaker")
+#: The settings with a field of their own (anything else goes under ``extra``).
+_TYPED_SETTINGS = frozenset(f.name for f in dataclasses.fields(RouterSettings)) - {"extra"}
 
 
-def validate_router_settings(settings: RouterSettings) -> list[str]:
-    """Every problem with ``settings``, as messages (empty list: fine). Never raises for bad values."""
-    problems: list[str] = []
-    p = _policy_problem("policy", settings.policy, ROUTER_POLICIES)
-    if p:
-        problems.append(p)
+def _policy_problems(settings: RouterSettings) -> list[str]:
+    checked = [("policy", settings.policy, ROUTER_POLICIES)]
     if settings.prefill_policy is not None:
-        p = _policy_problem("prefill_policy", settings.prefill_policy, PREFILL_POLICIES)
-        if p:
-            problems.append(p)
+        checked.append(("prefill_policy", settings.prefill_policy, PREFILL_POLICIES))
     if settings.decode_policy is not None:
-        p = _policy_problem("decode_policy", settings.decode_policy, DECODE_POLICIES)
-        if p:
-            problems.append(p)
+        checked.append(("decode_policy", settings.decode_policy, DECODE_POLICIES))
+    problems = [_policy_problem(key, value, valid) for key, value, valid in checked]
+    return [problem for problem in problems if problem]
+
+
+def _typed_setting_problems(settings: RouterSettings) -> list[str]:
+    """The log level, the integer settings with their minimums, and the boolean ones."""
+    problems: list[str] = []
     if settings.log_level not in LOG_LEVELS:
         hint = " (did you mean 'warn'?)" if str(settings.log_level).lower().startswith("warn") else ""
         problems.append(f"log_level: {settings.log_level!r} is not one of {', '.join(LOG_LEVELS)}{hint}")
@@ -332,36 +333,51 @@ def validate_router_settings(settings: RouterSettings) -> list[str]:
         value = getattr(settings, name)
         if not isinstance(value, bool):
             problems.append(f"{name}: must be true or false, got {value!r}")
+    return problems
 
-    typed = {f.name for f in dataclasses.fields(RouterSettings)} - {"extra"}
+
+def _extra_problem(key: Any, value: Any, fields: Mapping[str, Any] | None) -> str | None:
+    """What is wrong with ``extra[key] = value`` (``fields``: RouterArgs' fields, None when unknown)."""
+    if not isinstance(key, str):
+        return f"extra: key {key!r} is not a string"
+    if key in _TYPED_SETTINGS:
+        return f"extra.{key}: set '{key}' directly in the router settings, not under extra"
+    if key in _MANAGED_BY_SPEC:
+        return f"extra.{key}: not allowed here: {_MANAGED_BY_SPEC[key]}"
+    if fields is None:
+        return None
+    if key not in fields:
+        close = difflib.get_close_matches(key, list(fields), n=3, cutoff=0.6)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        return f"extra.{key}: not a sglang-router RouterArgs field{hint}"
+    if not _type_ok(value, fields[key]):
+        return f"extra.{key}: expected {_type_name(fields[key])}, got {value!r}"
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return f"extra.{key}: value {value!r} is not JSON-serialisable"
+    return None
+
+
+def _extra_problems(extra: Mapping[Any, Any]) -> list[str]:
+    problems: list[str] = []
     try:
         fields = router_args_fields()
     except Exception as e:  # sglang_router missing or broken: report, do not raise
         fields = None
-        if settings.extra:
+        if extra:
             problems.append(f"extra: cannot check keys against RouterArgs (sglang_router import failed: {e})")
-    for key, value in settings.extra.items():
-        if not isinstance(key, str):
-            problems.append(f"extra: key {key!r} is not a string")
-            continue
-        if key in typed:
-            problems.append(f"extra.{key}: set '{key}' directly in the router settings, not under extra")
-            continue
-        if key in _MANAGED_BY_SPEC:
-            problems.append(f"extra.{key}: not allowed here: {_MANAGED_BY_SPEC[key]}")
-            continue
-        if fields is None:
-            continue
-        if key not in fields:
-            close = difflib.get_close_matches(key, list(fields), n=3, cutoff=0.6)
-            hint = f"; did you mean {', '.join(close)}?" if close else ""
-            problems.append(f"extra.{key}: not a sglang-router RouterArgs field{hint}")
-            continue
-        if not _type_ok(value, fields[key]):
-            problems.append(f"extra.{key}: expected {_type_name(fields[key])}, got {value!r}")
-            continue
-        try:
-            json.dumps(value)
-        except (TypeError, ValueError):
-            problems.append(f"extra.{key}: value {value!r} is not JSON-serialisable")
+    for key, value in extra.items():
+        problem = _extra_problem(key, value, fields)
+        if problem:
+            problems.append(problem)
     return problems
+
+
+def validate_router_settings(settings: RouterSettings) -> list[str]:
+    """Every problem with ``settings``, as messages (empty list: fine). Never raises for bad values."""
+    return [
+        *_policy_problems(settings),
+        *_typed_setting_problems(settings),
+        *_extra_problems(settings.extra),
+    ]

@@ -55,54 +55,72 @@ def build_router_args_kwargs(spec: RouterLaunchSpec) -> dict[str, Any]:
     return kwargs
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+class _StartError(Exception):
+    """The router cannot start: the exit code and the message to print."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m miles_sglang_plugin.serving.router_main",
         description="Run one sglang-router (Python API) from a RouterLaunchSpec JSON. "
         f"The API key, if any, is read from ${API_KEY_ENV}.",
     )
     parser.add_argument("--spec-json", required=True, help="RouterLaunchSpec.to_json() output")
-    args = parser.parse_args(argv)
+    return parser
 
+
+def _spec_from_json(spec_json: str) -> RouterLaunchSpec:
+    """The spec with its API key (taken out of the environment), its settings checked."""
     try:
-        raw = json.loads(args.spec_json)
+        raw = json.loads(spec_json)
         key_in_env = bool(raw.get("api_key_in_env", False)) if isinstance(raw, dict) else False
     except ValueError as e:
-        return _fail(2, f"--spec-json is not valid JSON: {e}")
+        raise _StartError(2, f"--spec-json is not valid JSON: {e}") from None
     api_key = os.environ.pop(API_KEY_ENV, None)  # not inherited by anything this process might start
     if key_in_env and not api_key:
-        return _fail(2, f"the spec says the router has an API key, but ${API_KEY_ENV} is empty or unset")
+        raise _StartError(2, f"the spec says the router has an API key, but ${API_KEY_ENV} is empty or unset")
     if not key_in_env:
         api_key = None  # ignore a stray variable inherited from the environment
     try:
-        spec = RouterLaunchSpec.from_json(args.spec_json, api_key=api_key)
+        spec = RouterLaunchSpec.from_json(spec_json, api_key=api_key)
     except (ValueError, TypeError) as e:
-        return _fail(2, f"bad router spec: {e}")
+        raise _StartError(2, f"bad router spec: {e}") from None
     problems = validate_router_settings(spec.settings)
     if problems:
-        return _fail(2, f"bad router settings for model {spec.model!r}:\n  - " + "\n  - ".join(problems))
+        raise _StartError(2, f"bad router settings for model {spec.model!r}:\n  - " + "\n  - ".join(problems))
+    return spec
 
+
+def _build_router(spec: RouterLaunchSpec) -> Any:
     from sglang_router.router import Router
     from sglang_router.router_args import RouterArgs
 
     try:
         router_args = RouterArgs(**build_router_args_kwargs(spec))
         router_args._validate_router_args()
-        router = Router.from_args(router_args)
+        return Router.from_args(router_args)
     except Exception as e:
-        return _fail(
+        raise _StartError(
             2, f"sglang-router rejected the settings for model {spec.model!r}: {type(e).__name__}: {e}"
-        )
+        ) from None
 
-    s = spec.settings
-    policy = s.policy
-    if spec.pd_disaggregation and (s.prefill_policy or s.decode_policy):
-        policy += f" (prefill={s.prefill_policy or s.policy}, decode={s.decode_policy or s.policy})"
-    print(
-        f"{_TAG} router for model {spec.model!r} at {spec.url} policy={policy} "
-        f"pd={spec.pd_disaggregation} metrics=:{spec.prometheus_port} pid={os.getpid()}",
-        flush=True,
-    )
+
+def _policy_description(spec: RouterLaunchSpec) -> str:
+    settings = spec.settings
+    policy = settings.policy
+    if spec.pd_disaggregation and (settings.prefill_policy or settings.decode_policy):
+        prefill = settings.prefill_policy or settings.policy
+        decode = settings.decode_policy or settings.policy
+        policy += f" (prefill={prefill}, decode={decode})"
+    return policy
+
+
+def _serve(router: Any, spec: RouterLaunchSpec) -> int:
+    """Run the router until it is told to stop; the exit code."""
     try:
         router.start()  # blocks until SIGTERM/SIGINT; holds the GIL meanwhile
     except KeyboardInterrupt:
@@ -117,6 +135,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     print(f"{_TAG} router for model {spec.model!r} at {spec.url} stopped", flush=True)
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        spec = _spec_from_json(args.spec_json)
+        router = _build_router(spec)
+    except _StartError as e:
+        return _fail(e.code, str(e))
+    print(
+        f"{_TAG} router for model {spec.model!r} at {spec.url} policy={_policy_description(spec)} "
+        f"pd={spec.pd_disaggregation} metrics=:{spec.prometheus_port} pid={os.getpid()}",
+        flush=True,
+    )
+    return _serve(router, spec)
 
 
 if __name__ == "__main__":

@@ -173,6 +173,66 @@ def _same_worker(listed_url: Any, url: str) -> bool:
     return listed == url or listed.startswith(url + "@")
 
 
+def _entry_problem(entry: dict, expected: WorkerRegistration) -> str | None:
+    """What is wrong with a router's entry for an expected worker (None: registered as expected, healthy)."""
+    label = entry.get("url", expected.url)
+    worker_type = entry.get("worker_type")
+    if worker_type != expected.worker_type:
+        return f"{label} registered as {worker_type!r}, expected {expected.worker_type!r}"
+    if expected.worker_type == "prefill" and entry.get("bootstrap_port") != expected.bootstrap_port:
+        got = entry.get("bootstrap_port")
+        return f"{label} has bootstrap_port {got!r}, expected {expected.bootstrap_port!r}"
+    if not entry.get("is_healthy", False):
+        return f"{label} ({worker_type}) registered but not healthy"
+    return None
+
+
+def _registration_problems(
+    workers: list[dict], expected: Collection[WorkerRegistration]
+) -> dict[str, list[str]]:
+    """Expected worker URL -> what is missing or wrong about it (only workers with problems)."""
+    problems: dict[str, list[str]] = {}
+    for worker in expected:
+        entries = [listed for listed in workers if _same_worker(listed.get("url"), worker.url)]
+        if not entries:
+            problems.setdefault(worker.url, []).append(f"{worker.describe()} not registered yet")
+            continue
+        for entry in entries:
+            problem = _entry_problem(entry, worker)
+            if problem is not None:
+                problems.setdefault(worker.url, []).append(problem)
+    return problems
+
+
+def _readiness(base: str, api_key: str | None, timeout_s: float) -> tuple[bool, str]:
+    """``GET /readiness``: (answered 200, what it says)."""
+    try:
+        resp = httpx.get(f"{base}/readiness", headers=_headers(api_key), timeout=timeout_s)
+    except httpx.HTTPError as e:
+        return False, f"unreachable ({type(e).__name__}: {e})"
+    ready = resp.status_code == 200
+    try:
+        data = resp.json()
+        readiness = (
+            f"{data.get('healthy_workers')}/{data.get('total_workers')} workers healthy"
+            if ready
+            else f"not ready ({data.get('reason', resp.text)})"
+        )
+    except ValueError:
+        readiness = f"HTTP {resp.status_code}: {resp.text[:200]}"
+    return ready, readiness
+
+
+def _others_note(workers: list[dict], expected: Collection[WorkerRegistration]) -> str:
+    """The workers the router lists that were not expected, as a note (empty when none)."""
+    others = sorted(
+        str(listed.get("url"))
+        for listed in workers
+        if not any(_same_worker(listed.get("url"), worker.url) for worker in expected)
+    )
+    return f"; also registered: {', '.join(others)}" if others else ""
+
+
 def router_ready(
     router_url: str,
     expected: Collection[WorkerRegistration],
@@ -193,51 +253,14 @@ def router_ready(
             return False, f"router at {base} not reachable: {e}"
         return False, f"router at {base}: {e}"
 
-    problems: dict[str, list[str]] = {}
-    for exp in expected:
-        entries = [w for w in workers if _same_worker(w.get("url"), exp.url)]
-        if not entries:
-            problems.setdefault(exp.url, []).append(f"{exp.describe()} not registered yet")
-            continue
-        for entry in entries:
-            label = entry.get("url", exp.url)
-            wtype = entry.get("worker_type")
-            if wtype != exp.worker_type:
-                msg = f"{label} registered as {wtype!r}, expected {exp.worker_type!r}"
-            elif exp.worker_type == "prefill" and entry.get("bootstrap_port") != exp.bootstrap_port:
-                got = entry.get("bootstrap_port")
-                msg = f"{label} has bootstrap_port {got!r}, expected {exp.bootstrap_port!r}"
-            elif not entry.get("is_healthy", False):
-                msg = f"{label} ({wtype}) registered but not healthy"
-            else:
-                continue
-            problems.setdefault(exp.url, []).append(msg)
-
-    try:
-        resp = httpx.get(f"{base}/readiness", headers=_headers(api_key), timeout=timeout_s)
-        ready_ok = resp.status_code == 200
-        try:
-            data = resp.json()
-            readiness = (
-                f"{data.get('healthy_workers')}/{data.get('total_workers')} workers healthy"
-                if ready_ok
-                else f"not ready ({data.get('reason', resp.text)})"
-            )
-        except ValueError:
-            readiness = f"HTTP {resp.status_code}: {resp.text[:200]}"
-    except httpx.HTTPError as e:
-        ready_ok, readiness = False, f"unreachable ({type(e).__name__}: {e})"
-
-    others = sorted(
-        str(w.get("url")) for w in workers if not any(_same_worker(w.get("url"), e.url) for e in expected)
-    )
-    note = f"; also registered: {', '.join(others)}" if others else ""
-
+    problems = _registration_problems(workers, expected)
+    ready, readiness = _readiness(base, api_key, timeout_s)
+    note = _others_note(workers, expected)
     if problems:
-        listed = "; ".join(m for msgs in problems.values() for m in msgs)
-        n_expected = len({e.url for e in expected})
-        return False, f"waiting for {len(problems)} of {n_expected} workers: {listed}{note}"
-    if not ready_ok:
+        listed = "; ".join(message for messages in problems.values() for message in messages)
+        expected_urls = len({worker.url for worker in expected})
+        return False, f"waiting for {len(problems)} of {expected_urls} workers: {listed}{note}"
+    if not ready:
         return False, f"all {len(expected)} expected workers registered, but /readiness: {readiness}{note}"
     return True, f"ready: {readiness}{note}"
 

@@ -593,6 +593,60 @@ def _usage(prompt: Prompt, generated: Generated) -> dict[str, int]:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
+def _chat_logprobs(body: Mapping[str, Any], generated: Generated) -> dict[str, Any] | None:
+    """OpenAI's ``logprobs`` of a choice or a chunk (None unless the request asks for them)."""
+    if not body.get("logprobs"):
+        return None
+    content = [
+        {
+            "token": word,
+            "token_id": token_id,
+            "logprob": logprob,
+            "bytes": list(word.encode()),
+            "top_logprobs": [],
+        }
+        for word, token_id, logprob in zip(generated.words, generated.ids, generated.logprobs, strict=True)
+    ]
+    return {"content": content}
+
+
+def _chat_chunks(
+    chunk: dict[str, Any], body: Mapping[str, Any], prompt: Prompt, generated: Generated
+) -> Iterable[dict[str, Any]]:
+    """The streamed answer: the role, one chunk per token, then the finish reason with the usage."""
+    yield {
+        **chunk,
+        "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
+    }
+    for k in range(len(generated.ids)):
+        delta = {"content": (" " if k else "") + generated.words[k]}
+        logprobs = _chat_logprobs(body, generated.part(k, k + 1))
+        yield {
+            **chunk,
+            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": None}],
+        }
+    yield {
+        **chunk,
+        "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}],
+        "usage": _usage(prompt, generated),
+    }
+
+
+def _chat_choice(body: Mapping[str, Any], generated: Generated) -> dict[str, Any]:
+    return {
+        "index": 0,
+        "message": {
+            "role": "assistant",
+            "content": generated.text,
+            "reasoning_content": None,
+            "tool_calls": None,
+        },
+        "logprobs": _chat_logprobs(body, generated),
+        "finish_reason": "length",
+        "matched_stop": None,
+    }
+
+
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await _json_object(request)
@@ -603,57 +657,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     model = body.get("model") or state.args.model_name
     common = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model}
     stand_in = state.stand_in_meta(body)
-
-    def logprobs(g: Generated) -> dict[str, Any] | None:
-        if not body.get("logprobs"):
-            return None
-        content = [
-            {"token": w, "token_id": t, "logprob": lp, "bytes": list(w.encode()), "top_logprobs": []}
-            for w, t, lp in zip(g.words, g.ids, g.logprobs, strict=True)
-        ]
-        return {"content": content}
-
     if body.get("stream"):
-
-        def chunks() -> Iterable[dict[str, Any]]:
-            chunk = {**common, "object": "chat.completion.chunk", "stand_in": stand_in}
-            yield {
-                **chunk,
-                "choices": [
-                    {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-                ],
-            }
-            for k in range(len(generated.ids)):
-                delta = {"content": (" " if k else "") + generated.words[k]}
-                lp = logprobs(generated.part(k, k + 1))
-                yield {
-                    **chunk,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": None}],
-                }
-            yield {
-                **chunk,
-                "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}],
-                "usage": _usage(prompt, generated),
-            }
-
-        return await _sse(request, chunks())
-    choice = {
-        "index": 0,
-        "message": {
-            "role": "assistant",
-            "content": generated.text,
-            "reasoning_content": None,
-            "tool_calls": None,
-        },
-        "logprobs": logprobs(generated),
-        "finish_reason": "length",
-        "matched_stop": None,
-    }
+        chunk = {**common, "object": "chat.completion.chunk", "stand_in": stand_in}
+        return await _sse(request, _chat_chunks(chunk, body, prompt, generated))
     return web.json_response(
         {
             **common,
             "object": "chat.completion",
-            "choices": [choice],
+            "choices": [_chat_choice(body, generated)],
             "usage": _usage(prompt, generated),
             "metadata": {"weight_version": state.weight_version},
             "stand_in": stand_in,

@@ -177,6 +177,51 @@ def _check(args: StandInArgs) -> None:
         raise StandInFlagError(f"--base-gpu-id must be >= 0; got {args.base_gpu_id}")
 
 
+def _read_flag(argv: list[str], i: int) -> tuple[str, str, list[str], int]:
+    """The flag at ``argv[i]``: (its field, its spelling, its values, the index after them)."""
+    token = argv[i]
+    if not token.startswith("--") or token == "--":
+        raise StandInFlagError(f"unexpected argument {token!r}: launch_server takes only --flags")
+    name, eq, inline = token[2:].partition("=")
+    field = _canonical(name)
+    if field is None:
+        raise _unknown_flag(name)
+    i += 1
+    if eq:
+        return field, "--" + name, [inline], i
+    values = []
+    while i < len(argv) and not argv[i].startswith("--"):
+        values.append(argv[i])
+        i += 1
+    return field, "--" + name, values, i
+
+
+def _store_flag(
+    field: str,
+    flag: str,
+    values: list[str],
+    typed: dict[str, Any],
+    extra: dict[str, tuple[str, ...]],
+) -> None:
+    """Convert a flag's values: into ``typed`` for the fields the stand-in reads, else into ``extra``."""
+    if field in _BOOLEANS:
+        if len(values) > 1:
+            raise StandInFlagError(f"{flag} is a boolean flag; unexpected values {values[1:]!r}")
+        typed[field] = _to_bool(flag, values[0]) if values else True
+    elif field in _LISTS:
+        typed[field] = tuple(values)
+    elif field in _SCALARS:
+        if len(values) != 1:
+            got = "none" if not values else f"{len(values)}"
+            if values and field not in SECRET_FIELDS:
+                got += f": {values!r}"
+            raise StandInFlagError(f"{flag} expects exactly one value; got {got}")
+        typed[field] = _SCALARS[field](flag, values[0])
+    else:
+        extra.pop(field, None)  # a repeated flag: the last one wins (as with argparse)
+        extra[field] = tuple(values)
+
+
 def parse_launch_argv(argv: Sequence[str]) -> StandInArgs:
     """Parse and check a ``sglang.launch_server`` argv; raise StandInFlagError if it is not valid."""
     argv = list(argv)
@@ -184,38 +229,8 @@ def parse_launch_argv(argv: Sequence[str]) -> StandInArgs:
     extra: dict[str, tuple[str, ...]] = {}
     i = 0
     while i < len(argv):
-        tok = argv[i]
-        if not tok.startswith("--") or tok == "--":
-            raise StandInFlagError(f"unexpected argument {tok!r}: launch_server takes only --flags")
-        name, eq, inline = tok[2:].partition("=")
-        field = _canonical(name)
-        if field is None:
-            raise _unknown_flag(name)
-        flag = "--" + name
-        i += 1
-        if eq:
-            values = [inline]
-        else:
-            values = []
-            while i < len(argv) and not argv[i].startswith("--"):
-                values.append(argv[i])
-                i += 1
-        if field in _BOOLEANS:
-            if len(values) > 1:
-                raise StandInFlagError(f"{flag} is a boolean flag; unexpected values {values[1:]!r}")
-            typed[field] = _to_bool(flag, values[0]) if values else True
-        elif field in _LISTS:
-            typed[field] = tuple(values)
-        elif field in _SCALARS:
-            if len(values) != 1:
-                got = "none" if not values else f"{len(values)}"
-                if values and field not in SECRET_FIELDS:
-                    got += f": {values!r}"
-                raise StandInFlagError(f"{flag} expects exactly one value; got {got}")
-            typed[field] = _SCALARS[field](flag, values[0])
-        else:
-            extra.pop(field, None)  # a repeated flag: the last one wins (as with argparse)
-            extra[field] = tuple(values)
+        field, flag, values, i = _read_flag(argv, i)
+        _store_flag(field, flag, values, typed, extra)
     if "model_path" not in typed:
         raise StandInFlagError("--model-path is required (sglang.launch_server needs it too)")
     args = StandInArgs(**typed, extra=tuple(extra.items()), argv=tuple(argv))

@@ -31,10 +31,10 @@ class DeploymentConfigError(ValueError):
         super().__init__(self.render())
 
     def render(self) -> str:
-        n = len(self.problems)
+        count = len(self.problems)
         where = f" in {self.source}" if self.source else ""
-        head = f"{n} problem{'s' if n != 1 else ''} with the SGLang deployment{where}:"
-        return "\n".join([head, *(f"  - {p}" for p in self.problems)])
+        head = f"{count} problem{'s' if count != 1 else ''} with the SGLang deployment{where}:"
+        return "\n".join([head, *(f"  - {problem}" for problem in self.problems)])
 
 
 class ProblemCollector:

@@ -53,11 +53,11 @@ def _arm_parent_death_signal(parent_pid: int) -> None:  # runs in the child betw
 def log_tail(path: Path, lines: int = 20, start: int = 0) -> str:
     """The last ``lines`` lines of ``path`` written at or after byte offset ``start``."""
     try:
-        with path.open("rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(start, size - 64 * 1024))
-            text = f.read().decode(errors="replace")
+        with path.open("rb") as log_file:
+            log_file.seek(0, os.SEEK_END)
+            size = log_file.tell()
+            log_file.seek(max(start, size - 64 * 1024))
+            text = log_file.read().decode(errors="replace")
     except OSError:
         return ""
     return "\n".join(text.splitlines()[-lines:])
@@ -126,27 +126,32 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
+def _still_running(process: ManagedProcess) -> bool:
+    """The process, or any member of its process group, is still there."""
+    return process.running or _group_alive(process.popen.pid)  # type: ignore[union-attr]
+
+
 def stop_processes(processes: Iterable[ManagedProcess], grace_s: float = 10.0) -> dict[str, int | None]:
     """SIGTERM every process group, wait up to ``grace_s`` for all of them, SIGKILL what is left, reap.
     Returns each process's exit code (None if it was never started)."""
-    procs = [p for p in processes if p.popen is not None]
-    for p in procs:
-        if p.running:
-            p.signal_group(signal.SIGTERM)
+    started = [process for process in processes if process.popen is not None]
+    for process in started:
+        if process.running:
+            process.signal_group(signal.SIGTERM)
     deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(p.running or _group_alive(p.popen.pid) for p in procs):  # type: ignore[union-attr]
-        for p in procs:
-            if not p.running and _group_alive(p.popen.pid):  # type: ignore[union-attr]
+    while time.monotonic() < deadline and any(_still_running(process) for process in started):
+        for process in started:
+            if not process.running and _group_alive(process.popen.pid):  # type: ignore[union-attr]
                 # The leader is gone but members of its group are not: keep asking them to stop.
-                p.signal_group(signal.SIGTERM)
+                process.signal_group(signal.SIGTERM)
         time.sleep(0.05)
-    for p in procs:
-        if p.running or _group_alive(p.popen.pid):  # type: ignore[union-attr]
-            p.signal_group(signal.SIGKILL)
+    for process in started:
+        if _still_running(process):
+            process.signal_group(signal.SIGKILL)
     codes: dict[str, int | None] = {}
-    for p in procs:
-        assert p.popen is not None
+    for process in started:
+        assert process.popen is not None
         with contextlib.suppress(subprocess.TimeoutExpired):
-            p.popen.wait(timeout=5)
-        codes[p.name] = p.popen.returncode
+            process.popen.wait(timeout=5)
+        codes[process.name] = process.popen.returncode
     return codes

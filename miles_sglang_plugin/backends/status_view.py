@@ -42,19 +42,20 @@ class StatusView:
         self.console = console or Console(stderr=True, highlight=False)
         self.live_mode = mode == "always" or (mode == "auto" and self.console.is_terminal)
         self.rows: dict[str, _Row] = {}
-        self.t0 = time.monotonic()
+        self.started_at = time.monotonic()
         self._live: Live | None = None
 
     def _table(self) -> Table:
         table = Table(
-            title=f"starting SGLang deployment ({time.monotonic() - self.t0:.1f} s)", title_justify="left"
+            title=f"starting SGLang deployment ({time.monotonic() - self.started_at:.1f} s)",
+            title_justify="left",
         )
         for col in ("name", "kind", "state", "s", "where"):
             table.add_column(col)
         for name, row in self.rows.items():
             style = _STYLE.get(row.state, "")
             table.add_row(
-                name, row.kind, f"[{style}]{row.state}[/]", f"{row.since - self.t0:.1f}", row.detail
+                name, row.kind, f"[{style}]{row.state}[/]", f"{row.since - self.started_at:.1f}", row.detail
             )
         return table
 
@@ -77,7 +78,9 @@ class StatusView:
         if self.live_mode:
             self._refresh()
         else:
-            self.console.print(f"[{row.since - self.t0:6.1f}s] {row.kind} {name}: {state}", markup=False)
+            self.console.print(
+                f"[{row.since - self.started_at:6.1f}s] {row.kind} {name}: {state}", markup=False
+            )
 
     def note(self, text: str) -> None:
         self.console.print(f"note: {text}", markup=False)
@@ -90,7 +93,8 @@ class StatusView:
 
     def summary(self, rows: Iterable[SummaryRow]) -> None:
         table = Table(
-            title=f"SGLang deployment ready in {time.monotonic() - self.t0:.1f} s", title_justify="left"
+            title=f"SGLang deployment ready in {time.monotonic() - self.started_at:.1f} s",
+            title_justify="left",
         )
         for col in ("model", "router", "mode", "engines", "GPUs", "engine kind"):
             table.add_column(col)

@@ -95,7 +95,7 @@ class DeploymentSpec:
     source: str = ""
 
     def model(self, name: str) -> ModelSpec:
-        for m in self.models:
-            if m.name == name:
-                return m
-        raise KeyError(f"no model {name!r}; models: {[m.name for m in self.models]}")
+        for model in self.models:
+            if model.name == name:
+                return model
+        raise KeyError(f"no model {name!r}; models: {[model.name for model in self.models]}")

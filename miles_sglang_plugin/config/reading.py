@@ -20,10 +20,10 @@ from omegaconf.errors import OmegaConfBaseException
 
 from miles_sglang_plugin.config.deployment_spec import DeploymentSpec, GroupSpec, ModelSpec, WorkerType
 from miles_sglang_plugin.config.schema import (
-    EXTRA_GROUP_GPE_DEFAULT,
-    GROUP_GPE_DEFAULT,
+    EXTRA_GROUP_GPUS_PER_ENGINE_DEFAULT,
+    GROUP_GPUS_PER_ENGINE_DEFAULT,
     GROUP_SLOTS,
-    MODEL_GPE_DEFAULT,
+    MODEL_GPUS_PER_ENGINE_DEFAULT,
     MODEL_PATH_DEFAULT,
     ExtraServerGroupConf,
     ModelConf,
@@ -117,7 +117,9 @@ def _extra_groups(
             continue
         known.append(str(extra_name))
         worker_type = _value(extra, "worker_type", "", group_key, problems)
-        group = _group(str(extra_name), worker_type, extra, EXTRA_GROUP_GPE_DEFAULT, group_key, problems)
+        group = _group(
+            str(extra_name), worker_type, extra, EXTRA_GROUP_GPUS_PER_ENGINE_DEFAULT, group_key, problems
+        )
         if group.num_gpus != 0:
             enabled[str(extra_name)] = group
     return enabled
@@ -156,7 +158,9 @@ def _model(name: str, node: DictConfig, key: str, problems: ProblemCollector) ->
     enabled: dict[str, GroupSpec] = {}
     known: list[str] = list(GROUP_SLOTS)
     for slot in GROUP_SLOTS:
-        group = _group(slot, WorkerType(slot), node[slot], GROUP_GPE_DEFAULT, f"{key}.{slot}", problems)
+        group = _group(
+            slot, WorkerType(slot), node[slot], GROUP_GPUS_PER_ENGINE_DEFAULT, f"{key}.{slot}", problems
+        )
         if group.num_gpus != 0:
             enabled[slot] = group
     enabled.update(_extra_groups(node, key, known, problems))
@@ -165,7 +169,7 @@ def _model(name: str, node: DictConfig, key: str, problems: ProblemCollector) ->
         groups=tuple(_ordered_groups(node, enabled, known, key, problems)),
         model_path=_value(node, "model_path", MODEL_PATH_DEFAULT, key, problems),
         update_weights=_value(node, "update_weights", "", key, problems),
-        num_gpus_per_engine=_value(node, "num_gpus_per_engine", MODEL_GPE_DEFAULT, key, problems),
+        num_gpus_per_engine=_value(node, "num_gpus_per_engine", MODEL_GPUS_PER_ENGINE_DEFAULT, key, problems),
         key=key,
     )
 
@@ -173,21 +177,21 @@ def _model(name: str, node: DictConfig, key: str, problems: ProblemCollector) ->
 def spec_from_config(cfg: DictConfig, problems: ProblemCollector | None = None) -> DeploymentSpec | None:
     """The deployment described under ``cfg.sglang`` (None when the app has no ``sglang`` node)."""
     own = problems is None
-    p = problems if problems is not None else ProblemCollector("the Hydra config")
+    collector = problems if problems is not None else ProblemCollector("the Hydra config")
     node = OmegaConf.select(cfg, SGLANG_KEY, default=None)
     if node is None:
         return None
     if not isinstance(node, DictConfig):
-        p.add(SGLANG_KEY, f"must map model names to models, got {node!r}")
-        p.raise_if_any()
+        collector.add(SGLANG_KEY, f"must map model names to models, got {node!r}")
+        collector.raise_if_any()
     models = []
     for name in node:
         key = f"{SGLANG_KEY}.{name}"
-        typed = _typed(node[name], ModelConf, key, p)
+        typed = _typed(node[name], ModelConf, key, collector)
         if typed is not None:
-            models.append(_model(str(name), typed, key, p))
+            models.append(_model(str(name), typed, key, collector))
     if own:
-        p.raise_if_any()
+        collector.raise_if_any()
     return DeploymentSpec(models=tuple(models), source="the Hydra config")
 
 

@@ -35,9 +35,9 @@ from miles_sglang_plugin.config.trainer_inputs import TrainerInputs
 GROUP_SLOTS: tuple[str, ...] = ("prefill", "decode", "regular", "placeholder")
 
 #: Default interpolations; an untouched default means "inherit" (the resolver applies Miles' fallback chain).
-GROUP_GPE_DEFAULT = "${..num_gpus_per_engine}"
-EXTRA_GROUP_GPE_DEFAULT = "${...num_gpus_per_engine}"
-MODEL_GPE_DEFAULT = "${oc.select:rollout_num_gpus_per_engine,1}"
+GROUP_GPUS_PER_ENGINE_DEFAULT = "${..num_gpus_per_engine}"
+EXTRA_GROUP_GPUS_PER_ENGINE_DEFAULT = "${...num_gpus_per_engine}"
+MODEL_GPUS_PER_ENGINE_DEFAULT = "${oc.select:rollout_num_gpus_per_engine,1}"
 MODEL_PATH_DEFAULT = "${oc.select:hf_checkpoint,null}"
 
 

@@ -39,24 +39,24 @@ def register_configs() -> None:
     if _registered:
         return
     _registered = True
-    cs = ConfigStore.instance()
-    cs.store(group="sglang_model", name="base", node=ModelConf, provider=PROVIDER)
+    config_store = ConfigStore.instance()
+    config_store.store(group="sglang_model", name="base", node=ModelConf, provider=PROVIDER)
     for worker_type in WorkerType:
-        cs.store(
+        config_store.store(
             group="sglang_group",
             name=worker_type.value,
             node=ExtraServerGroupConf(worker_type=worker_type),
             provider=PROVIDER,
         )
-    cs.store(group="sglang_deploy", name="default", node=SGLangDeployConf, provider=PROVIDER)
-    cs.store(
+    config_store.store(group="sglang_deploy", name="default", node=SGLangDeployConf, provider=PROVIDER)
+    config_store.store(
         group="sglang_deploy",
         name="simulated",
         node=SGLangDeployConf(launch=LaunchConf(engine=EngineKind.simulated)),
         provider=PROVIDER,
     )
-    cs.store(name="miles_trainer_args", node=MilesTrainerArgs, provider=PROVIDER)
-    cs.store(
+    config_store.store(name="miles_trainer_args", node=MilesTrainerArgs, provider=PROVIDER)
+    config_store.store(
         group="hydra/callbacks",
         name="sglang_cleanup",
         package="hydra.callbacks",

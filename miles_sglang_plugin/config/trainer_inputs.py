@@ -70,14 +70,17 @@ class TrainerInputs:
         """Build from a mapping holding (some of) the field names; absent or None values take the defaults
         where the field has a non-None default (Miles namespaces carry None for unset optional flags)."""
         kwargs: dict[str, Any] = {}
-        for f in dataclasses.fields(cls):
-            if f.name not in values:
+        for dataclass_field in dataclasses.fields(cls):
+            if dataclass_field.name not in values:
                 continue
-            value = values[f.name]
-            has_default = f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
-            if value is None and has_default and f.default is not None:
+            value = values[dataclass_field.name]
+            has_default = (
+                dataclass_field.default is not dataclasses.MISSING
+                or dataclass_field.default_factory is not dataclasses.MISSING
+            )
+            if value is None and has_default and dataclass_field.default is not None:
                 continue  # unset: the field's own default (Miles namespaces carry None for unset flags)
-            kwargs[f.name] = value
+            kwargs[dataclass_field.name] = value
         return cls(**kwargs)
 
     @classmethod

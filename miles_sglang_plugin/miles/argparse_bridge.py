@@ -29,17 +29,17 @@ def resolve_namespace(ns: Any, *, server_arg_fields: Collection[str] | None = No
     trainer = TrainerInputs.from_namespace(ns)
     config = getattr(ns, "sglang_config", None)
     if getattr(ns, "rollout_external", False):
-        p = ProblemCollector("trainer arguments")
+        problems = ProblemCollector("trainer arguments")
         for name, flag in (
             ("sglang_config", "--sglang-config"),
             ("prefill_num_servers", "--prefill-num-servers"),
         ):
             if getattr(ns, name, None) is not None:
-                p.add(
+                problems.add(
                     name,
                     f"{flag} cannot be combined with --rollout-external: external engines have their own "
                     "topology, there is nothing to deploy",
                 )
-        p.raise_if_any()
+        problems.raise_if_any()
     spec = load_miles_config(config) if config else None
     return resolve_deployment(spec, trainer, server_arg_fields=server_arg_fields)

@@ -113,10 +113,10 @@ def hydra_searchpath_override(directory: Path) -> str:
 def _summary(spec: DeploymentSpec) -> tuple[str, int]:
     parts = []
     total = 0
-    for m in spec.models:
-        groups = ", ".join(f"{g.name} {g.num_gpus}" for g in m.groups)
-        parts.append(f"{m.name} [{groups}]")
-        total += sum(g.num_gpus for g in m.groups)
+    for model in spec.models:
+        groups = ", ".join(f"{group.name} {group.num_gpus}" for group in model.groups)
+        parts.append(f"{model.name} [{groups}]")
+        total += sum(group.num_gpus for group in model.groups)
     return "; ".join(parts), total
 
 

@@ -41,7 +41,7 @@ from miles_sglang_plugin.config.deployment_spec import (
 from miles_sglang_plugin.config.schema import GROUP_SLOTS
 from miles_sglang_plugin.config.trainer_inputs import TrainerInputs
 from miles_sglang_plugin.errors import DeploymentConfigError, ProblemCollector
-from miles_sglang_plugin.planning.plan import DeploymentPlan
+from miles_sglang_plugin.planning.plan import DeploymentPlan, ModelPlan
 from miles_sglang_plugin.planning.resolution import legacy_spec, normalise_overrides
 
 #: Miles' inline form of ``--sglang-config``: ``base64:<base64 of the YAML text>``.
@@ -103,14 +103,14 @@ def _did_you_mean(name: Any, candidates: tuple[str, ...]) -> str:
     return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
 
 
-def _read_source(source: str | os.PathLike[str], p: ProblemCollector) -> tuple[str, str, str | None]:
+def _read_source(source: str | os.PathLike[str], problems: ProblemCollector) -> tuple[str, str, str | None]:
     """(label for keys, source for the error head, YAML text or None when unreadable)."""
     if isinstance(source, str) and source.startswith(BASE64_PREFIX):
         payload = source[len(BASE64_PREFIX) :].strip()
         try:
             raw = base64.b64decode(payload, validate=True)
         except (binascii.Error, ValueError) as exc:
-            p.add(
+            problems.add(
                 BASE64_LABEL,
                 f"is not valid base64 ({exc}); Miles' inline form is base64:<base64 of the YAML>",
             )
@@ -118,24 +118,24 @@ def _read_source(source: str | os.PathLike[str], p: ProblemCollector) -> tuple[s
         try:
             return BASE64_LABEL, BASE64_LABEL, raw.decode("utf-8")
         except UnicodeDecodeError as exc:
-            p.add(BASE64_LABEL, f"does not decode to UTF-8 text ({exc})")
+            problems.add(BASE64_LABEL, f"does not decode to UTF-8 text ({exc})")
             return BASE64_LABEL, BASE64_LABEL, None
     path = Path(os.fspath(source))
     label = path.name or str(path)
     try:
         return label, str(path), path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        p.add(label, f"no such file: {str(path)!r}")
+        problems.add(label, f"no such file: {str(path)!r}")
     except IsADirectoryError:
-        p.add(label, f"{str(path)!r} is a directory, not a YAML file")
+        problems.add(label, f"{str(path)!r} is a directory, not a YAML file")
     except UnicodeDecodeError as exc:
-        p.add(label, f"is not UTF-8 text ({exc})")
+        problems.add(label, f"is not UTF-8 text ({exc})")
     except OSError as exc:
-        p.add(label, f"cannot be read: {exc.strerror or exc}")
+        problems.add(label, f"cannot be read: {exc.strerror or exc}")
     return label, str(path), None
 
 
-def _parse_yaml(text: str, label: str, p: ProblemCollector) -> tuple[bool, Any]:
+def _parse_yaml(text: str, label: str, problems: ProblemCollector) -> tuple[bool, Any]:
     loader = _StrictSafeLoader(text)
     try:
         data = loader.get_single_data()
@@ -143,15 +143,15 @@ def _parse_yaml(text: str, label: str, p: ProblemCollector) -> tuple[bool, Any]:
         mark = exc.problem_mark or exc.context_mark
         where = f"{label}: line {mark.line + 1}, column {mark.column + 1}" if mark else label
         what = " ".join(x for x in (exc.context, exc.problem) if x)
-        p.add(where, f"YAML syntax error: {what or exc}")
+        problems.add(where, f"YAML syntax error: {what or exc}")
         return False, None
     except yaml.YAMLError as exc:
-        p.add(label, f"YAML error: {exc}")
+        problems.add(label, f"YAML error: {exc}")
         return False, None
     finally:
         loader.dispose()
     for key, line, column in loader.duplicates:
-        p.add(
+        problems.add(
             f"{label}: line {line}, column {column}",
             f"duplicate key {key!r}; YAML would silently keep only the last one. Give it once",
         )
@@ -159,13 +159,13 @@ def _parse_yaml(text: str, label: str, p: ProblemCollector) -> tuple[bool, Any]:
 
 
 def _check_keys(
-    obj: Mapping[Any, Any], allowed: tuple[str, ...], key: str, what: str, p: ProblemCollector
+    mapping: Mapping[Any, Any], allowed: tuple[str, ...], where: str, what: str, problems: ProblemCollector
 ) -> None:
-    for k in obj:
-        if k not in allowed:
-            p.add(
-                f"{key}.{k}" if key else str(k),
-                f"unknown {what} key{_did_you_mean(k, allowed)} (valid: {', '.join(allowed)})",
+    for key in mapping:
+        if key not in allowed:
+            problems.add(
+                f"{where}.{key}" if where else str(key),
+                f"unknown {what} key{_did_you_mean(key, allowed)} (valid: {', '.join(allowed)})",
             )
 
 
@@ -522,7 +522,7 @@ _INTERPOLATION_RE = re.compile(r"(\\*)\$\{")
 def _escape_interpolations(value: Any) -> Any:
     """Strings as OmegaConf literals: ``${`` (preceded by k backslashes) becomes 2k+1 backslashes + ``${``."""
     if isinstance(value, str):
-        return _INTERPOLATION_RE.sub(lambda mo: mo.group(1) * 2 + "\\${", value)
+        return _INTERPOLATION_RE.sub(lambda match: match.group(1) * 2 + "\\${", value)
     if isinstance(value, Mapping):
         return {k: _escape_interpolations(v) for k, v in value.items()}
     if isinstance(value, list):
@@ -537,10 +537,10 @@ def _unrepresentable(value: Any, key: str) -> list[tuple[str, str]]:
     """(key, type) of every value a Hydra config cannot hold."""
     if isinstance(value, Mapping):
         out = []
-        for k, v in value.items():
-            if not isinstance(k, str):
-                out.append((f"{key}.{k}", f"key of type {type(k).__name__}"))
-            out.extend(_unrepresentable(v, f"{key}.{k}"))
+        for name, item in value.items():
+            if not isinstance(name, str):
+                out.append((f"{key}.{name}", f"key of type {type(name).__name__}"))
+            out.extend(_unrepresentable(item, f"{key}.{name}"))
         return out
     if isinstance(value, list | tuple):
         return [x for i, v in enumerate(value) for x in _unrepresentable(v, f"{key}[{i}]")]
@@ -756,7 +756,7 @@ def spec_to_preset(spec: DeploymentSpec) -> str:
     return text
 
 
-def _verify_preset(text: str, data: dict[str, Any], p: ProblemCollector) -> None:
+def _verify_preset(text: str, data: dict[str, Any], problems: ProblemCollector) -> None:
     """Read ``text`` back the way Hydra does and compare it with ``data``: no silent change of any value."""
     from omegaconf import OmegaConf
     from omegaconf._utils import get_yaml_loader
@@ -767,25 +767,52 @@ def _verify_preset(text: str, data: dict[str, Any], p: ProblemCollector) -> None
         loaded.pop("defaults", None)
         back = OmegaConf.to_container(OmegaConf.create(loaded), resolve=True)
     except (yaml.YAMLError, OmegaConfBaseException) as exc:
-        p.add("sglang", f"the preset does not read back as a Hydra config: {str(exc).splitlines()[0]}")
-        p.raise_if_any()
+        problems.add("sglang", f"the preset does not read back as a Hydra config: {str(exc).splitlines()[0]}")
+        problems.raise_if_any()
         return
     diff = _first_difference(data, back, "sglang")
     if diff:
-        p.add(
+        problems.add(
             diff, "a Hydra config cannot hold this value unchanged; write it differently in the source file"
         )
-    p.raise_if_any()
+    problems.raise_if_any()
 
 
 # ============================================================================================== Miles YAML
 def _legacy_or_given(spec: DeploymentSpec | None, plan: DeploymentPlan) -> DeploymentSpec:
     if spec is not None:
         return spec
-    p = ProblemCollector("trainer arguments")
-    legacy = legacy_spec(plan.trainer, p)
-    p.raise_if_any()
+    problems = ProblemCollector("trainer arguments")
+    legacy = legacy_spec(plan.trainer, problems)
+    problems.raise_if_any()
     return legacy
+
+
+def _miles_server_groups(
+    model_spec: ModelSpec, model_plan: ModelPlan, trainer: TrainerInputs, problems: ProblemCollector
+) -> list[dict[str, Any]]:
+    """The model's ``server_groups`` for Miles: the plan's groups, with the user's own overrides."""
+    model_key = model_spec.key or f"sglang.{model_spec.name}"
+    spec_groups = {group.name: group for group in model_spec.groups}
+    groups_out: list[dict[str, Any]] = []
+    for group_plan in model_plan.groups:
+        group_spec = spec_groups.get(group_plan.name)
+        if group_spec is None:
+            problems.add(f"{model_key}.{group_plan.name}", "is in the plan but not in the spec")
+            continue
+        user = normalise_overrides(group_spec.overrides, _group_location(group_spec, model_spec), problems)
+        if model_plan.is_eval:
+            eval_overrides = normalise_overrides(
+                trainer.eval_sglang_overrides, "eval_sglang_overrides", problems
+            )
+            user = {**eval_overrides, **user}
+        group: dict[str, Any] = {"worker_type": group_plan.worker_type.value, "num_gpus": group_plan.num_gpus}
+        if group_plan.worker_type is not WorkerType.placeholder or group_spec.num_gpus_per_engine is not None:
+            group["num_gpus_per_engine"] = group_plan.num_gpus_per_engine
+        if user:
+            group["overrides"] = thaw(user)
+        groups_out.append(group)
+    return groups_out
 
 
 def spec_to_miles_yaml(spec: DeploymentSpec | None, plan: DeploymentPlan) -> str:
@@ -799,46 +826,31 @@ def spec_to_miles_yaml(spec: DeploymentSpec | None, plan: DeploymentPlan) -> str
     The eval model's groups also carry the trainer's ``eval_sglang_overrides`` (Miles' ``--eval-sglang-*``),
     below the group's own values, as in Miles' layering.
     """
-    t = plan.trainer
-    p = ProblemCollector(plan.source)
+    trainer = plan.trainer
+    problems = ProblemCollector(plan.source)
     if not plan.models:
-        p.add("sglang", "the plan has no models (debug_train_only?): there is nothing to write for Miles")
-        p.raise_if_any()
+        problems.add(
+            "sglang", "the plan has no models (debug_train_only?): there is nothing to write for Miles"
+        )
+        problems.raise_if_any()
     spec = _legacy_or_given(spec, plan)
-    if [m.name for m in spec.models] != [m.name for m in plan.models]:
-        p.add(
+    if [model.name for model in spec.models] != [model.name for model in plan.models]:
+        problems.add(
             "sglang",
             "the spec and the plan describe different models; pass the spec the plan was resolved from",
         )
-        p.raise_if_any()
+        problems.raise_if_any()
 
     models_out: list[dict[str, Any]] = []
-    for ms, mp in zip(spec.models, plan.models, strict=True):
-        mkey = ms.key or f"sglang.{ms.name}"
-        entry: dict[str, Any] = {"name": mp.name}
-        model_level_path = ms.model_path or t.hf_checkpoint
+    for model_spec, model_plan in zip(spec.models, plan.models, strict=True):
+        entry: dict[str, Any] = {"name": model_plan.name}
+        model_level_path = model_spec.model_path or trainer.hf_checkpoint
         if model_level_path:
             entry["model_path"] = model_level_path
-        entry["update_weights"] = mp.update_weights
-        groups_out: list[dict[str, Any]] = []
-        spec_groups = {g.name: g for g in ms.groups}
-        for gp in mp.groups:
-            gs = spec_groups.get(gp.name)
-            if gs is None:
-                p.add(f"{mkey}.{gp.name}", "is in the plan but not in the spec")
-                continue
-            user = normalise_overrides(gs.overrides, _group_location(gs, ms), p)
-            if mp.is_eval:
-                user = {**normalise_overrides(t.eval_sglang_overrides, "eval_sglang_overrides", p), **user}
-            group: dict[str, Any] = {"worker_type": gp.worker_type.value, "num_gpus": gp.num_gpus}
-            if gp.worker_type is not WorkerType.placeholder or gs.num_gpus_per_engine is not None:
-                group["num_gpus_per_engine"] = gp.num_gpus_per_engine
-            if user:
-                group["overrides"] = thaw(user)
-            groups_out.append(group)
-        entry["server_groups"] = groups_out
+        entry["update_weights"] = model_plan.update_weights
+        entry["server_groups"] = _miles_server_groups(model_spec, model_plan, trainer, problems)
         models_out.append(entry)
-    p.raise_if_any()
+    problems.raise_if_any()
     return yaml.dump(
         {"sglang": models_out},
         Dumper=_MilesDumper,
@@ -873,17 +885,17 @@ def miles_trainer_args(plan: DeploymentPlan, *, sglang_config: str | None = None
     eval fleet's ``--eval-num-gpus`` (and ``--eval-num-gpus-per-engine`` when set), and the inputs that differ
     from Miles' defaults and change the deployment (placement, hence ``rollout_offset`` and ``needs_offload``;
     routing replay, fp16)."""
-    t = plan.trainer
+    trainer = plan.trainer
     args: list[str] = []
     if sglang_config is not None:
         args += ["--sglang-config", sglang_config]
     args += ["--rollout-num-gpus", str(plan.rollout_num_gpus)]
-    args += ["--rollout-num-gpus-per-engine", str(t.rollout_num_gpus_per_engine)]
-    if t.hf_checkpoint:
-        args += ["--hf-checkpoint", t.hf_checkpoint]
+    args += ["--rollout-num-gpus-per-engine", str(trainer.rollout_num_gpus_per_engine)]
+    if trainer.hf_checkpoint:
+        args += ["--hf-checkpoint", trainer.hf_checkpoint]
     defaults = TrainerInputs()
     for name, flag in _TRAINER_FLAGS:
-        value = getattr(t, name, None)
+        value = getattr(trainer, name, None)
         if value is None or value == getattr(defaults, name, None):
             continue
         if isinstance(value, bool):
@@ -891,10 +903,10 @@ def miles_trainer_args(plan: DeploymentPlan, *, sglang_config: str | None = None
                 args.append(flag)
         else:
             args += [flag, str(value)]
-    if t.eval_num_gpus > 0:
-        args += ["--eval-num-gpus", str(t.eval_num_gpus)]
-        if t.eval_num_gpus_per_engine is not None:
-            args += ["--eval-num-gpus-per-engine", str(t.eval_num_gpus_per_engine)]
+    if trainer.eval_num_gpus > 0:
+        args += ["--eval-num-gpus", str(trainer.eval_num_gpus)]
+        if trainer.eval_num_gpus_per_engine is not None:
+            args += ["--eval-num-gpus-per-engine", str(trainer.eval_num_gpus_per_engine)]
     return args
 
 

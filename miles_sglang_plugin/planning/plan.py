@@ -137,10 +137,12 @@ class ModelPlan:
         return sum(g.num_gpus for g in self.groups)
 
     def group(self, name: str) -> GroupPlan:
-        for g in self.groups:
-            if g.name == name:
-                return g
-        raise KeyError(f"model {self.name!r} has no group {name!r}; groups: {[g.name for g in self.groups]}")
+        for group in self.groups:
+            if group.name == name:
+                return group
+        raise KeyError(
+            f"model {self.name!r} has no group {name!r}; groups: {[group.name for group in self.groups]}"
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -179,15 +181,15 @@ class DeploymentPlan:
         return tuple(sorted({p.node for e in self.engines for p in e.processes}))
 
     def model(self, name: str) -> ModelPlan:
-        for m in self.models:
-            if m.name == name:
-                return m
-        raise KeyError(f"no model {name!r} in the plan; models: {[m.name for m in self.models]}")
+        for model in self.models:
+            if model.name == name:
+                return model
+        raise KeyError(f"no model {name!r} in the plan; models: {[model.name for model in self.models]}")
 
     def groups(self) -> Iterator[tuple[ModelPlan, GroupPlan]]:
-        for m in self.models:
-            for g in m.groups:
-                yield m, g
+        for model in self.models:
+            for group in model.groups:
+                yield model, group
 
     def slot_owners(self) -> dict[int, tuple[str, str, str | None]]:
         """Global GPU slot -> (model, group, engine id or None for placeholder GPUs)."""

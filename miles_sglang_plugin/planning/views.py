@@ -10,7 +10,7 @@ from rich.table import Table
 from miles_sglang_plugin.planning.plan import DeploymentPlan
 
 
-def _ids(ids: tuple[int, ...]) -> str:
+def _gpu_ids_text(ids: tuple[int, ...]) -> str:
     if len(ids) > 2 and ids == tuple(range(ids[0], ids[-1] + 1)):
         return f"{ids[0]}-{ids[-1]}"
     return ",".join(str(i) for i in ids)
@@ -20,9 +20,13 @@ def models_table(plan: DeploymentPlan) -> Table:
     table = Table(title="Models (one router each)", title_justify="left")
     for col in ("model", "router", "update_weights", "GPUs", "model_path"):
         table.add_column(col)
-    for m in plan.models:
+    for model in plan.models:
         table.add_row(
-            m.name, "pd" if m.is_pd else "regular", str(m.update_weights), str(m.num_gpus), m.model_path
+            model.name,
+            "pd" if model.is_pd else "regular",
+            str(model.update_weights),
+            str(model.num_gpus),
+            model.model_path,
         )
     return table
 
@@ -31,16 +35,16 @@ def groups_table(plan: DeploymentPlan) -> Table:
     table = Table(title="Server groups", title_justify="left")
     for col in ("model", "group", "type", "GPUs", "per engine", "engines", "gpu_offset", "offload"):
         table.add_column(col)
-    for m, g in plan.groups():
+    for model, group in plan.groups():
         table.add_row(
-            m.name,
-            g.name,
-            g.worker_type.value,
-            str(g.num_gpus),
-            str(g.num_gpus_per_engine),
-            str(len(g.engines)),
-            str(g.gpu_offset),
-            "yes" if g.needs_offload else "no",
+            model.name,
+            group.name,
+            group.worker_type.value,
+            str(group.num_gpus),
+            str(group.num_gpus_per_engine),
+            str(len(group.engines)),
+            str(group.gpu_offset),
+            "yes" if group.needs_offload else "no",
         )
     return table
 
@@ -48,31 +52,42 @@ def groups_table(plan: DeploymentPlan) -> Table:
 def node_tables(plan: DeploymentPlan) -> list[Table]:
     """One table per node: each engine process (or placeholder range) with its local GPU ids."""
     rows: dict[int, list[tuple[int, list[str]]]] = defaultdict(list)
-    gpn = plan.num_gpus_per_node
-    for m, g in plan.groups():
-        if not g.engines:
-            start = plan.rollout_offset + g.gpu_offset
+    gpus_per_node = plan.num_gpus_per_node
+    for model, group in plan.groups():
+        if not group.engines:
+            start = plan.rollout_offset + group.gpu_offset
             by_node: dict[int, list[int]] = defaultdict(list)
-            for slot in range(start, start + g.num_gpus):
-                by_node[slot // gpn].append(slot % gpn)
+            for slot in range(start, start + group.num_gpus):
+                by_node[slot // gpus_per_node].append(slot % gpus_per_node)
             for node, ids in by_node.items():
                 rows[node].append(
-                    (ids[0], [_ids(tuple(ids)), m.name, g.name, g.worker_type.value, "-", "-", ""])
+                    (
+                        ids[0],
+                        [
+                            _gpu_ids_text(tuple(ids)),
+                            model.name,
+                            group.name,
+                            group.worker_type.value,
+                            "-",
+                            "-",
+                            "",
+                        ],
+                    )
                 )
             continue
-        for e in g.engines:
-            for proc in e.processes:
-                rank = f"{proc.node_rank}/{e.nnodes}" if e.nnodes > 1 else ""
-                rows[proc.node].append(
+        for engine in group.engines:
+            for process in engine.processes:
+                rank = f"{process.node_rank}/{engine.nnodes}" if engine.nnodes > 1 else ""
+                rows[process.node].append(
                     (
-                        proc.local_gpu_ids[0],
+                        process.local_gpu_ids[0],
                         [
-                            _ids(proc.local_gpu_ids),
-                            m.name,
-                            g.name,
-                            g.worker_type.value,
-                            e.id,
-                            "yes" if g.needs_offload else "no",
+                            _gpu_ids_text(process.local_gpu_ids),
+                            model.name,
+                            group.name,
+                            group.worker_type.value,
+                            engine.id,
+                            "yes" if group.needs_offload else "no",
                             rank,
                         ],
                     )
@@ -82,7 +97,7 @@ def node_tables(plan: DeploymentPlan) -> list[Table]:
         table = Table(title=f"Node {node}", title_justify="left")
         for col in ("local GPUs", "model", "group", "type", "engine", "offload", "node rank"):
             table.add_column(col)
-        for _, row in sorted(rows[node], key=lambda r: r[0]):
+        for _, row in sorted(rows[node], key=lambda entry: entry[0]):
             table.add_row(*row)
         tables.append(table)
     return tables

@@ -167,9 +167,9 @@ class LaunchSpecs:
         return tuple(e for e in self.engines if e.engine_id == engine_id)
 
     def router(self, model: str) -> RouterLaunch:
-        for r in self.routers:
-            if r.model == model:
-                return r
+        for router in self.routers:
+            if router.model == model:
+                return router
         raise KeyError(model)
 
 

@@ -101,9 +101,9 @@ class PortClaims:
 
 def port_is_free(host: str, port: int) -> bool:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
         try:
-            s.bind((host.strip("[]"), port))
+            sock.bind((host.strip("[]"), port))
         except OSError as exc:
             if exc.errno in (errno.EADDRINUSE, errno.EACCES, errno.EADDRNOTAVAIL):
                 return False
@@ -130,21 +130,20 @@ class _Cursor:
         """The first of ``count`` consecutive usable ports."""
         while self.next + count - 1 <= self.limit:
             start = self.next
-            run = [p for p in range(start, start + count)]
-            ok = []
-            for p in run:
-                if self._usable(p):
-                    ok.append(p)
+            usable = []
+            for port in range(start, start + count):
+                if self._usable(port):
+                    usable.append(port)
                 else:
                     break
-            if len(ok) == count:
+            if len(usable) == count:
                 self.next = start + count
                 return start
             # Give back a partial run and continue after the blocked port.
             if self.claims is not None:
-                for p in ok:
-                    os.close(self.claims.fds.pop(p))
-            self.next = start + len(ok) + 1
+                for port in usable:
+                    os.close(self.claims.fds.pop(port))
+            self.next = start + len(usable) + 1
         raise PortExhaustedError(
             f"no {count} free consecutive port(s) left on {self.host} below {self.limit + 1}; "
             "raise sglang_deploy.launch.port_max or lower port_base"
@@ -172,24 +171,24 @@ def assign_ports(
         return cursors[host]
 
     routers = {}
-    for m in plan.models:
-        if m.engines:
-            c = cursor(router_host)
-            routers[m.name] = RouterPorts(http=c.take(), prometheus=c.take())
+    for model in plan.models:
+        if model.engines:
+            host_cursor = cursor(router_host)
+            routers[model.name] = RouterPorts(http=host_cursor.take(), prometheus=host_cursor.take())
     engines: dict[tuple[str, int], EnginePorts] = {}
-    for _model, g in plan.groups():
-        dp = g.dp_size
-        for e in g.engines:
-            for proc in e.processes:
-                c = cursor(host_of_node(proc.node))
-                first = proc.node_rank == 0
-                engines[(e.id, proc.node_rank)] = EnginePorts(
-                    http=c.take(),
-                    nccl=c.take(),
-                    dist_init=c.take(DIST_INIT_SPAN + dp) if first else None,
-                    engine_info_bootstrap=c.take() if first else None,
-                    disaggregation_bootstrap=c.take()
-                    if first and g.worker_type is WorkerType.prefill
+    for _model, group in plan.groups():
+        dp_size = group.dp_size
+        for engine in group.engines:
+            for process in engine.processes:
+                host_cursor = cursor(host_of_node(process.node))
+                first = process.node_rank == 0
+                engines[(engine.id, process.node_rank)] = EnginePorts(
+                    http=host_cursor.take(),
+                    nccl=host_cursor.take(),
+                    dist_init=host_cursor.take(DIST_INIT_SPAN + dp_size) if first else None,
+                    engine_info_bootstrap=host_cursor.take() if first else None,
+                    disaggregation_bootstrap=host_cursor.take()
+                    if first and group.worker_type is WorkerType.prefill
                     else None,
                 )
     return PortAssignment(engines=engines, routers=routers)

@@ -22,13 +22,15 @@ class PreparedDeployment:
     def to_dict(self) -> dict[str, Any]:
         """The plan's JSON with, per engine, its processes' argv/env/url and, per model, its router."""
         data = self.plan.to_dict()
-        for m in self.plan.models:
-            mdict = data["models"][m.name]
-            if m.engines:
-                mdict["router"] = self.launch.router(m.name).to_dict()
-            for g in m.groups:
-                for edict in mdict["groups"][g.name]["engines"]:
-                    edict["launch"] = [p.to_dict() for p in self.launch.for_engine(edict["id"])]
+        for model in self.plan.models:
+            model_dict = data["models"][model.name]
+            if model.engines:
+                model_dict["router"] = self.launch.router(model.name).to_dict()
+            for group in model.groups:
+                for engine_dict in model_dict["groups"][group.name]["engines"]:
+                    engine_dict["launch"] = [
+                        process.to_dict() for process in self.launch.for_engine(engine_dict["id"])
+                    ]
         data["engine_kind"] = self.launch.engine_kind.value
         data["notes"] = [*data["notes"], *self.launch.notes]
         return data

@@ -98,12 +98,12 @@ class RouterSettings:
     def from_mapping(cls, data: Mapping[str, Any]) -> RouterSettings:
         """Build from a plain mapping (e.g. a resolved Hydra node); an unknown key raises ValueError."""
         names = [f.name for f in dataclasses.fields(cls)]
-        unknown = [k for k in data if k not in names]
+        unknown = [key for key in data if key not in names]
         if unknown:
             parts = []
-            for k in unknown:
-                close = difflib.get_close_matches(str(k), names, n=3, cutoff=0.6)
-                parts.append(f"{k!r}" + (f" (did you mean {', '.join(close)}?)" if close else ""))
+            for key in unknown:
+                close = difflib.get_close_matches(str(key), names, n=3, cutoff=0.6)
+                parts.append(f"{key!r}" + (f" (did you mean {', '.join(close)}?)" if close else ""))
             raise ValueError(
                 f"unknown router setting(s) {', '.join(parts)}; other RouterArgs fields go under 'extra'"
             )
@@ -212,9 +212,9 @@ class WorkerRegistration:
         if self.bootstrap_port is not None:
             if self.worker_type != "prefill":
                 raise ValueError(f"bootstrap_port is only for prefill workers, not {self.worker_type!r}")
-            bp = self.bootstrap_port
-            if isinstance(bp, bool) or not isinstance(bp, int) or not 0 < bp < 65536:
-                raise ValueError(f"bootstrap_port must be an integer in 1..65535, got {bp!r}")
+            port = self.bootstrap_port
+            if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+                raise ValueError(f"bootstrap_port must be an integer in 1..65535, got {port!r}")
 
     def payload(self, api_key: str | None = None) -> dict[str, Any]:
         body: dict[str, Any] = {"url": self.url, "worker_type": self.worker_type}
@@ -250,29 +250,29 @@ def router_args_fields() -> dict[str, Any]:
     return {f.name: hints.get(f.name, Any) for f in dataclasses.fields(RouterArgs)}
 
 
-def _type_ok(value: Any, tp: Any) -> bool:
-    origin = typing.get_origin(tp)
+def _type_ok(value: Any, annotation: Any) -> bool:
+    origin = typing.get_origin(annotation)
     if origin is typing.Union:
-        return any(_type_ok(value, arg) for arg in typing.get_args(tp))
-    if tp is type(None):
+        return any(_type_ok(value, arg) for arg in typing.get_args(annotation))
+    if annotation is type(None):
         return value is None
-    if tp is bool:
+    if annotation is bool:
         return isinstance(value, bool)
-    if tp is int:
+    if annotation is int:
         return isinstance(value, int) and not isinstance(value, bool)
-    if tp is float:
+    if annotation is float:
         return isinstance(value, int | float) and not isinstance(value, bool)
-    if tp is str:
+    if annotation is str:
         return isinstance(value, str)
-    if tp is list or origin is list:
+    if annotation is list or origin is list:
         return isinstance(value, list | tuple)
-    if tp is dict or origin is dict:
+    if annotation is dict or origin is dict:
         return isinstance(value, Mapping)
     return True
 
 
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+def _type_name(annotation: Any) -> str:
+    return getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
 
 
 def _policy_problem(key: str, value: Any, valid: tuple[str, ...]) -> str | None:

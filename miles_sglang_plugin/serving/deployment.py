@@ -149,15 +149,17 @@ class Deployment:
     @property
     def registry(self) -> RouterRegistry:
         """Where rollout code finds each model's router."""
-        return RouterRegistry(ModelRoute.from_launch_spec(r.launch.spec) for r in self._routers)
+        return RouterRegistry(ModelRoute.from_launch_spec(router.launch.spec) for router in self._routers)
 
     def engines(self) -> tuple[EngineInfo, ...]:
         """Every engine, in deployment order, with its URL, node, GPUs and state."""
-        return tuple(e.info() for e in self._engines)
+        return tuple(engine.info() for engine in self._engines)
 
     def processes(self) -> list[EngineProcess | ManagedProcess]:
         """Every process started: engine processes (all nodes), then routers."""
-        return [p for e in self._engines for p in e.processes] + [r.process for r in self._routers]
+        return [process for engine in self._engines for process in engine.processes] + [
+            router.process for router in self._routers
+        ]
 
     def auth_headers(self) -> dict[str, str]:
         """``Authorization`` for requests to the routers and engines (empty without an API key). The key
@@ -167,7 +169,9 @@ class Deployment:
 
     def exited(self) -> list[tuple[str, int]]:
         """Processes that have exited since start-up (name, exit code): a deployment that lost a member."""
-        return [(p.name, code) for p in self.processes() if (code := p.exit_code()) is not None]
+        return [
+            (process.name, code) for process in self.processes() if (code := process.exit_code()) is not None
+        ]
 
     def __enter__(self) -> Deployment:
         if self.install_signal_handlers and threading.current_thread() is threading.main_thread():
@@ -180,7 +184,10 @@ class Deployment:
         return self
 
     def __exit__(
-        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
     ) -> None:
         try:
             self.stop()
@@ -210,78 +217,85 @@ class Deployment:
 
     def _spawn(self) -> None:
         launch = self.prepared.launch
-        for lead in (e for e in launch.engines if e.node_rank == 0):
-            followers = [e for e in launch.engines if e.engine_id == lead.engine_id and e.node_rank > 0]
+        for lead in (process for process in launch.engines if process.node_rank == 0):
+            followers = [
+                process
+                for process in launch.engines
+                if process.engine_id == lead.engine_id and process.node_rank > 0
+            ]
             self._engines.append(_Engine(launch=lead, followers=followers))
-        for r in launch.routers:
-            argv, env = router_command(r.spec)
-            proc = ManagedProcess(
-                name=f"router.{r.model}",
+        for router_launch in launch.routers:
+            argv, env = router_command(router_launch.spec)
+            process = ManagedProcess(
+                name=f"router.{router_launch.model}",
                 argv=argv,
                 env=env,
-                log_path=self.log_dir / f"router.{r.model}.log",
-                display_command=" ".join(argv[:3]) + f" <spec of {r.model}>",
+                log_path=self.log_dir / f"router.{router_launch.model}.log",
+                display_command=" ".join(argv[:3]) + f" <spec of {router_launch.model}>",
             )
-            self._routers.append(_Router(launch=r, process=proc))
-            self.status.track(proc.name, "router", r.spec.url)
-        for e in self._engines:
-            self.status.track(
-                e.launch.engine_id, "engine", f"{e.launch.url} GPUs {e.launch.env['CUDA_VISIBLE_DEVICES']}"
-            )
-        for r in self._routers:
-            self._start_router(r)
-        for e in self._engines:
-            for pl in (e.launch, *e.followers):
-                self._start_engine_process(e, pl)
+            self._routers.append(_Router(launch=router_launch, process=process))
+            self.status.track(process.name, "router", router_launch.spec.url)
+        for engine in self._engines:
+            gpus = engine.launch.env["CUDA_VISIBLE_DEVICES"]
+            self.status.track(engine.launch.engine_id, "engine", f"{engine.launch.url} GPUs {gpus}")
+        for router in self._routers:
+            self._start_router(router)
+        for engine in self._engines:
+            for process_launch in (engine.launch, *engine.followers):
+                self._start_engine_process(engine, process_launch)
 
-    def _start_router(self, r: _Router) -> None:
+    def _start_router(self, router: _Router) -> None:
         try:
-            r.process.start()
+            router.process.start()
         except OSError as exc:
-            self.status.update(r.process.name, "failed")
+            self.status.update(router.process.name, "failed")
             raise LaunchError(
-                f"router {r.process.name} could not be started: {exc}\n  command: {r.process.display_command}"
+                f"router {router.process.name} could not be started: {exc}\n"
+                f"  command: {router.process.display_command}"
             ) from exc
 
-    def _start_engine_process(self, e: _Engine, pl: EngineProcessLaunch) -> None:
+    def _start_engine_process(self, engine: _Engine, process_launch: EngineProcessLaunch) -> None:
         try:
-            e.processes.append(self.backend.start(pl, log_path=self.log_dir / f"{pl.name}.log"))
+            engine.processes.append(
+                self.backend.start(process_launch, log_path=self.log_dir / f"{process_launch.name}.log")
+            )
         except OSError as exc:  # e.g. the command does not exist: a LaunchError like any other failed start
-            self.status.update(e.launch.engine_id, "failed")
+            self.status.update(engine.launch.engine_id, "failed")
             raise LaunchError(
-                f"engine {pl.name} could not be started: {exc}\n  command: {pl.display_command()}"
+                f"engine {process_launch.name} could not be started: {exc}\n"
+                f"  command: {process_launch.display_command()}"
             ) from exc
 
     def _fail_if_exited(self) -> None:
-        for r in self._routers:
-            code = r.process.exit_code()
+        for router in self._routers:
+            code = router.process.exit_code()
             if code is not None:
-                self.status.update(r.process.name, "failed")
+                self.status.update(router.process.name, "failed")
                 raise LaunchError(
                     _exited_message(
-                        f"router {r.process.name}",
-                        f"pid {r.process.pid} on this machine",
+                        f"router {router.process.name}",
+                        f"pid {router.process.pid} on this machine",
                         code,
-                        time.monotonic() - r.process.started_at,
-                        r.process.display_command or " ".join(mask_argv(list(r.process.argv))),
-                        str(r.process.log_path),
-                        r.process.tail(15),
+                        time.monotonic() - router.process.started_at,
+                        router.process.display_command or " ".join(mask_argv(list(router.process.argv))),
+                        str(router.process.log_path),
+                        router.process.tail(15),
                     )
                 )
-        for e in self._engines:
-            for p in e.processes:
-                code = p.exit_code()
+        for engine in self._engines:
+            for process in engine.processes:
+                code = process.exit_code()
                 if code is not None:
-                    self.status.update(e.launch.engine_id, "failed")
+                    self.status.update(engine.launch.engine_id, "failed")
                     raise LaunchError(
                         _exited_message(
-                            f"engine {p.name}",
-                            p.where,
+                            f"engine {process.name}",
+                            process.where,
                             code,
-                            time.monotonic() - p.started_at,
-                            p.launch.display_command(),
-                            p.log_location,
-                            p.tail(15),
+                            time.monotonic() - process.started_at,
+                            process.launch.display_command(),
+                            process.log_location,
+                            process.tail(15),
                         )
                     )
 
@@ -306,57 +320,61 @@ class Deployment:
                 time.sleep(launch_conf.poll_interval_s)
 
     def _poll_health(self, client: httpx.Client, pool: ThreadPoolExecutor) -> None:
-        routers = [r for r in self._routers if r.state == "starting"]
-        engines = [e for e in self._engines if e.state == "starting"]
-        urls = [r.launch.spec.url + "/liveness" for r in routers] + [
-            e.launch.url + HEALTH_ENDPOINT for e in engines
+        routers = [router for router in self._routers if router.state == "starting"]
+        engines = [engine for engine in self._engines if engine.state == "starting"]
+        urls = [router.launch.spec.url + "/liveness" for router in routers] + [
+            engine.launch.url + HEALTH_ENDPOINT for engine in engines
         ]
         answered = list(pool.map(lambda url: _get_ok(client, url), urls))
-        for r, live in zip(routers, answered[: len(routers)], strict=True):
+        for router, live in zip(routers, answered[: len(routers)], strict=True):
             if live:
-                r.state = "live"
-                self.status.update(r.process.name, "live")
-        for e, healthy in zip(engines, answered[len(routers) :], strict=True):
+                router.state = "live"
+                self.status.update(router.process.name, "live")
+        for engine, healthy in zip(engines, answered[len(routers) :], strict=True):
             if healthy:
-                e.state, e.healthy_at = "healthy", time.monotonic()
-                self.status.update(e.launch.engine_id, "healthy")
+                engine.state, engine.healthy_at = "healthy", time.monotonic()
+                self.status.update(engine.launch.engine_id, "healthy")
 
     def _register_healthy(self, pool: ThreadPoolExecutor) -> None:
         by_model = {r.launch.model: r for r in self._routers}
         due = [
-            (e, router)
-            for e in self._engines
-            if e.state == "healthy"
-            and not e.registered
-            and (router := by_model.get(e.launch.model)) is not None
+            (engine, router)
+            for engine in self._engines
+            if engine.state == "healthy"
+            and not engine.registered
+            and (router := by_model.get(engine.launch.model)) is not None
             and router.state != "starting"
         ]
 
         def register(item: tuple[_Engine, _Router]) -> str | None:
-            e, router = item
-            worker = next(w for w in router.launch.workers if w.url == e.launch.url)
+            engine, router = item
+            worker = next(worker for worker in router.launch.workers if worker.url == engine.launch.url)
             try:
                 register_workers(router.launch.spec.url, [worker], api_key=self.settings.api_key)
             except (RouterRequestError, httpx.HTTPError) as exc:
-                return f"router of model {e.launch.model!r} refused engine {e.launch.engine_id}: {exc}"
+                return (
+                    f"router of model {engine.launch.model!r} refused engine {engine.launch.engine_id}: {exc}"
+                )
             return None
 
-        for (e, _router), error in zip(due, pool.map(register, due), strict=True):
+        for (engine, _router), error in zip(due, pool.map(register, due), strict=True):
             if error is not None:
                 raise LaunchError(error)
-            e.registered = True
-            e.state = "registered"
-            self.status.update(e.launch.engine_id, "registered")
+            engine.registered = True
+            engine.state = "registered"
+            self.status.update(engine.launch.engine_id, "registered")
 
     def _routers_ready(self) -> bool:
         ready = True
-        for r in self._routers:
-            if r.state == "ready":
+        for router in self._routers:
+            if router.state == "ready":
                 continue
-            ok, _detail = router_ready(r.launch.spec.url, r.launch.workers, api_key=self.settings.api_key)
+            ok, _detail = router_ready(
+                router.launch.spec.url, router.launch.workers, api_key=self.settings.api_key
+            )
             if ok:
-                r.state = "ready"
-                self.status.update(r.process.name, "ready")
+                router.state = "ready"
+                self.status.update(router.process.name, "ready")
             else:
                 ready = False
         return ready
@@ -365,32 +383,33 @@ class Deployment:
         lines = [
             f"the deployment was not ready after {timeout_s:g} s (sglang_deploy.launch.startup_timeout_s):"
         ]
-        for e in self._engines:
-            if e.state == "starting":
-                p = e.processes[0]
+        for engine in self._engines:
+            if engine.state == "starting":
+                process = engine.processes[0]
                 lines.append(
-                    f"  engine {e.launch.engine_id} never answered {HEALTH_ENDPOINT} at {e.launch.url} "
-                    f"({p.where}, still running); last log lines of {p.log_location}:"
+                    f"  engine {engine.launch.engine_id} never answered {HEALTH_ENDPOINT} "
+                    f"at {engine.launch.url} "
+                    f"({process.where}, still running); last log lines of {process.log_location}:"
                 )
-                lines += [f"    | {line}" for line in p.tail(10).splitlines()]
-        for r in self._routers:
-            if r.state != "ready":
-                lines.append(f"  router of {r.launch.model} at {r.launch.spec.url}: {r.state}")
+                lines += [f"    | {line}" for line in process.tail(10).splitlines()]
+        for router in self._routers:
+            if router.state != "ready":
+                lines.append(f"  router of {router.launch.model} at {router.launch.spec.url}: {router.state}")
         return "\n".join(lines)
 
     def _summary_rows(self) -> list[SummaryRow]:
         registry = self.registry
         rows = []
-        for m in self.prepared.plan.models:
-            if m.name not in registry:
+        for model in self.prepared.plan.models:
+            if model.name not in registry:
                 continue
             rows.append(
                 SummaryRow(
-                    model=m.name,
-                    router=registry[m.name].base_url,
-                    mode="pd" if m.is_pd else "regular",
-                    engines=len(m.engines),
-                    gpus=sum(e.num_gpus for e in m.engines),
+                    model=model.name,
+                    router=registry[model.name].base_url,
+                    mode="pd" if model.is_pd else "regular",
+                    engines=len(model.engines),
+                    gpus=sum(engine.num_gpus for engine in model.engines),
                     engine_kind=self.prepared.launch.engine_kind.value,
                 )
             )
@@ -405,12 +424,14 @@ class Deployment:
             # A second Ctrl-C or SIGTERM must not cut the teardown short: hold them off while stopping.
             with _signals_held():
                 grace = self.settings.launch.shutdown_grace_s
-                routers = [r.process for r in self._routers]
-                for p in routers:  # routers stop while the engines are given their grace period
-                    if p.running:
-                        p.signal_group(signal.SIGTERM)
+                routers = [router.process for router in self._routers]
+                for process in routers:  # routers stop while the engines are given their grace period
+                    if process.running:
+                        process.signal_group(signal.SIGTERM)
                 try:
-                    self.backend.stop([p for e in self._engines for p in e.processes], grace_s=grace)
+                    self.backend.stop(
+                        [process for engine in self._engines for process in engine.processes], grace_s=grace
+                    )
                 finally:
                     stop_processes(routers, grace_s=grace)
                     self.backend.close()

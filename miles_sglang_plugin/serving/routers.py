@@ -105,7 +105,7 @@ def _request(
     api_key: str | None,
     timeout_s: float,
     json_body: Any = None,
-    ok: Callable[[int], bool] = lambda s: 200 <= s < 300,
+    ok: Callable[[int], bool] = lambda status: 200 <= status < 300,
 ) -> httpx.Response:
     try:
         resp = httpx.request(method, url, json=json_body, headers=_headers(api_key), timeout=timeout_s)
@@ -304,30 +304,32 @@ def deregister_workers(
     workers = router_workers(base, api_key=api_key, timeout_s=timeout_s)
     removed = []
     ids = set()
-    for w in workers:
-        wid = w.get("id")
-        if not wid:
+    for worker in workers:
+        worker_id = worker.get("id")
+        if not worker_id:
             continue
         _request(
             "DELETE",
-            f"{base}/workers/{wid}",
+            f"{base}/workers/{worker_id}",
             api_key=api_key,
             timeout_s=timeout_s,
-            ok=lambda s: 200 <= s < 300 or s == 404,  # already gone is fine
+            ok=lambda status: 200 <= status < 300 or status == 404,  # already gone is fine
         )
-        ids.add(wid)
-        removed.append(str(w.get("url")))
+        ids.add(worker_id)
+        removed.append(str(worker.get("url")))
     if wait and ids:
         deadline = time.monotonic() + timeout_s
         while True:
             left = [
-                w for w in router_workers(base, api_key=api_key, timeout_s=timeout_s) if w.get("id") in ids
+                worker
+                for worker in router_workers(base, api_key=api_key, timeout_s=timeout_s)
+                if worker.get("id") in ids
             ]
             if not left:
                 break
             if time.monotonic() >= deadline:
                 raise TimeoutError(
-                    f"router at {base} still lists {', '.join(str(w.get('url')) for w in left)} "
+                    f"router at {base} still lists {', '.join(str(worker.get('url')) for worker in left)} "
                     f"{timeout_s:g}s after DELETE"
                 )
             time.sleep(0.05)

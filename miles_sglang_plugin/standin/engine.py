@@ -297,52 +297,52 @@ class EngineState:
         return [self.args.base_gpu_id + i * self.gpu_id_step for i in range(per_node)]
 
     def server_info(self) -> dict[str, Any]:
-        a = self.args
+        args = self.args
         info: dict[str, Any] = {
-            name: _coerce(values) for name, values in a.extra if name not in SECRET_FIELDS
+            name: _coerce(values) for name, values in args.extra if name not in SECRET_FIELDS
         }
         info.update(
             model_path=self.model_dir,
             tokenizer_path=self.model_dir,
-            requested_model_path=a.model_path,
-            served_model_name=a.model_name,
-            host=a.host,
-            port=a.port,
-            tp_size=a.tp_size,
-            dp_size=a.dp_size,
-            pp_size=a.pp_size,
-            ep_size=a.ep_size,
-            nnodes=a.nnodes,
-            node_rank=a.node_rank,
-            dist_init_addr=a.dist_init_addr,
-            base_gpu_id=a.base_gpu_id,
+            requested_model_path=args.model_path,
+            served_model_name=args.model_name,
+            host=args.host,
+            port=args.port,
+            tp_size=args.tp_size,
+            dp_size=args.dp_size,
+            pp_size=args.pp_size,
+            ep_size=args.ep_size,
+            nnodes=args.nnodes,
+            node_rank=args.node_rank,
+            dist_init_addr=args.dist_init_addr,
+            base_gpu_id=args.base_gpu_id,
             gpu_ids=self.gpu_ids(),
-            disaggregation_mode=a.disaggregation_mode,
-            disaggregation_bootstrap_port=a.disaggregation_bootstrap_port,
-            enable_memory_saver=a.enable_memory_saver,
-            random_seed=a.random_seed,
-            enable_lora=a.enable_lora,
-            lora_paths=list(a.lora_paths) if a.lora_paths is not None else None,
-            skip_server_warmup=a.skip_server_warmup,
-            enable_metrics=a.enable_metrics,
+            disaggregation_mode=args.disaggregation_mode,
+            disaggregation_bootstrap_port=args.disaggregation_bootstrap_port,
+            enable_memory_saver=args.enable_memory_saver,
+            random_seed=args.random_seed,
+            enable_lora=args.enable_lora,
+            lora_paths=list(args.lora_paths) if args.lora_paths is not None else None,
+            skip_server_warmup=args.skip_server_warmup,
+            enable_metrics=args.enable_metrics,
             max_total_num_tokens=self.max_total_num_tokens,
             max_running_requests=self.max_running_requests,
             version=VERSION,
             weight_version=self.weight_version,
             internal_states=[
                 {
-                    "world_size": a.world_size,
-                    "tp_size": a.tp_size,
-                    "pp_size": a.pp_size,
-                    "dp_size": a.dp_size,
-                    "disaggregation_mode": a.disaggregation_mode,
+                    "world_size": args.world_size,
+                    "tp_size": args.tp_size,
+                    "pp_size": args.pp_size,
+                    "dp_size": args.dp_size,
+                    "disaggregation_mode": args.disaggregation_mode,
                     "max_total_num_tokens": self.max_total_num_tokens,
                     "last_gen_throughput": 0.0,
                 }
             ],
             stand_in=True,
             cuda_visible_devices=self.cuda_visible_devices,
-            argv=a.masked_argv(),
+            argv=args.masked_argv(),
             pid=os.getpid(),
         )
         return info
@@ -441,8 +441,8 @@ async def _sse(request: web.Request, events: Iterable[dict[str, Any]]) -> web.St
     return response
 
 
-def _stream_steps(n: int) -> list[int]:
-    return list(range(1, n + 1)) or [0]
+def _stream_steps(max_new_tokens: int) -> list[int]:
+    return list(range(1, max_new_tokens + 1)) or [0]
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -511,12 +511,12 @@ def _generate_item(
     finished: bool,
     started: float,
 ) -> dict[str, Any]:
-    n = len(generated.ids)
+    completion_tokens = len(generated.ids)
     meta: dict[str, Any] = {
         "id": rid,
-        "finish_reason": {"type": "length", "length": n} if finished else None,
+        "finish_reason": {"type": "length", "length": completion_tokens} if finished else None,
         "prompt_tokens": len(prompt.ids),
-        "completion_tokens": n,
+        "completion_tokens": completion_tokens,
         "cached_tokens": 0,
         "weight_version": state.weight_version,
         "e2e_latency": round(time.perf_counter() - started, 6),
@@ -525,7 +525,7 @@ def _generate_item(
     if body.get("return_logprob"):
         with_text = bool(body.get("return_text_in_logprobs"))
         in_words = prompt.words if with_text and prompt.words else (None,) * len(prompt.ids)
-        out_words = generated.words if with_text else (None,) * n
+        out_words = generated.words if with_text else (None,) * completion_tokens
         meta["input_token_logprobs"] = [
             [lp, t, w] for lp, t, w in zip(prompt.logprobs(), prompt.ids, in_words, strict=True)
         ]
@@ -552,10 +552,10 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if body.get("stream"):
         if batch:
             raise RequestError(400, "the stand-in engine does not stream batched requests")
-        prompt, gen = prompts[0], results[0]
+        prompt, generated = prompts[0], results[0]
         events = (
             _generate_item(
-                state, body, prompt, gen.part(0, k), rid=rids[0], finished=k == max_new, started=started
+                state, body, prompt, generated.part(0, k), rid=rids[0], finished=k == max_new, started=started
             )
             for k in _stream_steps(max_new)
         )
@@ -589,8 +589,12 @@ def _openai_max_tokens(body: Mapping[str, Any]) -> int:
 
 
 def _usage(prompt: Prompt, generated: Generated) -> dict[str, int]:
-    p, c = len(prompt.ids), len(generated.ids)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    prompt_tokens, completion_tokens = len(prompt.ids), len(generated.ids)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def _chat_logprobs(body: Mapping[str, Any], generated: Generated) -> dict[str, Any] | None:
@@ -933,8 +937,8 @@ async def serve(args: StandInArgs, faults: FaultConfig, env: Mapping[str, str]) 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    cvd = env.get("CUDA_VISIBLE_DEVICES")
-    where = f"CUDA_VISIBLE_DEVICES={cvd if cvd is not None else '<unset>'}"
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    where = f"CUDA_VISIBLE_DEVICES={visible if visible is not None else '<unset>'}"
     if args.node_rank > 0:
         print(
             f"{TAG} NOT a real SGLang engine: node_rank={args.node_rank} of nnodes={args.nnodes} for "
@@ -961,7 +965,7 @@ async def serve(args: StandInArgs, faults: FaultConfig, env: Mapping[str, str]) 
         return await _run_until_stopped(stop, faults)
     logging.getLogger("aiohttp.server").addFilter(_ProbeFilter())
     runner = web.AppRunner(
-        build_app(args, faults, cuda_visible_devices=cvd), access_log=None, shutdown_timeout=1.0
+        build_app(args, faults, cuda_visible_devices=visible), access_log=None, shutdown_timeout=1.0
     )
     await runner.setup()
     try:

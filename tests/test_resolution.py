@@ -449,8 +449,10 @@ def test_placeholder_only_model_reserves_gpus_without_a_router():
     reserved = plan.model("reserved")
     assert reserved.engines == () and plan.total_gpus == 8
     assert (reserved.model_path, reserved.update_weights) == ("", False)  # nothing served, nothing updated
-    assert plan.slot_owners()[6] == ("reserved", "placeholder", None)
-    assert plan.slot_owners()[1] == ("actor", "regular", "actor.regular.0")
+    # GPUs 4..7 are the placeholder's (colocated: rollout_offset 0), 0..1 the actor's first engine.
+    placeholder = reserved.group("placeholder")
+    assert (plan.rollout_offset + placeholder.gpu_offset, placeholder.num_gpus) == (4, 4)
+    assert plan.model("actor").group("regular").engines[0].gpu_slots == (0, 1)
 
 
 def test_trainer_inputs_from_a_sparse_config_and_a_miles_namespace():

@@ -85,7 +85,7 @@ class StatusView:
     def note(self, text: str) -> None:
         self.console.print(f"note: {text}", markup=False)
 
-    def finish(self, ok: bool) -> None:
+    def finish(self) -> None:
         if self._live is not None:
             self._refresh()
             self._live.stop()

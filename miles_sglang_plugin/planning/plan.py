@@ -191,18 +191,6 @@ class DeploymentPlan:
             for group in model.groups:
                 yield model, group
 
-    def slot_owners(self) -> dict[int, tuple[str, str, str | None]]:
-        """Global GPU slot -> (model, group, engine id or None for placeholder GPUs)."""
-        owners: dict[int, tuple[str, str, str | None]] = {}
-        for m, g in self.groups():
-            start = self.rollout_offset + g.gpu_offset
-            for slot in range(start, start + g.num_gpus):
-                owners[slot] = (m.name, g.name, None)
-            for e in g.engines:
-                for slot in e.gpu_slots:
-                    owners[slot] = (m.name, g.name, e.id)
-        return owners
-
     def to_dict(self) -> dict[str, Any]:
         return {
             "source": self.source,

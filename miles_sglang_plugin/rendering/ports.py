@@ -20,7 +20,7 @@ import fcntl
 import os
 import socket
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -192,12 +192,3 @@ def assign_ports(
                     else None,
                 )
     return PortAssignment(engines=engines, routers=routers)
-
-
-@contextlib.contextmanager
-def claimed_ports(lock_dir: Path | None = None) -> Iterator[PortClaims]:
-    claims = PortClaims(lock_dir or default_lock_dir())
-    try:
-        yield claims
-    finally:
-        claims.release()

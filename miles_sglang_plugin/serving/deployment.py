@@ -207,12 +207,12 @@ class Deployment:
             self._wait_ready()
         except BaseException as exc:
             interrupted = isinstance(exc, KeyboardInterrupt | SystemExit)
-            self.status.finish(ok=False)
+            self.status.finish()
             self.stop()
             if interrupted:
                 self.status.note("start-up interrupted: every engine and router was stopped")
             raise
-        self.status.finish(ok=True)
+        self.status.finish()
         self.status.summary(self._summary_rows())
 
     def _spawn(self) -> None:
@@ -484,17 +484,4 @@ def _exited_message(
     return "\n".join(lines)
 
 
-@contextlib.contextmanager
-def launched(
-    prepared: PreparedDeployment,
-    backend: Backend,
-    *,
-    log_dir: Path,
-    status: StatusView | None = None,
-) -> Iterator[Deployment]:
-    """Start ``prepared`` through ``backend`` and stop it when the block ends, however it ends."""
-    with Deployment(prepared, backend, log_dir=log_dir, status=status) as deployment:
-        yield deployment
-
-
-__all__: Sequence[str] = ["Deployment", "EngineInfo", "launched", "stop_all_active"]
+__all__: Sequence[str] = ["Deployment", "EngineInfo", "stop_all_active"]

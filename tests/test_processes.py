@@ -74,7 +74,9 @@ def test_a_group_that_ignores_sigterm_is_killed_when_the_grace_period_ends(tmp_p
         stopper.join(timeout=grace_s + 10)
         elapsed = time.monotonic() - t0
         assert not stopper.is_alive(), "stop_processes did not return"
-        assert grace_s - 0.05 <= elapsed <= grace_s + 1.5, f"stopped after {elapsed:.2f} s (grace {grace_s} s)"
+        assert grace_s - 0.05 <= elapsed <= grace_s + 1.5, (
+            f"stopped after {elapsed:.2f} s (grace {grace_s} s)"
+        )
         assert codes == {"stubborn": -9}  # killed by SIGKILL, reaped
         assert not process_alive(child, MARKER) and not process_alive(grandchild, MARKER)
     finally:

@@ -23,7 +23,13 @@ from miles_sglang_plugin.masking import mask_argv
 from miles_sglang_plugin.planning.resolution import resolve_deployment
 from miles_sglang_plugin.rendering import sglang_server_args as sglang_parser
 from miles_sglang_plugin.rendering.launch_specs import MILES_ENGINE_ENV
-from miles_sglang_plugin.rendering.ports import EPHEMERAL_START, PortClaims, PortExhaustedError, assign_ports
+from miles_sglang_plugin.rendering.ports import (
+    EPHEMERAL_START,
+    PortClaims,
+    PortExhaustedError,
+    assign_ports,
+    port_is_free,
+)
 from miles_sglang_plugin.rendering.prepared import prepare_deployment
 from miles_sglang_plugin.rendering.server_arg_fields import known_server_arg_fields
 from miles_sglang_plugin.standin.flags import parse_launch_argv as parse_standin_argv
@@ -328,6 +334,82 @@ def test_ports_of_concurrent_launches_never_overlap(tmp_path):
     b.release()
     c.release()
     assert pa.routers["actor"].http == base
+
+
+def _lock_files(lock_dir) -> set[int]:
+    return {int(f.name.removesuffix(".lock")) for f in lock_dir.iterdir()}
+
+
+def test_launches_share_port_claims_only_through_one_lock_dir(tmp_path, monkeypatch):
+    from miles_sglang_plugin.backends.local import LocalBackend
+    from tests.launch_helpers import compose, launch_ports
+
+    cfg = compose("sglang.actor.regular.num_gpus=2")  # a random port_base in 20000-29600
+    plan, settings = resolve_config(cfg), deploy_settings_from_config(cfg)
+    dir_a, dir_b = tmp_path / "a", tmp_path / "b"
+    backends = []
+
+    def launch_in(lock_dir):
+        monkeypatch.setenv("MSP_PORT_LOCK_DIR", str(lock_dir))
+        backends.append(LocalBackend())
+        return backends[-1].prepare(plan, settings)
+
+    try:
+        first = launch_in(dir_a)
+        claimed = set(backends[0].claims.fds)
+        assert backends[0].claims.lock_dir == dir_a
+        assert _lock_files(dir_a) == claimed and launch_ports(first) <= claimed
+        assert not any(PortClaims(dir_a).try_claim(port) for port in claimed)  # held while the launch runs
+        second = launch_in(dir_a)  # the same directory: it keeps off the first launch's ports
+        assert not set(backends[1].claims.fds) & claimed
+        assert not launch_ports(second) & launch_ports(first)
+        elsewhere = launch_in(dir_b)  # another directory: the first launch's claims are not seen there
+        assert launch_ports(elsewhere) == launch_ports(first)
+        assert _lock_files(dir_b) == set(backends[2].claims.fds) == claimed
+    finally:
+        for backend in backends:
+            backend.close()
+    again = PortClaims(dir_a)
+    assert all(again.try_claim(port) for port in claimed)  # released when the launch closes
+    again.release()
+
+
+def test_a_lock_file_that_cannot_be_opened_makes_its_port_taken(tmp_path):
+    from tests.launch_helpers import random_port_base
+
+    base = next(
+        b
+        for b in iter(random_port_base, None)
+        if port_is_free("127.0.0.1", b) and port_is_free("127.0.0.1", b + 1)
+    )
+    (tmp_path / f"{base}.lock").mkdir()  # os.open fails on it (EISDIR), whoever runs the test
+    claims = PortClaims(tmp_path)
+    ports = assign_ports(_plan(), host_of_node=lambda n: "127.0.0.1", router_host="127.0.0.1",
+                         port_base=base, port_max=base + 2000, probe=True, claims=claims)  # fmt: skip
+    assert ports.routers["actor"].http == base + 1 and base not in claims.fds
+    claims.release()
+
+
+def test_an_unusable_lock_dir_fails_the_launch_saying_why(tmp_path, monkeypatch, capsys):
+    from miles_sglang_plugin.backends.local import LocalBackend
+    from miles_sglang_plugin.cli import main
+    from tests.launch_helpers import launch_overrides
+
+    (tmp_path / "file").write_text("")
+    lock_dir = tmp_path / "file" / "locks"  # cannot be created, whoever runs the test (root included)
+    monkeypatch.setenv("MSP_PORT_LOCK_DIR", str(lock_dir))
+    overrides = launch_overrides("sglang.actor.regular.num_gpus=1")
+    cfg = compose_config(overrides)
+    with pytest.raises(DeploymentConfigError) as exc:
+        LocalBackend().prepare(resolve_config(cfg), deploy_settings_from_config(cfg))
+    text = " ".join(str(exc.value).split())
+    assert f"no port on 127.0.0.1 could be claimed: the port lock directory {lock_dir} is not usable" in text
+    assert "Not a directory" in text and "set MSP_PORT_LOCK_DIR to a writable directory" in text
+    logs = tmp_path / "logs"
+    assert main(["launch", "--log-dir", str(logs), *overrides]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"the port lock directory {lock_dir} is not usable" in err and "Traceback" not in err
+    assert not logs.exists()  # nothing was started
 
 
 def test_ports_stay_below_the_ephemeral_range():

@@ -253,6 +253,38 @@ def test_api_key_is_passed_but_never_shown():
     assert mask_argv(["--api-key=abc", "--x"]) == ["--api-key=***", "--x"]
 
 
+ADMIN_KEYS = ("adm1n-spaced key", "adm1n-equals", "adm1n-under")
+#: ``--admin-api-key`` can reach an engine's argv only through the command prefix; every spelling is masked.
+ADMIN_PREFIX = (
+    f"sglang_deploy.launch.command=['{{python}}',-m,sglang.launch_server,--admin-api-key,'{ADMIN_KEYS[0]}',"
+    f"'--admin-api-key={ADMIN_KEYS[1]}',--admin_api_key,{ADMIN_KEYS[2]}]"
+)
+
+
+def test_admin_api_key_is_masked_in_printed_commands_plan_json_and_errors(capsys):
+    from miles_sglang_plugin.cli import main
+
+    base = ["hf_checkpoint=/c", "colocate=true", "sglang.actor.regular.num_gpus=1", ADMIN_PREFIX]
+    assert main(["plan", "--commands", *base]) == 0
+    printed = capsys.readouterr().out
+    assert "--admin-api-key '***' '--admin-api-key=***' --admin_api_key '***' --model-path /c" in printed
+    assert main(["plan", "--json", *base]) == 0
+    printed_json = capsys.readouterr().out
+    (launch,) = json.loads(printed_json)["models"]["actor"]["groups"]["regular"]["engines"][0]["launch"]
+    assert launch["argv"][1:9] == [
+        "-m", "sglang.launch_server", "--admin-api-key", "***", "--admin-api-key=***", "--admin_api_key", "***",
+        "--model-path",
+    ]  # fmt: skip
+    prep = prepared_for(*base)
+    assert prep.launch.engines[0].argv[4] == ADMIN_KEYS[0]  # the engine itself gets the key
+    for text in (printed, printed_json, repr(prep), repr(prep.launch.engines[0])):
+        assert not any(key in text for key in ADMIN_KEYS)
+    assert main(["plan", *base, "+sglang.actor.regular.overrides.admin_api_key=adm1n-override"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "sglang.actor.regular.overrides.admin_api_key: cannot be overridden (***): it is a secret" in err
+    assert "adm1n-override" not in err
+
+
 def test_typo_and_forbidden_overrides_fail_before_launch_with_reasons():
     with pytest.raises(DeploymentConfigError) as exc:
         prepared_for("sglang=pd", "hf_checkpoint=/c", "+sglang.actor.decode.overrides.mem_fraction_statc=0.8",

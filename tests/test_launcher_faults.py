@@ -98,7 +98,10 @@ def test_log_tail_shows_only_this_launch(tmp_path: Path, leak_check: LeakTracker
     """A log directory used twice: the second failure's message must not show the first run's lines."""
     logs = tmp_path / "logs"
     first = compose(TWO_ENGINES, "sglang_deploy.standin.fail_at_start=[actor.regular.1]")
-    with pytest.raises(LaunchError), launch_from_config(first, log_dir=logs):
+    with (
+        pytest.raises(LaunchError, match=r"engine actor\.regular\.1 exited with code 3"),
+        launch_from_config(first, log_dir=logs),
+    ):
         pass
     second = compose(
         TWO_ENGINES, "sglang_deploy.standin.never_healthy=[actor.regular.1]", startup_timeout_s=4

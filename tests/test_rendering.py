@@ -456,7 +456,7 @@ def test_ports_stay_below_the_ephemeral_range():
 
 def test_group_spec_keeps_overrides_read_only():
     g = GroupSpec("regular", "regular", 2, overrides={"a": [1]})
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="does not support item assignment"):
         g.overrides["a"] = 2  # type: ignore[index]
 
 

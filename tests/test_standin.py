@@ -595,7 +595,7 @@ def test_follower_node_does_not_serve(spawn: Callable[..., Proc]) -> None:
         time.sleep(0.05)
     assert "follower of --dist-init-addr 10.1.2.3:5000" in proc.stdout()
     time.sleep(0.3)
-    with pytest.raises(httpx.TransportError):
+    with pytest.raises(httpx.ConnectError, match="Connection refused"):
         httpx.get(proc.url + "/health", timeout=1.0)
     assert proc.popen.poll() is None
     os.killpg(proc.popen.pid, signal.SIGTERM)

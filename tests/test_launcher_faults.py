@@ -98,7 +98,10 @@ def test_log_tail_shows_only_this_launch(tmp_path: Path, leak_check: LeakTracker
     """A log directory used twice: the second failure's message must not show the first run's lines."""
     logs = tmp_path / "logs"
     first = compose(TWO_ENGINES, "sglang_deploy.standin.fail_at_start=[actor.regular.1]")
-    with pytest.raises(LaunchError), launch_from_config(first, log_dir=logs):
+    with (
+        pytest.raises(LaunchError, match=r"engine actor\.regular\.1 exited with code 3"),
+        launch_from_config(first, log_dir=logs),
+    ):
         pass
     second = compose(
         TWO_ENGINES, "sglang_deploy.standin.never_healthy=[actor.regular.1]", startup_timeout_s=4
@@ -109,6 +112,38 @@ def test_log_tail_shows_only_this_launch(tmp_path: Path, leak_check: LeakTracker
     assert "never answered" in msg and "MSP_STANDIN_FAIL_AT_START" not in msg, msg
     # The log file itself keeps both runs.
     assert "MSP_STANDIN_FAIL_AT_START" in (logs / "actor.regular.1.log").read_text()
+
+
+def test_admin_api_key_stays_out_of_launch_errors_and_logs(
+    tmp_path: Path,
+    leak_check: LeakTracker,  # noqa: F811
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """An engine command (real engine kind) that carries ``--admin-api-key`` in its prefix and exits at once:
+    the launch error shows its command with the key masked, in every spelling."""
+    from miles_sglang_plugin.cli import main
+
+    keys = ("adm1n-k1", "adm1n-k2", "adm1n-k3")
+    command = (
+        "sglang_deploy.launch.command=['{python}',-c,'import sys; sys.exit(3)',"
+        f"--admin-api-key,{keys[0]},'--admin-api-key={keys[1]}',--admin_api_key,{keys[2]}]"
+    )
+    overrides = [
+        o for o in launch_overrides("sglang.actor.regular.num_gpus=1") if o != "sglang_deploy=simulated"
+    ]
+    logs = tmp_path / "logs"
+    assert main(["launch", "--log-dir", str(logs), *overrides, command]) == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert "engine actor.regular.0 exited with code 3 during start-up" in err, err
+    assert (
+        "-c 'import sys; sys.exit(3)' --admin-api-key '***' '--admin-api-key=***' --admin_api_key '***'"
+        in err
+    )
+    (launcher,) = leak_check.launchers
+    assert launcher.prepared.launch.engine_kind.value == "sglang"
+    texts = [err, *(f.read_text(errors="replace") for f in logs.iterdir())]
+    assert len(texts) == 3  # the error, the engine's log, the router's log
+    assert not any(key in text for key in keys for text in texts)
 
 
 # ---------------------------------------------------------------------------------------------- ports

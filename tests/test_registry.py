@@ -112,7 +112,9 @@ def test_routing_key_required_for_key_policies(registry: RouterRegistry, model: 
 
 
 def test_routing_headers_unknown_model(registry: RouterRegistry) -> None:
-    with pytest.raises(UnknownModelError):
+    with pytest.raises(
+        UnknownModelError, match=r"no router for model 'acter'; known models: .*Did you mean 'actor'"
+    ):
         registry.routing_headers("acter", "k")
 
 
@@ -138,7 +140,7 @@ def test_miles_args_policy_is_picked_up() -> None:
     )
     reg = RouterRegistry.from_miles_args(args)
     assert reg["actor"].policy == "consistent_hashing"
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="policy 'consistent_hashing', which needs a routing key"):
         reg.routing_headers("actor", None)
     slime_args = SimpleNamespace(sglang_model_routers={"actor": ("h", 1)}, router_policy="round_robin")
     assert RouterRegistry.from_miles_args(slime_args)["actor"].policy == "round_robin"
@@ -171,9 +173,9 @@ def test_mapping_protocol(registry: RouterRegistry) -> None:
 
 
 def test_registry_is_immutable(registry: RouterRegistry) -> None:
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="does not support item assignment"):
         registry["x"] = ModelRoute("x", "h", 1)  # type: ignore[index]
-    with pytest.raises(AttributeError):
+    with pytest.raises(AttributeError, match="object has no attribute 'foo'"):
         registry.foo = 1  # type: ignore[attr-defined]
 
 
@@ -228,18 +230,21 @@ def test_from_env_missing_variable() -> None:
 
 
 @pytest.mark.parametrize(
-    "text",
+    ("text", "message"),
     [
-        "not json",
-        "[]",
-        '{"version": 2, "routers": []}',
-        '{"version": 1}',
-        '{"version": 1, "routers": [{"name": "a", "host": "h", "port": 1, "colour": "red"}]}',
-        '{"version": 1, "routers": [{"name": "a", "host": "h"}]}',
+        ("not json", "router registry JSON is not valid JSON: Expecting value"),
+        ("[]", "router registry JSON must be an object with keys 'version' and 'routers'"),
+        ('{"version": 2, "routers": []}', r"router registry JSON version 2 is not supported \(1\)"),
+        ('{"version": 1}', "router registry JSON must be an object with keys 'version' and 'routers'"),
+        (
+            '{"version": 1, "routers": [{"name": "a", "host": "h", "port": 1, "colour": "red"}]}',
+            r"unknown ModelRoute keys \['colour'\]; valid: name, host, port",
+        ),
+        ('{"version": 1, "routers": [{"name": "a", "host": "h"}]}', "ModelRoute is missing port"),
     ],
 )
-def test_from_json_is_strict(text: str) -> None:
-    with pytest.raises(ValueError):
+def test_from_json_is_strict(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
         RouterRegistry.from_json(text)
 
 

@@ -93,12 +93,38 @@ def check_invariants(plan: DeploymentPlan, spec: DeploymentSpec, t: TrainerInput
                     assert p.node == p.gpu_slots[0] // gpn
                     assert p.local_gpu_ids == tuple(s % gpn for s in p.gpu_slots)
     assert sorted(owners) == list(range(ro, ro + plan.total_gpus))
-    # needs_offload exactly as Miles' rule, and the memory-saver injection.
-    for _, g in plan.groups():
-        assert g.needs_offload == (t.offload_rollout and ro + g.gpu_offset < plan.megatron_num_gpus)
+    # needs_offload: with offload on, a group takes part iff its first GPU slot is one Megatron trains on.
+    megatron = megatron_slots(t)
+    first_slot = rollout_start(t)
+    for (_, g), sg in zip(plan.groups(), (g for m in spec.models for g in m.groups), strict=True):
+        if g.engines:
+            assert g.engines[0].gpu_slots[0] == first_slot
+        assert g.needs_offload == (t.offload_rollout and first_slot in megatron), (
+            g.key,
+            first_slot,
+            megatron,
+        )
+        # The memory saver: off for groups that need no offload (a user override wins), else left alone.
+        user = sg.overrides.get("enable_memory_saver")
         if t.offload_rollout and not g.needs_offload:
-            assert "enable_memory_saver" in g.overrides
+            assert g.overrides["enable_memory_saver"] is (user if user is not None else False)
+        else:
+            assert g.overrides.get("enable_memory_saver") is user
+        first_slot += sg.num_gpus
     assert sum(m.update_weights for m in plan.models) <= 1
+
+
+def megatron_slots(t: TrainerInputs) -> set[int]:
+    """The GPU slots Megatron trains on, enumerated from the trainer's arguments (Miles' placement): the actor's
+    nodes from slot 0, none when only rollout runs. The trainers drawn here have no critic."""
+    if t.debug_rollout_only:
+        return set()
+    return set(range(t.actor_num_nodes * t.actor_num_gpus_per_node))
+
+
+def rollout_start(t: TrainerInputs) -> int:
+    """The first rollout slot: 0 when colocated with training or training is off, else right after the actor."""
+    return 0 if t.colocate or t.debug_rollout_only else t.actor_num_nodes * t.actor_num_gpus_per_node
 
 
 @SETTINGS

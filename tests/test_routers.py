@@ -181,7 +181,7 @@ def test_validate_never_raises_on_garbage() -> None:
 def test_settings_from_mapping_and_immutability() -> None:
     s = RouterSettings.from_mapping({"policy": "round_robin", "extra": {"dp_aware": True}})
     assert s.policy == "round_robin" and s.extra["dp_aware"] is True
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="does not support item assignment"):
         s.extra["x"] = 1  # type: ignore[index]
     src = {"a": 1}
     s2 = RouterSettings(extra=src)
@@ -583,5 +583,5 @@ def test_nothing_left_running() -> None:
     alive = [p.name for p in _ALL_PROCS if p.popen.poll() is None]
     assert alive == []
     for p in _ALL_PROCS:
-        with pytest.raises(ProcessLookupError):
+        with pytest.raises(ProcessLookupError, match="No such process"):
             os.killpg(p.popen.pid, 0)

@@ -243,7 +243,7 @@ def test_parse_keeps_the_host_logging_configuration() -> None:
     handlers, level = list(root.handlers), root.level
     try:
         parse_launch_argv(["--model-path", "/nonexistent/x", "--log-level", "debug"])
-        with pytest.raises(SGLangArgvError):
+        with pytest.raises(SGLangArgvError, match="arguments are required: --model-path"):
             parse_launch_argv(["--bogus-flag"])
         assert root.handlers == handlers
         assert root.level == level

@@ -20,7 +20,14 @@ from typing import Any
 import httpx
 import pytest
 
-from miles_sglang_plugin.standin.engine import FaultConfig, Prompt, fake_generate
+from miles_sglang_plugin.standin.engine import (
+    EngineState,
+    FaultConfig,
+    Prompt,
+    RequestError,
+    fake_generate,
+    serves_on,
+)
 from miles_sglang_plugin.standin.flags import (
     StandInFlagError,
     mask_argv,
@@ -213,6 +220,70 @@ def test_fault_config_and_fake_generation() -> None:
     assert one == two and len(one.ids) == 8 and all(lp < 0 for lp in one.logprobs)
     assert fake_generate(prompt, 8, "b") != one
     assert fake_generate(prompt, 0, "a").text == ""
+
+
+# --------------------------------------------------------------------------------------------------------
+# PD bootstrap fields against the engine's own flags
+
+
+def _state(*flags: str) -> EngineState:
+    args = parse_launch_argv(["--model-path", "m", "--host", HOST, "--port", "31000", *flags])
+    return EngineState(args=args, faults=FaultConfig(), model_dir="/m", cuda_visible_devices=None)
+
+
+def _bootstrap_error(state: EngineState, **fields: Any) -> str:
+    body = {"text": "x", "bootstrap_host": HOST, "bootstrap_port": 9001, "bootstrap_room": 7, **fields}
+    with pytest.raises(RequestError) as info:
+        state.check_bootstrap(body)
+    assert info.value.status == 400
+    return info.value.message
+
+
+def test_prefill_accepts_only_its_own_bootstrap_server() -> None:
+    prefill = _state("--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", "9001")
+    good = {"bootstrap_host": HOST, "bootstrap_port": 9001, "bootstrap_room": 7}
+    prefill.check_bootstrap({"text": "x", **good})
+    assert prefill.last_bootstrap == good
+    assert (
+        "bootstrap_port 9002 is not this engine's --disaggregation-bootstrap-port 9001"
+        in _bootstrap_error(prefill, bootstrap_port=9002)
+    )
+    assert "bootstrap_port 8998 is not" in _bootstrap_error(prefill, bootstrap_port=8998)  # SGLang's default
+    assert "bootstrap_port '9001' is not" in _bootstrap_error(prefill, bootstrap_port="9001")
+    assert "bootstrap_port True is not" in _bootstrap_error(prefill, bootstrap_port=True)
+    # null: the decode engine would fall back to its own port (8998 by default), not this engine's 9001
+    assert "bootstrap_port is null" in _bootstrap_error(prefill, bootstrap_port=None)
+    assert "bootstrap_host '10.9.8.7' is not an address it serves on (--host 127.0.0.1)" in _bootstrap_error(
+        prefill, bootstrap_host="10.9.8.7"
+    )
+    assert "bootstrap_host 7 is not" in _bootstrap_error(prefill, bootstrap_host=7)
+    assert prefill.last_bootstrap == good  # rejected requests are not recorded
+
+
+def test_prefill_on_the_default_bootstrap_port_accepts_null() -> None:
+    prefill = _state("--disaggregation-mode", "prefill")  # --disaggregation-bootstrap-port 8998 (default)
+    for port in (None, 8998):
+        prefill.check_bootstrap({"bootstrap_host": HOST, "bootstrap_port": port, "bootstrap_room": 1})
+    assert (
+        "bootstrap_port 9001 is not this engine's --disaggregation-bootstrap-port 8998"
+        in _bootstrap_error(prefill)
+    )
+
+
+def test_decode_and_regular_engines_do_not_check_the_prefill_bootstrap_server() -> None:
+    decode = _state("--disaggregation-mode", "decode")  # its own bootstrap port (8998) is not the prefill's
+    decode.check_bootstrap({"bootstrap_host": "10.9.8.7", "bootstrap_port": 9001, "bootstrap_room": 7})
+    assert "lacks bootstrap_room" in _bootstrap_error(decode, bootstrap_room=None)
+    _state().check_bootstrap({"text": "x"})  # a regular engine needs no bootstrap fields
+
+
+def test_serves_on() -> None:
+    assert serves_on("127.0.0.1", "127.0.0.1") and serves_on("::1", "[::1]") and serves_on("[::1]", "::1")
+    assert serves_on("LocalHost", "localhost")
+    assert not serves_on("127.0.0.1", "10.9.8.7") and not serves_on("127.0.0.1", "::1")
+    # A wildcard host serves on every address of this machine, and on no other.
+    assert serves_on("0.0.0.0", "127.0.0.1") and serves_on("0.0.0.0", "localhost")
+    assert not serves_on("0.0.0.0", "192.0.2.1")  # TEST-NET-1: never an address of this machine
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -454,6 +525,8 @@ def test_pd_prefill_requires_bootstrap_fields(spawn: Callable[..., Proc]) -> Non
         chat = {"messages": [{"role": "user", "content": "hi"}]}
         assert client.post("/v1/chat/completions", json=chat).status_code == 400
         boot = {"bootstrap_host": "127.0.0.1", "bootstrap_port": 9001, "bootstrap_room": 12345}
+        elsewhere = client.post("/generate", json={**plain, **boot, "bootstrap_port": 9002})
+        assert elsewhere.status_code == 400 and "--disaggregation-bootstrap-port 9001" in elsewhere.text
         out = client.post("/generate", json={**plain, **boot}).json()
         assert out["meta_info"]["stand_in"]["bootstrap_room"] == 12345
         assert client.post("/v1/chat/completions", json={**chat, **boot}).status_code == 200
@@ -461,7 +534,7 @@ def test_pd_prefill_requires_bootstrap_fields(spawn: Callable[..., Proc]) -> Non
         assert stats["last_bootstrap"] == boot
         served = stats["requests_served"]
         assert (served["/generate"], served["/v1/chat/completions"], served["/server_info"]) == (1, 1, 1)
-        assert stats["requests_received"]["/generate"] == 2
+        assert stats["requests_received"]["/generate"] == 3
 
 
 def test_fail_at_start(spawn: Callable[..., Proc]) -> None:
@@ -522,7 +595,7 @@ def test_follower_node_does_not_serve(spawn: Callable[..., Proc]) -> None:
         time.sleep(0.05)
     assert "follower of --dist-init-addr 10.1.2.3:5000" in proc.stdout()
     time.sleep(0.3)
-    with pytest.raises(httpx.TransportError):
+    with pytest.raises(httpx.ConnectError, match="Connection refused"):
         httpx.get(proc.url + "/health", timeout=1.0)
     assert proc.popen.poll() is None
     os.killpg(proc.popen.pid, signal.SIGTERM)

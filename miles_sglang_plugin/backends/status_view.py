@@ -90,6 +90,8 @@ class StatusView:
             self._refresh()
             self._live.stop()
             self._live = None
+            if not self.console.is_terminal:  # rich ends the table's last line only on a terminal
+                self.console.line()
 
     def summary(self, rows: Iterable[SummaryRow]) -> None:
         table = Table(

@@ -118,8 +118,9 @@ class LaunchConf:
     engine: EngineKind = EngineKind.sglang
     #: Which backend places and runs the engines (see the README's backends section).
     backend: BackendKind = BackendKind.local
-    #: Command prefix of an engine; ``{python}`` is this interpreter. ``[sglang, serve]`` also works.
-    command: list[str] = field(default_factory=lambda: ["{python}", "-m", "sglang.launch_server"])
+    #: Command prefix of an engine; ``{python}`` is this interpreter. ``[sglang, serve]`` also works. Not in
+    #: repr: it may hold a secret flag (``--admin-api-key``), which is masked wherever a command is shown.
+    command: list[str] = field(default_factory=lambda: ["{python}", "-m", "sglang.launch_server"], repr=False)
     #: Address engines and routers bind to on a single machine.
     host: str = "127.0.0.1"
     startup_timeout_s: float = 600.0

@@ -74,12 +74,15 @@ class PortClaims:
 
     lock_dir: Path
     fds: dict[int, int] = field(default_factory=dict)
+    #: The last reason a lock file could not be opened at all (not: another launch holds it).
+    unusable: OSError | None = None
 
     def try_claim(self, port: int) -> bool:
         try:
             self.lock_dir.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.lock_dir / f"{port}.lock", os.O_RDWR | os.O_CREAT, 0o600)
-        except OSError:
+        except OSError as exc:
+            self.unusable = exc
             return False  # cannot take part in claims here: treat the port as taken
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -144,6 +147,12 @@ class _Cursor:
                 for port in usable:
                     os.close(self.claims.fds.pop(port))
             self.next = start + len(usable) + 1
+        claims = self.claims
+        if claims is not None and claims.unusable is not None and not claims.fds:
+            raise PortExhaustedError(
+                f"no port on {self.host} could be claimed: the port lock directory {claims.lock_dir} is not "
+                f"usable ({claims.unusable}); set MSP_PORT_LOCK_DIR to a writable directory"
+            )
         raise PortExhaustedError(
             f"no {count} free consecutive port(s) left on {self.host} below {self.limit + 1}; "
             "raise sglang_deploy.launch.port_max or lower port_base"

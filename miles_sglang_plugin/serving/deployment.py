@@ -24,7 +24,6 @@ import signal
 import sys
 import threading
 import time
-import weakref
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -105,7 +104,9 @@ class _Router:
     state: str = "starting"
 
 
-_ACTIVE: weakref.WeakSet[Deployment] = weakref.WeakSet()
+#: Deployments of this process that have started and not stopped. Held strongly: a deployment whose code kept
+#: no reference to it still runs its processes, and must still be stopped at job end and at exit.
+_ACTIVE: set[Deployment] = set()
 
 
 def stop_all_active() -> None:

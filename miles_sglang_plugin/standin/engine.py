@@ -37,6 +37,11 @@ Endpoints: ``/health``, ``/health_generate``, ``/liveness``, ``/readiness``, ``/
 (request counters and the last PD bootstrap fields seen). With ``--disaggregation-mode prefill|decode``,
 ``/generate`` and ``/v1/chat/completions`` answer 400 unless the body has ``bootstrap_host``,
 ``bootstrap_port`` (may be null: the router sends null when it was given no port) and ``bootstrap_room``.
+A prefill engine also answers 400 unless they name its own bootstrap server, where the decode engine that gets
+the same body would look for it: ``bootstrap_host`` an address it serves on (its ``--host``; any address of
+this machine for ``0.0.0.0`` / ``::``) and ``bootstrap_port`` its ``--disaggregation-bootstrap-port``. A null
+``bootstrap_port`` is accepted only if that is SGLang's default, 8998: SGLang replaces null with the decode
+engine's own ``--disaggregation-bootstrap-port``, 8998 unless set.
 With ``--api-key K`` every endpoint except the health ones and ``/metrics`` needs ``Authorization: Bearer K``.
 """
 
@@ -45,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import ipaddress
 import json
 import logging
 import math
@@ -52,6 +58,7 @@ import os
 import random
 import re
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -67,6 +74,7 @@ from aiohttp.http_exceptions import BadHttpMessage
 
 from miles_sglang_plugin.standin.flags import (
     SECRET_FIELDS,
+    SGLANG_DEFAULT_BOOTSTRAP_PORT,
     StandInArgs,
     StandInFlagError,
     parse_launch_argv,
@@ -80,6 +88,7 @@ VOCAB_SIZE = 32000
 FIRST_WORD_ID = 256
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 BOOTSTRAP_KEYS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
 OPEN_PATHS = frozenset({"/health", "/health_generate", "/liveness", "/readiness", "/metrics"})
 VOCAB = (
     "the", "model", "is", "a", "stand", "in", "for", "sglang", "on", "cpu", "tokens", "flow", "through",
@@ -191,6 +200,28 @@ class RequestError(Exception):
         self.message = message
 
 
+def serves_on(host_flag: str, address: str) -> bool:
+    """Is ``address`` one this engine serves on with ``--host host_flag``? The same address (IPv6 brackets
+    and case aside), or, for a wildcard host, any address of this machine."""
+    host, addr = host_flag.strip("[]").lower(), address.strip("[]").lower()
+    if addr == host:
+        return True
+    return host in WILDCARD_HOSTS and _is_local_address(addr)
+
+
+def _is_local_address(address: str) -> bool:
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return address == "localhost"
+    with socket.socket(socket.AF_INET6 if ip.version == 6 else socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((address, 0))  # binds only to an address of this machine
+        except OSError:
+            return False
+    return True
+
+
 def _sanitise(name: str) -> str:
     cleaned = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._-")
     return cleaned[:120] or "model"
@@ -268,6 +299,9 @@ class EngineState:
         return generated
 
     def check_bootstrap(self, body: Mapping[str, Any]) -> None:
+        """PD requests must carry the bootstrap fields; a prefill engine also checks that they point at its
+        own bootstrap server (``--host``, ``--disaggregation-bootstrap-port``), where the decode engine that
+        gets the same body would look for it."""
         present = {k: body[k] for k in BOOTSTRAP_KEYS if k in body}
         if self.args.disaggregation_mode != "null":
             missing = [
@@ -280,8 +314,35 @@ class EngineState:
                     f"{', '.join(missing)} (a PD router adds bootstrap_host, bootstrap_port and "
                     "bootstrap_room)",
                 )
+            if self.args.disaggregation_mode == "prefill":
+                self._check_own_bootstrap(body["bootstrap_host"], body["bootstrap_port"])
         if present:
             self.last_bootstrap = present
+
+    def _check_own_bootstrap(self, host: Any, port: Any) -> None:
+        own = self.args.disaggregation_bootstrap_port
+        where = "stand-in prefill engine"
+        if port is None:
+            # SGLang's scheduler replaces a null bootstrap_port with the engine's own
+            # --disaggregation-bootstrap-port: the decode engine then looks on its own port (SGLang's default
+            # unless set), which reaches this engine only if it serves on that default too.
+            if own != SGLANG_DEFAULT_BOOTSTRAP_PORT:
+                raise RequestError(
+                    400,
+                    f"{where}: bootstrap_port is null, so the decode engine would look for the bootstrap "
+                    f"server on its own --disaggregation-bootstrap-port ({SGLANG_DEFAULT_BOOTSTRAP_PORT} by "
+                    f"default), but this engine's is {own} (register the prefill worker with its bootstrap_port)",
+                )
+        elif isinstance(port, bool) or port != own:
+            raise RequestError(
+                400,
+                f"{where}: bootstrap_port {port!r} is not this engine's --disaggregation-bootstrap-port {own}",
+            )
+        if not isinstance(host, str) or not serves_on(self.args.host, host):
+            raise RequestError(
+                400,
+                f"{where}: bootstrap_host {host!r} is not an address it serves on (--host {self.args.host})",
+            )
 
     def stand_in_meta(self, body: Mapping[str, Any]) -> dict[str, Any]:
         meta: dict[str, Any] = {

@@ -31,6 +31,8 @@ ALIASES: dict[str, str] = {
 }
 
 DISAGGREGATION_MODES: tuple[str, ...] = ("null", "prefill", "decode")
+#: SGLang's default ``--disaggregation-bootstrap-port``.
+SGLANG_DEFAULT_BOOTSTRAP_PORT = 8998
 
 _BOOL_WORDS = {"true": True, "false": False}
 
@@ -65,7 +67,7 @@ class StandInArgs:
     dist_init_addr: str | None = None
     base_gpu_id: int = 0
     disaggregation_mode: str = "null"
-    disaggregation_bootstrap_port: int = 8998
+    disaggregation_bootstrap_port: int = SGLANG_DEFAULT_BOOTSTRAP_PORT
     enable_memory_saver: bool = False
     api_key: str | None = None
     served_model_name: str | None = None

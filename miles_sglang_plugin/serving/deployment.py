@@ -169,6 +169,21 @@ class Deployment:
         """Processes that have exited since start-up (name, exit code): a deployment that lost a member."""
         return [(p.name, code) for p in self.processes() if (code := p.exit_code()) is not None]
 
+    def exit_report(self) -> list[str]:
+        """One line per exited process: name, exit code, where it ran and, when the code does not say it all,
+        why (a lost node)."""
+        lines = []
+        for p in self.processes():
+            code = p.exit_code()
+            if code is None:
+                continue
+            if isinstance(p, EngineProcess):
+                reason = p.exit_reason()
+                lines.append(f"{p.name} exited with code {code} ({p.where}){': ' + reason if reason else ''}")
+            else:
+                lines.append(f"{p.name} exited with code {code} (pid {p.pid} on this machine)")
+        return lines
+
     def __enter__(self) -> Deployment:
         if self.install_signal_handlers and threading.current_thread() is threading.main_thread():
             self._previous_sigterm = signal.signal(signal.SIGTERM, _raise_on_sigterm)
@@ -282,6 +297,7 @@ class Deployment:
                             p.launch.display_command(),
                             p.log_location,
                             p.tail(15),
+                            reason=p.exit_reason(),
                         )
                     )
 
@@ -451,10 +467,18 @@ def _get_ok(client: httpx.Client, url: str) -> bool:
 
 
 def _exited_message(
-    what: str, where: str, code: int, elapsed_s: float, command: str, log: str, tail: str
+    what: str,
+    where: str,
+    code: int,
+    elapsed_s: float,
+    command: str,
+    log: str,
+    tail: str,
+    reason: str | None = None,
 ) -> str:
+    why = f": {reason}" if reason else ""
     lines = [
-        f"{what} exited with code {code} during start-up (after {elapsed_s:.1f} s)",
+        f"{what} exited with code {code} during start-up (after {elapsed_s:.1f} s){why}",
         f"  where: {where}",
         f"  command: {command}",
         f"  last log lines of {log}:",

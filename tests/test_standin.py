@@ -337,7 +337,10 @@ def test_engine_endpoints(spawn: Callable[..., Proc]) -> None:
         env={"CUDA_VISIBLE_DEVICES": "3,4", "MSP_ENGINE_NODE_ID": "node-a"},
     )
     wait_http(proc)
-    assert "NOT a real SGLang engine" in proc.stdout() and "CUDA_VISIBLE_DEVICES=3,4, node node-a" in proc.stdout()
+    assert (
+        "NOT a real SGLang engine" in proc.stdout()
+        and "CUDA_VISIBLE_DEVICES=3,4, node node-a" in proc.stdout()
+    )
     assert API_KEY not in proc.stdout() + proc.stderr()
     with httpx.Client(base_url=proc.url, timeout=5.0) as client:
         for path in ("/health_generate", "/liveness", "/readiness", "/metrics"):

@@ -155,11 +155,13 @@ class RayEngineProcess(EngineProcess):
         node: RayNodeInfo,
         log_path: Path,
         spawn_ref: Any,
-        exit_ref: Any,
+        run: int,
     ) -> None:
         super().__init__(launch)
         self._ray, self.actor, self.node, self.log_path = ray, actor, node, log_path
-        self._spawn_ref, self._exit_ref = spawn_ref, exit_ref
+        self._spawn_ref, self._run = spawn_ref, run
+        # Runs after spawn: an async actor starts calls in order, and spawn does not yield.
+        self._exit_ref = actor.wait_exit.remote(run)
         self._result: tuple[int, str | None] | None = None
         self._pid: int | None = None
         self._last_tail = ""
@@ -181,10 +183,15 @@ class RayEngineProcess(EngineProcess):
             ready, _ = self._ray.wait([self._exit_ref], timeout=0)
             if not ready:
                 return None
+            exceptions = self._ray.exceptions
             try:
                 result = self._ray.get(ready[0])
                 self._result = (result["code"] if result["code"] is not None else 0, result["reason"])
-            except self._ray.exceptions.RayError as exc:
+            except getattr(exceptions, "ActorUnavailableError", ()):
+                # Unreachable, not (yet) known dead: ask again; Ray says which once its health checks decide.
+                self._exit_ref = self.actor.wait_exit.remote(self._run)
+                return None
+            except exceptions.RayError as exc:
                 self._result = (EXIT_LOST, self._lost_reason(exc))
         return self._result[0]
 
@@ -243,6 +250,11 @@ class RayBackend(Backend):
         self._placements: list[ProcessPlacement] = []
         self._runs: dict[tuple[str, int], int] = {}
         self._closed = False
+
+    @property
+    def placement_groups(self) -> tuple[Any, ...]:
+        """The placement groups this backend created and holds (removed at :meth:`close`)."""
+        return tuple(self._own_groups)
 
     # ------------------------------------------------------------------------------------------ prepare
     def prepare(
@@ -445,10 +457,7 @@ class RayBackend(Backend):
         actor, grant = self._actors[key], self._grants[key]
         env = {**launch.env, "CUDA_VISIBLE_DEVICES": ",".join(grant.gpu_ids), NODE_ID_ENV: grant.node.node_id}
         spawn_ref = actor.spawn.remote(list(launch.argv), env, str(log_path), launch.display_command())
-        # Runs after spawn (an async actor starts calls in order, and spawn does not yield).
-        run = self._runs.get(key, 0) + 1
-        self._runs[key] = run
-        exit_ref = actor.wait_exit.remote(run)
+        run = self._runs[key] = self._runs.get(key, 0) + 1
         return RayEngineProcess(
             launch,
             ray=self.ray,
@@ -456,7 +465,7 @@ class RayBackend(Backend):
             node=grant.node,
             log_path=log_path,
             spawn_ref=spawn_ref,
-            exit_ref=exit_ref,
+            run=run,
         )
 
     def stop(self, processes: Sequence[EngineProcess], *, grace_s: float) -> None:

@@ -436,3 +436,36 @@ def test_multirun_over_tp_sizes_job_after_job_on_one_cluster(
     assert [len(job["actors"]) for job in jobs] == [2, 1] and all(len(job["groups"]) == 1 for job in jobs)
     # When job 1 ran, job 0's actors were dead and its placement group removed.
     assert jobs[1]["earlier_actor_states"] == ["DEAD"] and jobs[1]["earlier_group_states"] == ["REMOVED"]
+
+
+# ------------------------------------------------------------------------------------------------ restart
+def test_a_stopped_engine_process_starts_again_on_its_node_and_gpus(
+    clean_cluster: FakeCluster,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    cfg = compose_config(
+        ray_overrides(
+            "colocate=true", "sglang.actor.regular.num_gpus=4", "sglang.actor.num_gpus_per_engine=2"
+        )
+    )
+    with launch_from_config(cfg, log_dir=tmp_path / "logs") as deployment:
+        first = deployment._engines[1].processes[0]
+        before = httpx.get(first.launch.url + "/server_info", timeout=10).json()
+        deployment.backend.stop([first], grace_s=3)
+        assert first.exit_code() == 0 and first.exit_reason() is None
+        again = deployment.backend.start(first.launch, log_path=tmp_path / "logs" / "again.log")
+        deployment._engines[1].processes[0] = again  # the deployment stops it at the end
+        deadline = time.monotonic() + 30
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                after = httpx.get(first.launch.url + "/server_info", timeout=2).json()
+                break
+            assert time.monotonic() < deadline and again.exit_code() is None, again.tail()
+            time.sleep(0.2)
+        assert after["pid"] == again.pid != before["pid"]
+        assert (after["node_id"], after["cuda_visible_devices"], after["port"]) == (
+            before["node_id"],
+            "2,3",
+            before["port"],
+        )
+        assert again.node == first.node and again.exit_code() is None

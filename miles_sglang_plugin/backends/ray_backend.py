@@ -469,10 +469,14 @@ class RayBackend(Backend):
         )
 
     def stop(self, processes: Sequence[EngineProcess], *, grace_s: float) -> None:
-        ours = [p for p in processes if isinstance(p, RayEngineProcess)]
-        refs = [p.actor.stop.remote(grace_s) for p in ours if p.exit_code() is None]
+        running = [p for p in processes if isinstance(p, RayEngineProcess) and p.exit_code() is None]
+        refs = [p.actor.stop.remote(grace_s) for p in running]
         if refs:
             self.ray.wait(refs, num_returns=len(refs), timeout=grace_s + 15)
+            # ... and until each handle has seen its exit (an actor notices within its poll interval).
+            deadline = time.monotonic() + 5
+            while any(p.exit_code() is None for p in running) and time.monotonic() < deadline:
+                time.sleep(0.05)
 
     def close(self) -> None:
         if self._closed:

@@ -469,3 +469,18 @@ def test_a_stopped_engine_process_starts_again_on_its_node_and_gpus(
             before["port"],
         )
         assert again.node == first.node and again.exit_code() is None
+
+
+# ------------------------------------------------------------------------------------------------ benchmark
+def test_benchmark_smoke_run_on_the_cluster(clean_cluster: FakeCluster) -> None:  # noqa: F811
+    """benchmarks/bench_ray.py --smoke, on this session's cluster, so that the script cannot rot."""
+    result = subprocess.run(
+        [sys.executable, "benchmarks/bench_ray.py", "--smoke", "--address", clean_cluster.address],
+        cwd=REPO,
+        env=subprocess_env(clean_cluster),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.count("ray/local time to ready:") == 2, result.stdout

@@ -4,7 +4,7 @@ local backend: own process group, log file, ``PR_SET_PDEATHSIG``, so the engine 
 
 The ray backend creates one per engine process (``ray.remote(EngineHost)``, an async actor: its methods run on
 one event-loop thread that lives as long as the actor, which is the thread the parent-death signal is tied
-to) and keeps it until the deployment is closed, so that a restart runs the same command on the same GPUs.
+to; calls may start in any order, so each names the run of the process it is about) and keeps it until the deployment is closed, so that a restart runs the same command on the same GPUs.
 The first actor of each node also finds and claims the ports of the engine processes on that node.
 
 This module does not import Ray at the top: it is imported on the driver to define the actor, and by Ray on
@@ -65,13 +65,13 @@ class EngineHost:
             self.claims.release()
 
     async def spawn(
-        self, argv: Sequence[str], env: Mapping[str, str], log_path: str, display_command: str
+        self, run: int, argv: Sequence[str], env: Mapping[str, str], log_path: str, display_command: str
     ) -> dict[str, Any]:
-        """Start the engine process (no await inside: it is running when the next call starts). Returns its
-        pid, or the reason it could not be started."""
+        """Start run number ``run`` of the engine process. Returns its pid, or the reason it could not be
+        started."""
         if self.process is not None and self.process.running:
             raise RuntimeError(f"{self.name} is still running (pid {self.process.pid}); stop it first")
-        self.runs += 1
+        self.runs = run
         self.start_error = None
         self.log_path = Path(log_path)
         self.process = ManagedProcess(
@@ -94,9 +94,13 @@ class EngineHost:
 
     async def wait_exit(self, run: int) -> dict[str, Any]:
         """Returns when run number ``run`` of the process has exited: its exit code (and a reason when it
-        never started)."""
+        never started). Ray does not promise that an async actor starts calls in the order they were made:
+        this call may come before the ``spawn`` of its run, and then waits for it."""
         while True:
-            if self.runs != run or self.process is None:
+            if self.runs < run:
+                await asyncio.sleep(POLL_S)
+                continue
+            if self.runs > run or self.process is None:
                 return {"code": None, "reason": "superseded by a later start"}
             if self.start_error is not None:
                 return {"code": EXIT_NOT_STARTED, "reason": self.start_error}

@@ -160,7 +160,6 @@ class RayEngineProcess(EngineProcess):
         super().__init__(launch)
         self._ray, self.actor, self.node, self.log_path = ray, actor, node, log_path
         self._spawn_ref, self._run = spawn_ref, run
-        # Runs after spawn: an async actor starts calls in order, and spawn does not yield.
         self._exit_ref = actor.wait_exit.remote(run)
         self._result: tuple[int, str | None] | None = None
         self._pid: int | None = None
@@ -249,6 +248,7 @@ class RayBackend(Backend):
         self._grants: dict[tuple[str, int], ProcessGrant] = {}
         self._placements: list[ProcessPlacement] = []
         self._runs: dict[tuple[str, int], int] = {}
+        self._latest: dict[tuple[str, int], RayEngineProcess] = {}
         self._closed = False
 
     @property
@@ -454,11 +454,16 @@ class RayBackend(Backend):
         key = (launch.engine_id, launch.node_rank)
         if self._closed or key not in self._actors:
             raise LaunchError(f"{launch.name}: not prepared by this ray backend (or it was closed)")
+        earlier = self._latest.get(key)
+        if earlier is not None and earlier.exit_code() is None:
+            raise LaunchError(
+                f"{launch.name} is still running ({earlier.where}); stop it before starting it again"
+            )
         actor, grant = self._actors[key], self._grants[key]
         env = {**launch.env, "CUDA_VISIBLE_DEVICES": ",".join(grant.gpu_ids), NODE_ID_ENV: grant.node.node_id}
-        spawn_ref = actor.spawn.remote(list(launch.argv), env, str(log_path), launch.display_command())
         run = self._runs[key] = self._runs.get(key, 0) + 1
-        return RayEngineProcess(
+        spawn_ref = actor.spawn.remote(run, list(launch.argv), env, str(log_path), launch.display_command())
+        handle = self._latest[key] = RayEngineProcess(
             launch,
             ray=self.ray,
             actor=actor,
@@ -467,6 +472,7 @@ class RayBackend(Backend):
             spawn_ref=spawn_ref,
             run=run,
         )
+        return handle
 
     def stop(self, processes: Sequence[EngineProcess], *, grace_s: float) -> None:
         running = [p for p in processes if isinstance(p, RayEngineProcess) and p.exit_code() is None]

@@ -249,6 +249,7 @@ class RayBackend(Backend):
         self._placements: list[ProcessPlacement] = []
         self._runs: dict[tuple[str, int], int] = {}
         self._latest: dict[tuple[str, int], RayEngineProcess] = {}
+        self._actor_class: Any = None
         self._closed = False
 
     @property
@@ -414,8 +415,9 @@ class RayBackend(Backend):
 
     def _create_actor(self, p: ProcessPlacement, pg: Any, bundle: int, *, num_gpus: float) -> None:
         options = {**self._in_bundle(pg, bundle, num_gpus), "num_cpus": self.conf.engine_num_cpus}
-        actor_class = self.ray.remote(EngineHost)
-        self._actors[p.key] = actor_class.options(max_restarts=0, **options).remote(p.name)
+        if self._actor_class is None:  # one remote class: Ray ships its definition to the cluster once
+            self._actor_class = self.ray.remote(EngineHost)
+        self._actors[p.key] = self._actor_class.options(max_restarts=0, **options).remote(p.name)
 
     def _collect_grants(self, gpu_ids: Any) -> None:
         keys = list(self._actors)

@@ -321,11 +321,12 @@ def test_worker_node_lost_while_serving(clean_cluster: FakeCluster, tmp_path: Pa
 
 DRIVER_SCRIPT = textwrap.dedent(
     """
-    import json, sys, time
+    import json, signal, sys, time
     from pathlib import Path
     from miles_sglang_plugin.app.hydra_edge import launch_from_config
     from miles_sglang_plugin.config.compose import compose_config
 
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C, even if started with SIGINT ignored
     with launch_from_config(compose_config(json.loads(sys.argv[1])), log_dir=Path(sys.argv[2])) as d:
         print(json.dumps({"ready": [p.pid for p in d.processes()]}), flush=True)
         while True:
@@ -334,19 +335,22 @@ DRIVER_SCRIPT = textwrap.dedent(
 )
 
 
-def test_driver_sigkilled_leaves_nothing_on_any_node(clean_cluster: FakeCluster, tmp_path: Path) -> None:  # noqa: F811
+def start_driver(cluster: FakeCluster, tmp_path: Path, *extra: str) -> subprocess.Popen[str]:
+    """DRIVER_SCRIPT launching two 8-GPU engines (two nodes) and one router, then serving until stopped."""
     script = tmp_path / "driver.py"
     script.write_text(DRIVER_SCRIPT)
-    overrides = ray_overrides(
-        "colocate=true", "sglang.actor.regular.num_gpus=16", "sglang.actor.num_gpus_per_engine=8"
-    )
-    proc = subprocess.Popen(
-        [sys.executable, str(script), json.dumps(overrides), str(tmp_path / "logs")],
-        env=subprocess_env(clean_cluster),
+    two_nodes = ("colocate=true", "sglang.actor.regular.num_gpus=16", "sglang.actor.num_gpus_per_engine=8")
+    return subprocess.Popen(
+        [sys.executable, str(script), json.dumps(ray_overrides(*two_nodes, *extra)), str(tmp_path / "logs")],
+        env=subprocess_env(cluster),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+def test_driver_sigkilled_leaves_nothing_on_any_node(clean_cluster: FakeCluster, tmp_path: Path) -> None:  # noqa: F811
+    proc = start_driver(clean_cluster, tmp_path)
     try:
         line = proc.stdout.readline()
         assert line, proc.stderr.read()
@@ -361,6 +365,32 @@ def test_driver_sigkilled_leaves_nothing_on_any_node(clean_cluster: FakeCluster,
         if proc.poll() is None:
             proc.kill()
     clean_cluster.assert_clean(wait_s=30)  # actors, their engines, the router and the placement group
+
+
+@pytest.mark.parametrize("when", ["ctrl-c during start-up", "sigterm while serving"])
+def test_driver_stopped_by_a_signal_leaves_nothing(
+    clean_cluster: FakeCluster,  # noqa: F811
+    tmp_path: Path,
+    when: str,
+) -> None:
+    during_start = when.startswith("ctrl-c")
+    proc = start_driver(
+        clean_cluster, tmp_path, *(["sglang_deploy.standin.start_delay_s=60"] if during_start else [])
+    )
+    try:
+        if during_start:
+            node_of_log(tmp_path / "logs" / "actor.regular.1.log", clean_cluster)  # both engines started
+            proc.send_signal(signal.SIGINT)
+        else:
+            assert proc.stdout.readline(), proc.stderr.read()
+            proc.send_signal(signal.SIGTERM)
+        code = proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # An uncaught KeyboardInterrupt ends Python by SIGINT itself (-2); SIGTERM: the launcher exits 128 + 15.
+    assert code == (-signal.SIGINT if during_start else 128 + signal.SIGTERM), proc.stderr.read()[-3000:]
+    clean_cluster.assert_clean(wait_s=10)
 
 
 # ------------------------------------------------------------------------------------ multirun, one cluster

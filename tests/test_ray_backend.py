@@ -230,6 +230,26 @@ def test_gpus_the_cluster_cannot_give_are_a_clear_error_before_anything_starts(
     assert not list(tmp_path.glob("logs/*.log")), "an engine was started"
 
 
+def test_a_plan_larger_than_the_cluster_fails_at_the_placement_deadline(
+    clean_cluster: FakeCluster,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    # 40 GPUs from slot 0 = 5 nodes of 8, on a cluster of 4 such nodes.
+    cfg = compose_config(
+        ray_overrides("colocate=true", "sglang.actor.regular.num_gpus=40", "sglang.actor.num_gpus_per_engine=8",
+                      "sglang_deploy.launch.ray.placement_timeout_s=3")
+    )  # fmt: skip
+    started = time.monotonic()
+    with pytest.raises(LaunchError) as exc, launch_from_config(cfg, log_dir=tmp_path / "logs"):
+        pytest.fail("must not start")
+    assert time.monotonic() - started < 30
+    assert str(exc.value) == (
+        "placing 5 node(s) with 8, 8, 8, 8, 8 free GPU(s) did not finish within "
+        "sglang_deploy.launch.ray.placement_timeout_s=3 s; the cluster has 4 live node(s) (127.0.0.1: 8 GPUs, "
+        "127.0.0.2: 8 GPUs, 127.0.0.3: 8 GPUs, 127.0.0.4: 8 GPUs), 32 GPU(s) free in all"
+    )
+
+
 # ------------------------------------------------------------------------------------------------ faults
 def test_engine_failing_at_start_on_a_remote_node(clean_cluster: FakeCluster, tmp_path: Path) -> None:  # noqa: F811
     cfg = compose_config(

@@ -300,10 +300,11 @@ class RayBackend(Backend):
                 "address and GPU id)."
             )
         return (
-            "GPUs below the plan's local ids on a node are free there, or held by something else: the plan's "
-            "GPU slots start at rollout_offset (the trainer's GPUs come first). Hand the trainer's placement "
-            "group over (launch_from_config(cfg, placement_group=pg)), or colocate / debug_rollout_only to "
-            "start the rollout at slot 0."
+            "Ray hands out a node's free GPUs from the lowest id, so a process planned on higher local GPUs gets "
+            "others when the GPUs below them are not held in Ray: the plan's slots start at rollout_offset, "
+            "after the trainer's GPUs, which the trainer's placement group or actors must hold. Hand that "
+            "placement group over (launch_from_config(cfg, placement_group=pg)), or colocate / "
+            "debug_rollout_only to start the rollout at slot 0."
         )
 
     def _wait(self, refs: Sequence[Any], what: str) -> list[Any]:
@@ -339,8 +340,14 @@ class RayBackend(Backend):
 
         bundles = own_bundles(plan)
         need = gpus_per_plan_node(bundles)
-        # Ray's scheduler picks the nodes (one per plan node, each with the GPUs it needs free) ...
-        chooser = placement_group([{"GPU": float(n)} for n in need.values()], strategy="STRICT_SPREAD")
+        cpus = self.conf.engine_num_cpus
+        specs = [{"GPU": float(b.gpus), **({"CPU": cpus} if cpus and b.process else {})} for b in bundles]
+        # Ray's scheduler picks the nodes (one per plan node, each with what its bundles need free) ...
+        per_node: dict[int, dict[str, float]] = {node: {} for node in need}
+        for b, spec in zip(bundles, specs, strict=True):
+            for resource, amount in spec.items():
+                per_node[b.node][resource] = per_node[b.node].get(resource, 0.0) + amount
+        chooser = placement_group(list(per_node.values()), strategy="STRICT_SPREAD")
         self._own_groups.append(chooser)
         try:
             self._wait_group(
@@ -353,8 +360,6 @@ class RayBackend(Backend):
         info = self._node_info()
         node_of = assign_plan_nodes(list(need), [info[chosen[i]] for i in range(len(need))])
         # ... and each plan node's bundles are pinned there, in slot order.
-        cpus = self.conf.engine_num_cpus
-        specs = [{"GPU": float(b.gpus), **({"CPU": cpus} if cpus and b.process else {})} for b in bundles]
         group = placement_group(
             specs,
             strategy="PACK",

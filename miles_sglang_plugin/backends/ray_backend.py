@@ -133,7 +133,7 @@ def connect(ray: Any, conf: RayConf) -> bool:
         ray.init(address=address, logging_level=logging.WARNING)
         return True
     if conf.start_local_cluster:
-        ray.init(logging_level=logging.WARNING)
+        ray.init(address="local", logging_level=logging.WARNING)  # a new one, whatever RAY_ADDRESS says
         return True
     where = f"at {address}" if address else "(no address configured, no RAY_ADDRESS, none started here)"
     raise LaunchError(

@@ -482,6 +482,8 @@ class RayBackend(Backend):
         return handle
 
     def stop(self, processes: Sequence[EngineProcess], *, grace_s: float) -> None:
+        if not self.ray.is_initialized():  # disconnected (Ray's own exit hook ran first): the actors and
+            return  # their engines die with this job
         running = [p for p in processes if isinstance(p, RayEngineProcess) and p.exit_code() is None]
         refs = [p.actor.stop.remote(grace_s) for p in running]
         if refs:
@@ -496,7 +498,9 @@ class RayBackend(Backend):
             return
         self._closed = True
         ray = self.ray
-        actors = list(self._actors.values())
+        # Not connected any more (Ray's own exit hook ran first): the actors and groups go with the job.
+        connected = ray.is_initialized()
+        actors = list(self._actors.values()) if connected else []
         try:
             for actor in actors:
                 with contextlib.suppress(Exception):
@@ -504,7 +508,7 @@ class RayBackend(Backend):
             self._wait_dead(actors)
             from ray.util.placement_group import remove_placement_group
 
-            for group in self._own_groups:
+            for group in self._own_groups if connected else []:
                 with contextlib.suppress(Exception):
                     remove_placement_group(group)
         finally:

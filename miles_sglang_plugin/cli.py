@@ -73,11 +73,9 @@ def _cmd_launch(args: argparse.Namespace) -> int:
         console.print(
             f"serving; logs in {deployment.log_dir}; Ctrl-C stops every engine and router", markup=False
         )
-        while not (lost := deployment.exited()):
+        while not deployment.exited():
             time.sleep(1.0)
-        console.print(
-            "[bold red]error:[/] " + escape(", ".join(f"{n} exited with code {c}" for n, c in lost))
-        )
+        console.print("[bold red]error:[/] " + escape("; ".join(deployment.exit_report())))
         return 1
 
 

@@ -1,10 +1,11 @@
 """For trainers still on argparse (Miles, slime): their parsed ``Namespace`` → the same frozen plan.
 
-``resolve_namespace(args)`` reads Miles' own argument names (:meth:`TrainerInputs.from_namespace`) and, when
-``args.sglang_config`` is set, the ``--sglang-config`` file (a path or Miles' ``base64:`` form, see
-:func:`~miles_sglang_plugin.miles.sglang_config.load_miles_config`); without it, Miles' legacy deployment
-(``--prefill-num-servers`` or one regular group, plus the ``--eval-num-gpus`` fleet). The plan equals the one the
-Hydra path resolves for the same deployment.
+``resolve_namespace(args)`` reads Miles' own argument names (:meth:`TrainerInputs.from_namespace`), Miles'
+``--sglang-<field>`` values (:func:`server_defaults_from_namespace`, what ``sglang_deploy.server_defaults`` holds
+on the Hydra path) and, when ``args.sglang_config`` is set, the ``--sglang-config`` file (a path or Miles'
+``base64:`` form, see :func:`~miles_sglang_plugin.miles.sglang_config.load_miles_config`); without it, Miles'
+legacy deployment (``--prefill-num-servers`` or one regular group, plus the ``--eval-num-gpus`` fleet). The plan
+equals the one the Hydra path resolves for the same inputs.
 """
 
 from __future__ import annotations
@@ -17,6 +18,28 @@ from miles_sglang_plugin.errors import ProblemCollector
 from miles_sglang_plugin.miles.sglang_config import load_miles_config
 from miles_sglang_plugin.planning.plan import DeploymentPlan
 from miles_sglang_plugin.planning.resolution import resolve_deployment
+from miles_sglang_plugin.rendering.launch_specs import PLAN_OWNED_DEFAULTS
+
+#: Miles' ``--sglang-*`` flags arrive as ``sglang_<ServerArgs field>``.
+SGLANG_PREFIX = "sglang_"
+#: ``sglang_<name>`` attributes that are Miles' own arguments, not ServerArgs values (``--sglang-config`` is the
+#: deployment file; ServerArgs' own ``config`` is not registered by Miles).
+_MILES_OWN_SGLANG_ARGS = frozenset({"config"})
+
+
+def server_defaults_from_namespace(ns: Any, fields: Collection[str]) -> dict[str, Any]:
+    """Miles' ``--sglang-<field>`` values of ``ns`` (those that are set: not None) as ServerArgs field -> value,
+    for the ServerArgs ``fields`` of the installed SGLang. Left out, as Miles leaves them out: what the plan
+    decides itself (``host``, ``tp_size``, ``random_seed``, ...) and the API keys (secrets, carried apart)."""
+    known = frozenset(fields)
+    values: dict[str, Any] = {}
+    for attribute, value in vars(ns).items():
+        if not attribute.startswith(SGLANG_PREFIX) or value is None:
+            continue
+        name = attribute[len(SGLANG_PREFIX) :]
+        if name in known and name not in _MILES_OWN_SGLANG_ARGS and name not in PLAN_OWNED_DEFAULTS:
+            values[name] = value
+    return values
 
 
 def resolve_namespace(ns: Any, *, server_arg_fields: Collection[str] | None = None) -> DeploymentPlan:
@@ -25,7 +48,11 @@ def resolve_namespace(ns: Any, *, server_arg_fields: Collection[str] | None = No
     Raises :class:`~miles_sglang_plugin.errors.DeploymentConfigError` listing every problem: of the
     ``--sglang-config`` file first (they point into it), then of the deployment. ``--sglang-config`` together
     with ``--prefill-num-servers`` is refused, as in Miles; so is either of them with ``--rollout-external``.
+    ``server_arg_fields`` (the installed SGLang's ServerArgs fields) turns on the check of override keys; a
+    key of the file that this SGLang lacks is then left out with a note, as Miles does.
     """
+    from miles_sglang_plugin.rendering.server_arg_fields import known_server_arg_fields
+
     trainer = TrainerInputs.from_namespace(ns)
     config = getattr(ns, "sglang_config", None)
     if getattr(ns, "rollout_external", False):
@@ -42,4 +69,10 @@ def resolve_namespace(ns: Any, *, server_arg_fields: Collection[str] | None = No
                 )
         problems.raise_if_any()
     spec = load_miles_config(config) if config else None
-    return resolve_deployment(spec, trainer, server_arg_fields=server_arg_fields)
+    fields = server_arg_fields if server_arg_fields is not None else known_server_arg_fields().fields
+    return resolve_deployment(
+        spec,
+        trainer,
+        server_arg_fields=server_arg_fields,
+        server_defaults=server_defaults_from_namespace(ns, fields),
+    )

@@ -219,7 +219,7 @@ def _placement_args(
     return {
         "model_path": group.overrides.get("model_path"),
         "trust_remote_code": True,
-        "random_seed": trainer.seed + engine.rank,
+        "random_seed": trainer.seed + process.rank,
         "host": host,
         "port": own.http,
         "nccl_port": own.nccl,
@@ -289,8 +289,9 @@ def _engine_server_args(
     fields: Collection[str] | None,
     dropped: set[str],
 ) -> dict[str, Any]:
-    """The ServerArgs values of one engine process: server defaults < the plan's values < group overrides.
-    Values the plan derives for fields the installed SGLang lacks are left out and added to ``dropped``."""
+    """The ServerArgs values of one engine process: Miles' derived defaults (colocate) < server defaults < the
+    plan's values < group overrides. Values the plan derives for fields the installed SGLang lacks are left out
+    and added to ``dropped``."""
     derived = {
         **_placement_args(plan, group, engine, process, ports, host, dist_host),
         **_disaggregation_args(group.worker_type, ports.engines[(engine.id, 0)]),
@@ -303,9 +304,10 @@ def _engine_server_args(
     defaults = {k.replace("-", "_"): v for k, v in settings.server_defaults.items()}
     if group.worker_type is WorkerType.decode:
         defaults.pop("enable_hierarchical_cache", None)  # Miles never fills it for decode workers
-    values = {**defaults, **derived, **thaw(group.overrides)}
+    miles_defaults = thaw(plan.derived_server_defaults)
+    values = {**miles_defaults, **defaults, **derived, **thaw(group.overrides)}
     if fields is not None:
-        for key in [k for k in derived if k not in fields and k not in group.overrides]:
+        for key in [k for k in {**miles_defaults, **derived} if k not in fields and k not in group.overrides]:
             dropped.add(key)
             del values[key]
     return values

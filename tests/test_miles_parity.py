@@ -15,13 +15,14 @@ import pytest
 import yaml
 
 from miles_sglang_plugin import cli
-from miles_sglang_plugin.app.hydra_edge import resolve_config
+from miles_sglang_plugin.app.hydra_edge import prepare_from_config, resolve_config
 from miles_sglang_plugin.config.compose import compose_config
 from miles_sglang_plugin.config.schema import SGLangDeployConf
 from miles_sglang_plugin.config.trainer_inputs import TrainerInputs, apply_miles_rules
 from miles_sglang_plugin.errors import DeploymentConfigError
-from miles_sglang_plugin.miles.argparse_bridge import resolve_namespace
+from miles_sglang_plugin.miles.argparse_bridge import lora_from_namespace, resolve_namespace
 from miles_sglang_plugin.planning.resolution import resolve_deployment
+from miles_sglang_plugin.rendering.lora import hf_target_modules, lora_server_args
 from miles_sglang_plugin.rendering.prepared import prepare_deployment
 from miles_sglang_plugin.rendering.server_arg_fields import known_server_arg_fields, shipped_server_arg_fields
 from tests.conftest import group, model, spec
@@ -359,3 +360,133 @@ def test_import_of_the_miles_guide_gives_a_preset_that_plans(run_cli, tmp_path):
     )  # fmt: skip
     assert (rc, err) == (0, "")
     assert "actor.decode.1" in out
+
+
+# ================================================================================================ 9. LoRA
+def lora_server_args_of(*overrides: str) -> dict[str, Any]:
+    """The LoRA ServerArgs of the first engine, as SGLang's parser (or the stand-in's) reads its argv."""
+    from tests.test_rendering import parsed
+
+    prepared = prepare_from_config(compose_config(["sglang=default", "hf_checkpoint=/c", *overrides]))
+    values = parsed(prepared.launch.engines[0])
+    keys = ("enable_lora", "max_loras_per_batch", "max_lora_rank", "lora_target_modules", "lora_paths")
+    return {k: values[k] for k in keys}
+
+
+def test_multi_lora_server_args_are_miles_numbers():
+    # 727f91769 tests/fast/backends/sglang_utils/test_sglang_engine.py
+    # test_a_multi_lora_inkling_launch_still_names_its_targets: lora_rank=16,
+    # target_modules=["layers.*.self_attention.linear_qkv"], multi_lora_n_adapters=4 -> the targets are
+    # k_proj, q_proj, v_proj; sglang_engine.py's multi-LoRA branch: enable_lora, max_loras_per_batch = 4
+    # (the adapter count), max_lora_rank = max(16, 1), no lora_paths.
+    lora = lora_from_namespace(
+        argparse.Namespace(
+            lora_rank=16,
+            target_modules=["layers.*.self_attention.linear_qkv"],
+            multi_lora=True,
+            multi_lora_n_adapters=4,
+            lora_adapter_path=None,
+        )
+    )
+    assert lora_server_args(lora, colocate=False) == {
+        "enable_lora": True,
+        "max_loras_per_batch": 4,
+        "max_lora_rank": 16,
+        "lora_target_modules": ["q_proj", "k_proj", "v_proj"],
+    }
+    # The same through the Hydra group, on a real command line.
+    values = lora_server_args_of(
+        "sglang_deploy.lora.multi_lora_n_adapters=4",
+        "sglang_deploy.lora.max_lora_rank=16",
+        "sglang_deploy.lora.target_modules=[layers.*.self_attention.linear_qkv]",
+    )
+    assert values["enable_lora"] is True and values["lora_paths"] is None
+    assert (values["max_loras_per_batch"], values["max_lora_rank"]) == (4, 16)
+    assert sorted(values["lora_target_modules"]) == ["k_proj", "q_proj", "v_proj"]
+
+
+@pytest.mark.parametrize(
+    ("targets", "expected"),
+    [
+        # test_sglang_engine.py: test_spellable_targets_are_named_one_by_one, test_gdn_attention_targets_...,
+        # test_asking_for_every_module_is_still_honoured.
+        (["layers.*.self_attention.linear_qkv"], ["q_proj", "k_proj", "v_proj"]),
+        (["layers.*.self_attention.in_proj"], ["in_proj_qkvz", "in_proj_ba"]),
+        (["all"], ["all"]),
+        # lora_utils.py: merged fc1 -> gate/up, MLA names, HF names through, duplicates once.
+        (["linear_fc1", "linear_fc2", "linear_proj"], ["gate_proj", "up_proj", "down_proj", "o_proj"]),
+        (["linear_q_down_proj", "linear_kv_up_proj"], ["q_a_proj", "kv_b_proj"]),
+        (["q_proj", "linear_qkv", "o_proj"], ["q_proj", "k_proj", "v_proj", "o_proj"]),
+    ],
+)
+def test_target_modules_become_hf_names_as_in_miles(targets, expected):
+    assert hf_target_modules(targets) == expected
+
+
+def test_single_lora_server_args_are_miles_numbers():
+    # sglang_engine.py's single-LoRA branch (lora_rollout_enabled): max_loras_per_batch 1, max_lora_rank =
+    # max(lora_rank, 1), lora_paths {miles_lora: --lora-adapter-path}; enable_weights_cpu_backup for LoRA +
+    # colocate + --lora-base-cpu-backup. test_compute_server_args.py: lora_rank=8 -> enable_lora True.
+    ns = argparse.Namespace(
+        lora_rank=0, lora_adapter_path="/adapters/a", target_modules=None, lora_base_cpu_backup=True
+    )
+    lora = lora_from_namespace(ns)
+    assert lora_server_args(lora, colocate=True) == {
+        "enable_lora": True,
+        "max_loras_per_batch": 1,
+        "max_lora_rank": 1,
+        "lora_paths": ["miles_lora=/adapters/a"],
+        "enable_weights_cpu_backup": True,
+    }
+    assert "enable_weights_cpu_backup" not in lora_server_args(lora, colocate=False)
+    rank8 = lora_from_namespace(argparse.Namespace(lora_rank=8, target_modules="q_proj,v_proj"))
+    assert lora_server_args(rank8, colocate=False) == {
+        "enable_lora": True,
+        "max_loras_per_batch": 1,
+        "max_lora_rank": 8,
+        "lora_target_modules": ["q_proj", "v_proj"],
+    }
+    # --lora-train-only: the engines serve the base model; no LoRA at all: nothing.
+    train_only = argparse.Namespace(lora_rank=8, target_modules=["linear_qkv"], lora_train_only=True)
+    assert lora_server_args(lora_from_namespace(train_only), colocate=False) == {}
+    assert lora_server_args(lora_from_namespace(argparse.Namespace()), colocate=False) == {}
+
+
+def test_a_group_override_wins_over_the_lora_defaults():
+    # test_compute_server_args.py test_override_wins_over_lora_defaults: lora_rank=8, override enable_lora=False.
+    s = spec(model("actor", group("regular", 2, enable_lora=False)))
+    plan = resolve_deployment(s, TrainerInputs(hf_checkpoint="/c", debug_rollout_only=True))
+    settings = SGLangDeployConf(
+        lora=lora_from_namespace(argparse.Namespace(lora_rank=8, target_modules=["linear_qkv"]))
+    )
+    process = prepare_deployment(plan, settings, server_arg_fields=FIELDS_0_5_23).launch.engines[0]
+    assert process.server_args["enable_lora"] is False and "--enable-lora" not in process.argv
+    assert process.server_args["max_lora_rank"] == 8
+
+
+def test_what_miles_refuses_for_multi_lora_is_refused_before_anything_starts():
+    # multi_lora.py validate_multi_lora_args: --target-modules must be set; not with --colocate. And what it
+    # would ignore: adapter paths (its multi-LoRA engines start without any), another max_loras_per_batch.
+    plan = resolve_deployment(
+        spec(model("actor", group("regular", 8))), TrainerInputs(hf_checkpoint="/c", colocate=True)
+    )
+    settings = SGLangDeployConf()
+    settings.lora.multi_lora_n_adapters = 4
+    settings.lora.paths = {"a": "/a"}
+    settings.lora.max_loras_per_batch = 2
+    with pytest.raises(DeploymentConfigError) as exc:
+        prepare_deployment(plan, settings)
+    got = problems_of(exc)
+    assert got["sglang_deploy.lora.target_modules"] == "multi-LoRA (4 adapter slots) needs the target modules"
+    assert got["sglang_deploy.lora.multi_lora_n_adapters"].startswith(
+        "4: multi-LoRA needs engines apart from training"
+    )
+    assert got["sglang_deploy.lora.paths"].startswith("['a']: multi-LoRA engines start without adapters")
+    assert got["sglang_deploy.lora.max_loras_per_batch"] == (
+        "2: with multi-LoRA it is the number of adapter slots, multi_lora_n_adapters=4; leave it null"
+    )
+    settings = SGLangDeployConf()
+    settings.lora.multi_lora_n_adapters = -1
+    with pytest.raises(DeploymentConfigError) as exc:
+        prepare_deployment(plan, settings)
+    assert problems_of(exc) == {"sglang_deploy.lora.multi_lora_n_adapters": "must be an integer >= 0, got -1"}

@@ -5,7 +5,8 @@
 on the Hydra path) and, when ``args.sglang_config`` is set, the ``--sglang-config`` file (a path or Miles'
 ``base64:`` form, see :func:`~miles_sglang_plugin.miles.sglang_config.load_miles_config`); without it, Miles'
 legacy deployment (``--prefill-num-servers`` or one regular group, plus the ``--eval-num-gpus`` fleet). The plan
-equals the one the Hydra path resolves for the same inputs.
+equals the one the Hydra path resolves for the same inputs. :func:`lora_from_namespace` maps Miles' LoRA
+arguments onto ``sglang_deploy.lora``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
+from miles_sglang_plugin.config.schema import LoraConf
 from miles_sglang_plugin.config.trainer_inputs import TrainerInputs
 from miles_sglang_plugin.errors import ProblemCollector
 from miles_sglang_plugin.miles.sglang_config import load_miles_config
@@ -40,6 +42,44 @@ def server_defaults_from_namespace(ns: Any, fields: Collection[str]) -> dict[str
         if name in known and name not in _MILES_OWN_SGLANG_ARGS and name not in PLAN_OWNED_DEFAULTS:
             values[name] = value
     return values
+
+
+#: Miles' ``--target-modules all-linear`` (``arguments.py``), for the dense attention and MLP projections; the
+#: MLA projections Miles adds for checkpoints whose config has them are not known here (name them instead).
+ALL_LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: The adapter name Miles gives ``--lora-adapter-path`` (``miles/utils/lora.py``).
+MILES_LORA_ADAPTER_NAME = "miles_lora"
+
+
+def _target_modules(value: Any) -> list[str]:
+    """Miles' ``--target-modules``: a list (as ``miles_validate_args`` leaves it) or the command-line string
+    (``all-linear`` or comma-separated names)."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        if value == "all-linear":
+            return list(ALL_LINEAR_MODULES)
+        return [name.strip() for name in value.split(",") if name.strip()]
+    return [str(name) for name in value]
+
+
+def lora_from_namespace(ns: Any) -> LoraConf:
+    """``sglang_deploy.lora`` from Miles' LoRA arguments (radixark/miles at 31f1ca961): single LoRA when
+    ``--lora-rank`` > 0 or ``--lora-adapter-path`` is given, unless ``--lora-train-only``; multi-LoRA with
+    ``--multi-lora-n-adapters`` > 0; ``max_lora_rank`` = ``max(--lora-rank, 1)``; the adapter path as
+    ``miles_lora`` (single LoRA only); ``--lora-base-cpu-backup``."""
+    rank = getattr(ns, "lora_rank", 0) or 0
+    adapter = getattr(ns, "lora_adapter_path", None)
+    enabled = (rank > 0 or adapter is not None) and not getattr(ns, "lora_train_only", False)
+    adapters = getattr(ns, "multi_lora_n_adapters", 0) or 0
+    return LoraConf(
+        enabled=enabled,
+        paths={MILES_LORA_ADAPTER_NAME: adapter} if enabled and adapter is not None and not adapters else {},
+        max_lora_rank=max(rank, 1),
+        target_modules=_target_modules(getattr(ns, "target_modules", None)),
+        multi_lora_n_adapters=adapters,
+        base_cpu_backup=bool(getattr(ns, "lora_base_cpu_backup", False)),
+    )
 
 
 def resolve_namespace(ns: Any, *, server_arg_fields: Collection[str] | None = None) -> DeploymentPlan:

@@ -229,6 +229,21 @@ def server_default_args(server_defaults: dict[str, Any]) -> tuple[list[str], lis
     return args, notes
 
 
+def miles_lora_args(lora: Any) -> list[str]:
+    """Miles' LoRA arguments that give the engines ``sglang_deploy.lora``'s LoRA settings (``--lora-rank`` is
+    ``max_lora_rank``; a single adapter path becomes ``--lora-adapter-path``)."""
+    args = ["--lora-rank", str(lora.max_lora_rank)]
+    if lora.target_modules:
+        args += ["--target-modules", ",".join(lora.target_modules)]
+    if lora.multi_lora_n_adapters:
+        args += ["--multi-lora-n-adapters", str(lora.multi_lora_n_adapters)]
+    elif len(lora.paths) == 1:
+        args += ["--lora-adapter-path", next(iter(lora.paths.values()))]
+    if lora.base_cpu_backup:
+        args.append("--lora-base-cpu-backup")
+    return args
+
+
 def deploy_notes(deploy: Any) -> list[str]:
     """Deployment-wide settings the Miles file cannot carry: said, not silently dropped."""
     notes = []
@@ -239,10 +254,10 @@ def deploy_notes(deploy: Any) -> list[str]:
             f"--sglang-router-policy {router.policy}"
         )
     lora = getattr(deploy, "lora", None)
-    if lora is not None and getattr(lora, "enabled", False):
+    if lora is not None and (lora.enabled or lora.multi_lora_n_adapters):
         notes.append(
-            "sglang_deploy.lora is not part of the file; pass Miles' LoRA arguments (e.g. --lora-rollout-enabled, "
-            "--lora-adapter-path) yourself"
+            "sglang_deploy.lora is not part of the file; Miles derives the engines' LoRA arguments from its "
+            f"training arguments: {shlex.join(miles_lora_args(lora))}"
         )
     if getattr(deploy, "env", None):
         notes.append("sglang_deploy.env is not part of the file; set those variables in Miles' environment")

@@ -24,7 +24,7 @@ from typing import Any
 
 from miles_sglang_plugin.addresses import host_port, http_base_url
 from miles_sglang_plugin.config.deployment_spec import WorkerType, thaw
-from miles_sglang_plugin.config.schema import EngineKind, LoraConf, SGLangDeployConf
+from miles_sglang_plugin.config.schema import EngineKind, SGLangDeployConf
 from miles_sglang_plugin.config.trainer_inputs import TrainerInputs
 from miles_sglang_plugin.errors import Problem
 from miles_sglang_plugin.masking import mask_argv, mask_env
@@ -36,6 +36,7 @@ from miles_sglang_plugin.planning.plan import (
     ModelPlan,
 )
 from miles_sglang_plugin.planning.resolution import PLAN_OWNED_OVERRIDES, suggest
+from miles_sglang_plugin.rendering.lora import lora_server_args
 from miles_sglang_plugin.rendering.ports import EnginePorts, PortAssignment
 from miles_sglang_plugin.rendering.router_specs import RouterLaunchSpec, RouterSettings, WorkerRegistration
 
@@ -262,21 +263,6 @@ def _trainer_feature_args(trainer: TrainerInputs) -> dict[str, Any]:
     return values
 
 
-def _lora_args(lora: LoraConf) -> dict[str, Any]:
-    if not lora.enabled:
-        return {}
-    values: dict[str, Any] = {
-        "enable_lora": True,
-        "max_loras_per_batch": lora.max_loras_per_batch,
-        "max_lora_rank": lora.max_lora_rank,
-    }
-    if lora.target_modules:
-        values["lora_target_modules"] = list(lora.target_modules)
-    if lora.paths:
-        values["lora_paths"] = [f"{name}={path}" for name, path in lora.paths.items()]
-    return values
-
-
 def _engine_server_args(
     plan: DeploymentPlan,
     group: GroupPlan,
@@ -296,7 +282,7 @@ def _engine_server_args(
         **_placement_args(plan, group, engine, process, ports, host, dist_host),
         **_disaggregation_args(group.worker_type, ports.engines[(engine.id, 0)]),
         **_trainer_feature_args(plan.trainer),
-        **_lora_args(settings.lora),
+        **lora_server_args(settings.lora, colocate=plan.trainer.colocate),
     }
     if settings.api_key:
         derived["api_key"] = settings.api_key

@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 import yaml
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 from miles_sglang_plugin import cli
 from miles_sglang_plugin.app.hydra_edge import prepare_from_config, resolve_config
@@ -21,6 +23,7 @@ from miles_sglang_plugin.config.schema import SGLangDeployConf
 from miles_sglang_plugin.config.trainer_inputs import TrainerInputs, apply_miles_rules
 from miles_sglang_plugin.errors import DeploymentConfigError
 from miles_sglang_plugin.miles.argparse_bridge import lora_from_namespace, resolve_namespace
+from miles_sglang_plugin.miles.sglang_config import load_miles_config, spec_to_preset
 from miles_sglang_plugin.planning.resolution import resolve_deployment
 from miles_sglang_plugin.rendering.lora import hf_target_modules, lora_server_args
 from miles_sglang_plugin.rendering.prepared import prepare_deployment
@@ -214,9 +217,9 @@ def test_the_colocated_prefill_cuda_graph_default_reaches_every_engine_below_the
 def test_argparse_and_hydra_paths_read_the_same_colocate_inputs():
     # The namespace's --sglang-cuda-graph-backend-prefill is what sglang_deploy.server_defaults holds on the
     # Hydra path: set, it stops the colocate default on both.
-    for given, expected in ((None, {"cuda_graph_backend_prefill": "disabled"}), ("piecewise", {})):
+    for backend, expected in ((None, {"cuda_graph_backend_prefill": "disabled"}), ("piecewise", {})):
         ns = miles_namespace(
-            colocate=True, rollout_num_gpus_per_engine=2, sglang_cuda_graph_backend_prefill=given
+            colocate=True, rollout_num_gpus_per_engine=2, sglang_cuda_graph_backend_prefill=backend
         )
         overrides = [
             "sglang=default",
@@ -224,8 +227,8 @@ def test_argparse_and_hydra_paths_read_the_same_colocate_inputs():
             "colocate=true",
             "rollout_num_gpus_per_engine=2",
         ]
-        if given:
-            overrides.append(f"+sglang_deploy.server_defaults.cuda_graph_backend_prefill={given}")
+        if backend:
+            overrides.append(f"+sglang_deploy.server_defaults.cuda_graph_backend_prefill={backend}")
         from_ns, from_hydra = resolve_namespace(ns), resolve_config(compose_config(overrides))
         assert dict(from_ns.derived_server_defaults) == dict(from_hydra.derived_server_defaults) == expected
         assert (from_ns.model("default").group("regular").num_gpus, from_ns.trainer.offload_rollout) == (
@@ -490,3 +493,111 @@ def test_what_miles_refuses_for_multi_lora_is_refused_before_anything_starts():
     with pytest.raises(DeploymentConfigError) as exc:
         prepare_deployment(plan, settings)
     assert problems_of(exc) == {"sglang_deploy.lora.multi_lora_n_adapters": "must be an integer >= 0, got -1"}
+
+
+# ====================================================================== the argparse path == the Hydra path
+@st.composite
+def miles_runs(draw) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(a Miles --sglang-config file as data, Miles' arguments): valid by construction, every group of whole
+    nodes and any engine size dividing it, so that both paths plan; all of the trainer inputs vary."""
+    gpn = draw(st.sampled_from([2, 4, 8]))
+    gpes = [d for d in (1, 2, 4, 8) if gpn % d == 0] + [2 * gpn]
+    models = []
+    for i in range(draw(st.integers(1, 3))):
+        types = ["prefill", "decode"] if draw(st.booleans()) else ["regular"]
+        if draw(st.integers(0, 3)) == 0:
+            types.insert(draw(st.integers(0, len(types))), "placeholder")
+        groups = []
+        for worker_type in types:
+            g: dict[str, Any] = {"worker_type": worker_type, "num_gpus": 2 * gpn * draw(st.integers(1, 2))}
+            if draw(st.booleans()):
+                g["num_gpus_per_engine"] = draw(st.sampled_from(gpes))
+            if draw(st.integers(0, 2)) == 0:
+                g["overrides"] = {"mem_fraction_static": draw(st.sampled_from([0.7, 0.85]))}
+            groups.append(g)
+        entry: dict[str, Any] = {"name": f"m{i}", "server_groups": groups}
+        if i:
+            entry["model_path"] = f"/ckpt/m{i}"
+        if draw(st.booleans()):
+            entry["num_gpus_per_engine"] = draw(st.sampled_from(gpes))
+        models.append(entry)
+    rollout = sum(g["num_gpus"] for m in models for g in m["server_groups"])
+    eval_gpus = 2 * gpn if draw(st.booleans()) else 0
+    if eval_gpus:
+        models.append({"name": "eval", "server_groups": [{"worker_type": "regular", "num_gpus": eval_gpus}]})
+    colocate = draw(st.booleans())
+    args: dict[str, Any] = dict(
+        num_gpus_per_node=gpn,
+        actor_num_nodes=rollout // gpn if colocate else draw(st.integers(1, 2)),
+        actor_num_gpus_per_node=gpn,
+        colocate=colocate,
+        offload_rollout=draw(st.sampled_from([None, True, False])),
+        rollout_num_gpus=draw(st.sampled_from([None, rollout])),
+        rollout_num_gpus_per_engine=draw(st.sampled_from(gpes)),
+        eval_num_gpus=eval_gpus,
+        eval_num_gpus_per_engine=draw(st.sampled_from(gpes)),
+        debug_rollout_only=draw(st.integers(0, 4)) == 0,
+        debug_train_only=draw(st.integers(0, 9)) == 0,
+        use_critic=draw(st.booleans()),
+        critic_num_nodes=draw(st.sampled_from([None, 0, 1])),
+        critic_num_gpus_per_node=draw(st.sampled_from([None, 0, gpn])),
+        seed=draw(st.integers(0, 5000)),
+        use_rollout_routing_replay=draw(st.booleans()),
+        fp16=draw(st.booleans()),
+        sglang_cuda_graph_backend_prefill=draw(st.sampled_from([None, "full"])),
+        eval_sglang_mem_fraction_static=draw(st.sampled_from([None, 0.5])) if eval_gpus else None,
+    )
+    return {"sglang": models}, args
+
+
+def hydra_overrides_of(args: dict[str, Any]) -> list[str]:
+    """The same trainer inputs as Hydra overrides of the root (Miles' names), ``--sglang-*`` and
+    ``--eval-sglang-*`` in their Hydra places."""
+    out = []
+    for name, value in args.items():
+        if name == "sglang_cuda_graph_backend_prefill":
+            if value is not None:
+                out.append(f"+sglang_deploy.server_defaults.cuda_graph_backend_prefill={value}")
+        elif name == "eval_sglang_mem_fraction_static":
+            if value is not None:
+                out.append(f"+eval_sglang_overrides.mem_fraction_static={value}")
+        else:
+            out.append(
+                f"{name}={'null' if value is None else str(value).lower() if isinstance(value, bool) else value}"
+            )
+    return out
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(run=miles_runs())
+def test_the_namespace_and_the_hydra_path_give_the_same_plan(run, tmp_path_factory):
+    """A Miles run (its --sglang-config file and its arguments) resolved through ``resolve_namespace`` and,
+    imported as a preset, through ``resolve_config`` of the composed config: the same plan, or both refused."""
+    config, args = run
+    where = tmp_path_factory.mktemp("run")
+    path = where / "run.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    (where / "sglang").mkdir()
+    (where / "sglang" / "run.yaml").write_text(spec_to_preset(load_miles_config(path)))
+    ns = miles_namespace(sglang_config=str(path), **args)
+    cfg = compose_config(
+        [
+            "sglang=run",
+            f"hydra.searchpath=[file://{where}]",
+            "hf_checkpoint=/ckpt/actor",
+            *hydra_overrides_of(args),
+        ]
+    )
+    plans = []
+    for resolve in (lambda: resolve_namespace(ns, server_arg_fields=FIELDS_0_5_23),
+                    lambda: resolve_config(cfg, server_arg_fields=FIELDS_0_5_23)):  # fmt: skip
+        try:
+            plan = resolve()
+        except DeploymentConfigError as exc:
+            plans.append(sorted(p.key.rsplit(".", 1)[-1] for p in exc.problems))
+        else:
+            data = plan.to_dict()
+            data.pop("source")
+            plans.append(data)
+    event("planned" if isinstance(plans[0], dict) else f"refused: {plans[0]}")
+    assert plans[0] == plans[1]

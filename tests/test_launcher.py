@@ -263,7 +263,7 @@ HYDRA_APP = textwrap.dedent(
         node={
             "defaults": ["_self_", {"sglang": "default"}],
             "hf_checkpoint": "/c",
-            "colocate": True,
+            "debug_rollout_only": True,  # rollout from slot 0, any size
         },
     )
 

@@ -230,7 +230,6 @@ class _Rules:
     """Miles' rules applied in Miles' order, each change recorded."""
 
     def __init__(self, trainer: TrainerInputs, server_defaults: Mapping[str, Any]) -> None:
-        self.given = trainer
         self.values = {name: getattr(trainer, name) for name in TrainerInputs.field_names()}
         self.changed: dict[str, Any] = {}
         self.derived: dict[str, Any] = {}
@@ -318,7 +317,8 @@ def apply_miles_rules(
     and ``offload_rollout`` off (and, colocated without ``rollout_num_gpus``, sizes rollout as the actor);
     ``colocate`` turns ``offload_rollout`` on unless given, sets ``rollout_num_gpus`` to the actor's GPUs and
     ``cuda_graph_backend_prefill=disabled`` unless ``server_defaults`` (Miles' ``--sglang-*``) sets it; an
-    ``offload_rollout`` still unset is off. Idempotent: applied to its own result it changes nothing."""
+    ``offload_rollout`` still unset is off. Applied to its own result's ``trainer`` it derives no further
+    trainer argument."""
     rules = _Rules(trainer, server_defaults or {})
     rules.critic()
     rules.debug_rollout_only()

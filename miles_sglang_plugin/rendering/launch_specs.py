@@ -324,6 +324,8 @@ def standin_fault_env(settings: SGLangDeployConf, engine_id: str) -> dict[str, s
     for pattern, seconds in faults.die_after_s.items():
         if fnmatch.fnmatchcase(engine_id, pattern):
             env["MSP_STANDIN_DIE_AFTER_S"] = str(seconds)
+    if faults.control_latency_s:
+        env["MSP_STANDIN_CONTROL_LATENCY_S"] = str(faults.control_latency_s)
     return env
 
 
@@ -461,7 +463,11 @@ def render_launch(
     for model in plan.models:
         launches, workers = rendering.model_engines(model)
         engines += launches
-        if model.engines:
+        workers += [
+            WorkerRegistration(url=e.url, worker_type=e.worker_type.value, bootstrap_port=e.bootstrap_port)
+            for e in model.external
+        ]
+        if model.has_router:
             routers.append(_router_launch(model, settings, ports, router_host, workers))
     notes = tuple(
         f"left out {key}: Miles sets it, but the installed SGLang has no such ServerArgs field"

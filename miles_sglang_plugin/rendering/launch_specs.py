@@ -176,6 +176,7 @@ class LaunchSpecs:
 def check_deploy_settings(settings: SGLangDeployConf, fields: Collection[str] | None) -> list[Problem]:
     """Problems with ``sglang_deploy`` (server defaults, router settings); empty when fine."""
     from miles_sglang_plugin.rendering.router_specs import validate_router_settings
+    from miles_sglang_plugin.rendering.runtime_settings import runtime_settings_problems
 
     out: list[Problem] = []
     for key in settings.server_defaults:
@@ -193,6 +194,7 @@ def check_deploy_settings(settings: SGLangDeployConf, fields: Collection[str] | 
         out.append(Problem("sglang_deploy.router", str(exc)))
     else:
         out += [Problem("sglang_deploy.router", msg) for msg in validate_router_settings(router)]
+    out += list(runtime_settings_problems(settings))
     if settings.launch.port_base < 1024 or settings.launch.port_base >= settings.launch.port_max:
         out.append(
             Problem(

@@ -243,21 +243,23 @@ def _type_tree(annotation: str) -> TypeTree:
         return ("any",)
 
 
+def _plain_matches(value: Any, name: str) -> bool:
+    if name == "bool":
+        return isinstance(value, bool)
+    if isinstance(value, bool):  # JSON's true is not a number here
+        return False
+    if name == "float":
+        return isinstance(value, int | float)
+    return isinstance(value, _PLAIN[name])
+
+
 def value_matches(value: Any, tree: TypeTree) -> bool:
     """Whether a JSON value fits a parsed annotation (named types other than the plain ones always fit)."""
     kind = tree[0]
-    if kind == "any":
-        return True
     if kind == "none":
         return value is None
     if kind == "name":
-        if tree[1] == "bool":
-            return isinstance(value, bool)
-        if tree[1] in ("int", "float") and isinstance(value, bool):
-            return False
-        if tree[1] == "float":
-            return isinstance(value, int | float)
-        return isinstance(value, _PLAIN[tree[1]])
+        return _plain_matches(value, tree[1])
     if kind == "union":
         return any(value_matches(value, option) for option in tree[1])
     if kind == "list":
@@ -268,4 +270,4 @@ def value_matches(value: Any, tree: TypeTree) -> bool:
         )
     if kind == "literal":
         return any(value == option and type(value) is type(option) for option in tree[1])
-    return True
+    return True  # "any"

@@ -4,6 +4,7 @@ sglang-router 0.3.2."""
 
 from __future__ import annotations
 
+# ruff: noqa: F811  (pytest fixtures imported from other modules, redefined as arguments)
 import asyncio
 import time
 from collections.abc import Callable
@@ -31,7 +32,7 @@ def stats(proc: Proc) -> dict:
     return httpx.get(proc.url + "/stand_in/stats", timeout=10.0).json()
 
 
-def test_released_memory_refuses_generation_until_resumed(spawn: Callable[..., Proc]) -> None:  # noqa: F811
+def test_released_memory_refuses_generation_until_resumed(spawn: Callable[..., Proc]) -> None:
     engine = start_standin(spawn)
     wait_http(engine)
     assert post(engine, "/generate", GENERATE).status_code == 200
@@ -53,7 +54,7 @@ def test_released_memory_refuses_generation_until_resumed(spawn: Callable[..., P
     assert post(engine, "/generate", GENERATE).status_code == 200
 
 
-def test_weight_version_is_reported_everywhere(spawn: Callable[..., Proc]) -> None:  # noqa: F811
+def test_weight_version_is_reported_everywhere(spawn: Callable[..., Proc]) -> None:
     engine = start_standin(spawn, "--weight-version", "v0")
     wait_http(engine)
     assert httpx.get(engine.url + "/model_info").json()["weight_version"] == "v0"
@@ -71,7 +72,7 @@ def test_weight_version_is_reported_everywhere(spawn: Callable[..., Proc]) -> No
     assert (state["loaded_model_path"], state["weight_updates"]) == ("/ckpt/step1", 1)
 
 
-def test_weights_update_group_ranks_are_checked(spawn: Callable[..., Proc]) -> None:  # noqa: F811
+def test_weights_update_group_ranks_are_checked(spawn: Callable[..., Proc]) -> None:
     engine = start_standin(spawn, "--tp-size", "4")
     wait_http(engine)
     group = {"master_address": "10.0.0.1", "master_port": 29500, "group_name": "g", "backend": "nccl"}
@@ -99,7 +100,7 @@ def test_weights_update_group_ranks_are_checked(spawn: Callable[..., Proc]) -> N
     assert stats(engine)["weight_update_groups"] == {}
 
 
-def test_bodies_are_checked_against_sglangs_request_classes(spawn: Callable[..., Proc]) -> None:  # noqa: F811
+def test_bodies_are_checked_against_sglangs_request_classes(spawn: Callable[..., Proc]) -> None:
     engine = start_standin(spawn)
     wait_http(engine)
     cases = {
@@ -127,7 +128,7 @@ def test_bodies_are_checked_against_sglangs_request_classes(spawn: Callable[...,
     assert stats(engine)["control_calls"] == []  # none of them was acted on
 
 
-def test_pause_holds_generation_until_continue_and_abort_ends_it(spawn: Callable[..., Proc]) -> None:  # noqa: F811
+def test_pause_holds_generation_until_continue_and_abort_ends_it(spawn: Callable[..., Proc]) -> None:
     engine = start_standin(spawn)
     wait_http(engine)
 
@@ -152,7 +153,7 @@ def test_pause_holds_generation_until_continue_and_abort_ends_it(spawn: Callable
     assert aborted[0]["meta_info"]["finish_reason"]["type"] == "abort" and aborted[0]["text"] == ""
 
 
-def test_lora_adapters_load_unload_and_are_listed(spawn: Callable[..., Proc]) -> None:  # noqa: F811
+def test_lora_adapters_load_unload_and_are_listed(spawn: Callable[..., Proc]) -> None:
     plain = start_standin(spawn)
     lora = start_standin(spawn, "--enable-lora", "--max-loras-per-batch", "2")
     wait_http(plain)
@@ -170,7 +171,7 @@ def test_lora_adapters_load_unload_and_are_listed(spawn: Callable[..., Proc]) ->
     assert len(httpx.get(lora.url + "/v1/models").json()["data"]) == 1
 
 
-def test_control_latency(spawn: Callable[..., Proc]) -> None:  # noqa: F811
+def test_control_latency(spawn: Callable[..., Proc]) -> None:
     engine = start_standin(spawn, env={"MSP_STANDIN_CONTROL_LATENCY_S": "0.4"})
     wait_http(engine)
     started = time.monotonic()
@@ -181,7 +182,7 @@ def test_control_latency(spawn: Callable[..., Proc]) -> None:  # noqa: F811
 
 def test_pd_logprobs_as_sglangs_disaggregated_servers_through_the_real_router(
     spawn: Callable[..., Proc],
-) -> None:  # noqa: F811
+) -> None:
     """SGLang's prefill server computes the prompt's logprobs and generates the first token only
     (prefill.py: ``max_new_tokens = 1``); the decode server sends no input logprobs (output_streamer.py); the
     PD router puts the prefill's input logprobs in front of the decode's. A 4-token prompt therefore comes
@@ -217,7 +218,7 @@ def test_pd_logprobs_as_sglangs_disaggregated_servers_through_the_real_router(
 
 
 @pytest.mark.parametrize("route", ["/generate", "/v1/chat/completions"])
-def test_paused_engine_refuses_nothing_it_holds(spawn: Callable[..., Proc], route: str) -> None:  # noqa: F811
+def test_paused_engine_refuses_nothing_it_holds(spawn: Callable[..., Proc], route: str) -> None:
     """A pause holds requests, it does not refuse them: continue lets them through."""
     engine = start_standin(spawn)
     wait_http(engine)

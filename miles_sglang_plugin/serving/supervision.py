@@ -337,7 +337,7 @@ class Supervisor:
         with self.router_lock(member.model):
             try:
                 remove_worker(router.launch.spec.url, member.url, api_key=self.deployment.settings.api_key)
-            except (RouterRequestError, httpx.HTTPError) as exc:
+            except (RouterRequestError, httpx.HTTPError, TimeoutError) as exc:
                 logger.warning("could not take %s out of router %s: %s", member.id, router.launch.model, exc)
         member.registered = False
 

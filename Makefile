@@ -23,7 +23,7 @@ $(VENV)/.sglang-installed: scripts/install-sglang-cpu.sh | $(VENV)/.base-install
 	touch $@
 
 demo: $(VENV)/.base-installed
-	cd examples && ../$(BIN)/python train.py sglang=agentic_32gpu sglang_deploy=simulated
+	cd examples && ../$(BIN)/python train.py sglang=agentic_32gpu sglang_deploy=simulated colocate=true offload_rollout=true kill_engine_at_step=1
 
 test: $(VENV)/.sglang-installed
 	$(BIN)/python -m pytest

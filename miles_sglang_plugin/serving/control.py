@@ -31,11 +31,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import threading
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -321,6 +322,9 @@ class AsyncDeploymentControl:
     def __init__(self, deployment: Deployment) -> None:
         self._deployment = deployment
         self.remembered = RememberedState()
+        #: The synchronous handle's loop, on which one HTTP client serves every operation.
+        self.shared_loop: asyncio.AbstractEventLoop | None = None
+        self._shared_client: httpx.AsyncClient | None = None
 
     # ------------------------------------------------------------------------------------------ engines
     def engines(self, model: str | None = None, group: str | None = None) -> tuple[Any, ...]:
@@ -357,12 +361,32 @@ class AsyncDeploymentControl:
         )
 
     # ------------------------------------------------------------------------------------------ fan-out
+    @contextlib.asynccontextmanager
+    async def _client(self) -> AsyncIterator[httpx.AsyncClient]:
+        """The HTTP client of one operation: on the synchronous handle's own loop one kept for all of them
+        (creating a client costs milliseconds), on any other loop one of its own."""
+        limits = httpx.Limits(max_connections=self._deployment.settings.control.max_concurrency)
+        headers = self._deployment.auth_headers()
+        if self.shared_loop is not None and asyncio.get_running_loop() is self.shared_loop:
+            if self._shared_client is None:
+                self._shared_client = httpx.AsyncClient(limits=limits, headers=headers)
+            yield self._shared_client
+            return
+        async with httpx.AsyncClient(limits=limits, headers=headers) as client:
+            yield client
+
     async def _call(
-        self, client: httpx.AsyncClient, member: EngineMember, method: str, route: str, body: Any
+        self,
+        client: httpx.AsyncClient,
+        member: EngineMember,
+        method: str,
+        route: str,
+        body: Any,
+        timeout_s: float,
     ) -> EngineReply:
         started = time.monotonic()
         try:
-            response = await client.request(method, member.url + route, json=body)
+            response = await client.request(method, member.url + route, json=body, timeout=timeout_s)
         except httpx.HTTPError as exc:
             return _reply(member, started, None, None, f"{type(exc).__name__}: {exc or 'no answer'}")
         try:
@@ -388,14 +412,11 @@ class AsyncDeploymentControl:
         timeout_s: float | None,
         method: str = "POST",
     ) -> OperationResult:
-        settings = self._deployment.settings.control
-        deadline = settings.timeout_s if timeout_s is None else timeout_s
-        limits = httpx.Limits(max_connections=settings.max_concurrency)
-        headers = self._deployment.auth_headers()
-        async with httpx.AsyncClient(timeout=deadline, limits=limits, headers=headers) as client:
+        deadline = self._deployment.settings.control.timeout_s if timeout_s is None else timeout_s
+        async with self._client() as client:
             tasks = {
                 asyncio.ensure_future(
-                    self._call(client, m, method, route, body(m) if callable(body) else body)
+                    self._call(client, m, method, route, body(m) if callable(body) else body, deadline)
                 ): m
                 for m in targets.members
             }
@@ -465,6 +486,11 @@ class AsyncDeploymentControl:
 
     def _models_of(self, result: OperationResult) -> set[str]:
         return {m.model for m in self._by_ids([*result.engines, *result.deferred])}
+
+    async def close_shared_client(self) -> None:
+        client, self._shared_client, self.shared_loop = self._shared_client, None, None
+        if client is not None:
+            await client.aclose()
 
     # ------------------------------------------------------------------------------------------ memory
     async def offload(
@@ -922,25 +948,29 @@ class _LoopThread:
     """An event loop on a thread of its own, which the synchronous handle runs its coroutines on (so that it
     works from any thread, also one that runs an event loop of its own)."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_start: Callable[[asyncio.AbstractEventLoop], None]) -> None:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._on_start = on_start
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         with self._lock:
             if self._loop is None:
                 self._loop = asyncio.new_event_loop()
+                self._on_start(self._loop)
                 self._thread = threading.Thread(
                     target=self._loop.run_forever, name="msp-control", daemon=True
                 )
                 self._thread.start()
             return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
-    def close(self) -> None:
+    def close(self, before: Callable[[], Coroutine[Any, Any, None]]) -> None:
         with self._lock:
             loop, thread, self._loop, self._thread = self._loop, self._thread, None, None
         if loop is not None and thread is not None:
+            with contextlib.suppress(Exception):
+                asyncio.run_coroutine_threadsafe(before(), loop).result(timeout=5)
             loop.call_soon_threadsafe(loop.stop)
             thread.join(timeout=5)
             loop.close()
@@ -993,11 +1023,15 @@ class DeploymentControl:
 
     def __init__(self, aio: AsyncDeploymentControl) -> None:
         self.aio = aio
-        self._loop = _LoopThread()
+        self._loop = _LoopThread(on_start=self._use_loop)
         self.background = _Background(self)
 
+    def _use_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.aio.shared_loop = loop
+
     def close(self) -> None:
-        self._loop.close()
+        """Stop its event loop (the deployment does, when it stops)."""
+        self._loop.close(before=self.aio.close_shared_client)
 
     engines = _same(AsyncDeploymentControl.engines)
     weight_update_group = _same(AsyncDeploymentControl.weight_update_group)

@@ -194,10 +194,16 @@ async def _load(
                 killed = True
                 kill()
 
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    # One client (one keep-alive connection) per worker: one pool of 64 connections measures httpcore's pool
+    # scan, not the router (see bench_launch.py).
+    clients = [
+        httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=1)) for _ in range(concurrency)
+    ]
     started = time.perf_counter()
-    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
-        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+    try:
+        await asyncio.gather(*(worker(client) for client in clients))
+    finally:
+        await asyncio.gather(*(client.aclose() for client in clients))
     latencies.sort()
     return {
         "requests": total,
@@ -232,21 +238,35 @@ def requests_under_loss(k: int, total: int, concurrency: int, tmp: Path, verbose
 
 # ------------------------------------------------------------------------------------------ report
 def print_report(results: dict[str, Any]) -> None:
+    if "fan_out" in results:
+        _print_fan_out(results["fan_out"])
+    if "healing" in results:
+        _print_healing(results["healing"])
+    if "requests" in results:
+        _print_requests(results["requests"])
+
+
+def _print_fan_out(rows: list[dict[str, Any]]) -> None:
     print("(1) control fan-out, median wall time per call (ratio to K=1)")
     print(f"    {'K':>3} {'engine latency':>15} {'offload+onload':>16} {'weight version':>16}")
-    for row in results["fan_out"]:
+    for row in rows:
         print(
             f"    {row['k']:>3} {row['latency_s']:>13.2f} s {row['offload_onload_s'] * 1000:>9.1f} ms ({row['offload_onload_ratio']:.2f}x)"
             f" {row['weight_version_s'] * 1000:>9.1f} ms ({row['weight_version_ratio']:.2f}x)"
         )
+
+
+def _print_healing(rows: list[dict[str, Any]]) -> None:
     print("(2) an engine's death to its replacement serving again, minus the replacement's own start")
-    for row in results["healing"]:
+    for row in rows:
         print(
             f"    {row['settings']:>7} settings: noticed after {row['noticed_s']:.2f} s, serving after "
             f"{row['death_to_serving_s']:.2f} s, own start {row['own_start_s']:.2f} s -> overhead {row['overhead_s']:.2f} s "
             f"(restart backoff {row['backoff_s']:g} s; without it {row['overhead_minus_backoff_s']:.2f} s)"
         )
-    row = results["requests"]
+
+
+def _print_requests(row: dict[str, Any]) -> None:
     print(
         f"(3) {row['requests']} requests at concurrency {row['concurrency']} over {row['engines']} engines, one killed: "
         f"failed {row['failed']}, p50 {row['p50_ms']:.1f} ms, p99 {row['p99_ms']:.1f} ms, max {row['max_ms']:.0f} ms, "
@@ -269,15 +289,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="one quick repetition at the smallest sizes")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--verbose", action="store_true")
+    parser.add_argument("--skip", default="", help="parts to leave out: fan_out,healing,requests")
     args = parser.parse_args(argv)
+    skip = set(filter(None, args.skip.split(",")))
     ks = [1, 2] if args.smoke else [1, 8, 32]
     reps = 1 if args.smoke else args.reps
     with tempfile.TemporaryDirectory(prefix="bench_control_") as tmp_dir:
         tmp = Path(tmp_dir)
-        results = {
-            "fan_out": fan_out(ks, args.latency, reps, tmp, args.verbose)
-            + fan_out(ks, 0.0, reps, tmp, args.verbose),
-            "healing": [
+        results: dict[str, Any] = {}
+        if "fan_out" not in skip:
+            results["fan_out"] = fan_out(ks, args.latency, reps, tmp, args.verbose) + fan_out(
+                ks, 0.0, reps, tmp, args.verbose
+            )
+        if "healing" not in skip:
+            results["healing"] = [
                 healing(
                     2 if args.smoke else 4,
                     0.2 if args.smoke else args.start_delay,
@@ -287,15 +312,15 @@ def main(argv: list[str] | None = None) -> int:
                     args.verbose,
                 )
                 for fast in ((True,) if args.smoke else (False, True))
-            ],
-            "requests": requests_under_loss(
+            ]
+        if "requests" not in skip:
+            results["requests"] = requests_under_loss(
                 2 if args.smoke else 8,
                 200 if args.smoke else args.requests,
                 16 if args.smoke else args.concurrency,
                 tmp,
                 args.verbose,
-            ),
-        }
+            )
     if args.json:
         print(json.dumps(results, indent=2))
     else:

@@ -216,3 +216,14 @@ def test_zero_rollout_gpus_without_a_deployment_starts_nothing() -> None:
     assert problems(exc)["rollout_num_gpus"].startswith(
         "must be >= 0 when no sglang deployment is given (got None)"
     )
+
+
+def test_external_engines_cannot_be_exported_to_a_miles_config() -> None:
+    from miles_sglang_plugin.miles.sglang_config import spec_to_miles_yaml
+
+    judge = with_external(model("judge", path="/judge", update=False), "h:1")
+    s = spec(model("actor", group("regular", 2)), judge)
+    plan = resolve_deployment(s, T(hf_checkpoint="/c", colocate=True))
+    with pytest.raises(DeploymentConfigError) as exc:
+        spec_to_miles_yaml(s, plan)
+    assert list(problems(exc)) == ["sglang.judge.external"]

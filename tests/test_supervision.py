@@ -259,3 +259,26 @@ def test_miles_sglang_launch_heals_instead_of_stopping(tmp_path: Path, leak_chec
         if cli.poll() is None:
             os.killpg(cli.pid, signal.SIGKILL)
             cli.wait(timeout=10)
+
+
+def test_no_request_hangs_past_the_routers_request_timeout(tmp_path: Path, leak_check: LeakTracker) -> None:
+    """Without supervision nothing takes a hung engine out: the router's request_timeout_secs still bounds
+    every request (an error after it, not a hang of Miles' 4 hours)."""
+    cfg = compose(
+        "sglang.actor.regular.num_gpus=1",
+        "sglang_deploy.supervision.enabled=false",
+        "sglang_deploy.router.request_timeout_secs=2",
+        "sglang_deploy.router.retry_max_retries=1",
+    )
+    with launch_from_config(cfg, log_dir=tmp_path / "logs") as d:
+        pid = engine_pid(d, "actor.regular.0")
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            response = httpx.post(d.registry.get_model_url("actor"), json=generate_body(), timeout=60)
+            elapsed = time.monotonic() - started
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert response.status_code == 500 and "call_upstream_request_error" in response.text
+        assert 1.9 < elapsed < 6
+        assert d.events() == ()  # nothing watched

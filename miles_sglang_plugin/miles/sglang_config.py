@@ -840,6 +840,12 @@ def spec_to_miles_yaml(spec: DeploymentSpec | None, plan: DeploymentPlan) -> str
 
     models_out: list[dict[str, Any]] = []
     for model_spec, model_plan in zip(spec.models, plan.models, strict=True):
+        if model_plan.external:
+            problems.add(
+                f"{model_spec.key or 'sglang.' + model_plan.name}.external",
+                "external engines are not part of a Miles --sglang-config (Miles takes them as "
+                "--rollout-external-engine-addrs, and refuses them together with a config)",
+            )
         entry: dict[str, Any] = {"name": model_plan.name}
         model_level_path = model_spec.model_path or trainer.hf_checkpoint
         if model_level_path:

@@ -189,6 +189,16 @@ def test_pause_continue_flush_abort_reach_every_engine_or_the_ones_asked(deploym
     assert reached(deployment, "/abort_request", before) == ACTOR
 
 
+def test_query_every_engine(deployment: Deployment) -> None:
+    result = deployment.control.query("/get_load", model="actor", group="prefill")
+    assert result.engines == tuple(OFFLOADED)
+    assert [reply.body[0]["num_reqs"] for reply in result.replies] == [0, 0]
+    metrics = deployment.control.query("/metrics")
+    assert all("sglang:num_requests_total" in reply.body for reply in metrics.replies)
+    with pytest.raises(ValueError, match="route must start with '/'"):
+        deployment.control.query("metrics")
+
+
 def test_lora_adapters_on_running_engines(deployment: Deployment) -> None:
     assert deployment.control.load_lora_adapter("math", "/lora/math").engines == tuple(ALL)
     for engine in deployment.engines():

@@ -751,14 +751,28 @@ class AsyncDeploymentControl:
         self, *, model: str | None = None, timeout_s: float | None = None
     ) -> dict[str, str | None]:
         """engine id -> the weight version it reports (``GET /model_info``); None where it did not answer."""
-        targets = self._targets(lambda m: True, model, None)
-        result = await self._fan_out(
-            "weight_versions", targets, "/model_info", None, timeout_s=timeout_s, method="GET"
-        )
+        result = await self.query("/model_info", model=model, timeout_s=timeout_s, check=False)
         return {
             r.engine: (r.body.get("weight_version") if r.ok and isinstance(r.body, dict) else None)
             for r in result.replies
         }
+
+    async def query(
+        self,
+        route: str,
+        *,
+        model: str | None = None,
+        group: str | None = None,
+        timeout_s: float | None = None,
+        check: bool = True,
+    ) -> OperationResult:
+        """``GET route`` on every engine that is up (e.g. ``/metrics``, ``/get_load``, ``/server_info``): each
+        reply's ``body`` is its JSON, or its text."""
+        if not route.startswith("/"):
+            raise ValueError(f"route must start with '/', got {route!r}")
+        targets = self._targets(lambda m: True, model, group)
+        result = await self._fan_out(f"GET {route}", targets, route, None, timeout_s=timeout_s, method="GET")
+        return result.raise_for_errors() if check else result
 
     def _by_ids(self, ids: Sequence[str]) -> list[EngineMember]:
         wanted = set(ids)
@@ -1044,6 +1058,7 @@ class DeploymentControl:
     destroy_weights_update_group = _blocking(AsyncDeploymentControl.destroy_weights_update_group)
     update_weight_version = _blocking(AsyncDeploymentControl.update_weight_version)
     weight_versions = _blocking(AsyncDeploymentControl.weight_versions)
+    query = _blocking(AsyncDeploymentControl.query)
     pause_generation = _blocking(AsyncDeploymentControl.pause_generation)
     continue_generation = _blocking(AsyncDeploymentControl.continue_generation)
     flush_cache = _blocking(AsyncDeploymentControl.flush_cache)

@@ -224,7 +224,9 @@ class Supervisor:
         """No more checks or restarts; waits for the supervisor's threads (except the calling one)."""
         self._stopping.set()
         current = threading.current_thread()
-        for thread in list(self._threads):
+        with self._lock:
+            threads = list(self._threads)
+        for thread in threads:
             if thread is not current:
                 thread.join(timeout=30)
 
@@ -238,7 +240,8 @@ class Supervisor:
 
     def _thread(self, target: Callable[..., None], name: str, *args: Any) -> None:
         thread = threading.Thread(target=target, args=args, name=name, daemon=True)
-        self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+        with self._lock:
+            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
         thread.start()
 
     def router_lock(self, model: str) -> threading.RLock:

@@ -21,6 +21,8 @@ Fault injection, read from the environment at start:
 ``MSP_STANDIN_NEVER_HEALTHY``
     non-empty and not ``0``: serve normally, but ``/health``, ``/health_generate`` and ``/readiness``
     answer 503 forever (``/liveness`` stays 200: the process is alive).
+``MSP_STANDIN_CONTROL_LATENCY_S``
+    float: each control call (memory, weights, pause, LoRA: :mod:`.control`) takes that long.
 
 Exit codes: 0 on SIGTERM/SIGINT, 1 when the port cannot be bound, 2 for a bad argv or a bad fault variable,
 3 for ``MSP_STANDIN_FAIL_AT_START``, 4 for ``MSP_STANDIN_DIE_AFTER_S``.
@@ -31,10 +33,13 @@ waits to be terminated (the fault variables still apply).
 Endpoints: ``/health``, ``/health_generate``, ``/liveness``, ``/readiness``, ``/server_info``,
 ``/get_server_info``, ``/model_info``, ``/get_model_info``, ``POST /generate`` (optionally SSE),
 ``POST /v1/chat/completions``, ``POST /v1/completions``, ``/v1/models``, ``/flush_cache``, ``/get_load``,
-``/metrics`` (served whether or not ``--enable-metrics`` is given), ``/abort_request``,
-``/release_memory_occupation``, ``/resume_memory_occupation``, ``/get_weight_version``,
-``/update_weights_from_disk``, the weight-update bracket endpoints (no-ops), and ``/stand_in/stats``
-(request counters and the last PD bootstrap fields seen). With ``--disaggregation-mode prefill|decode``,
+``/metrics`` (served whether or not ``--enable-metrics`` is given), the control routes with their state
+(:mod:`miles_sglang_plugin.standin.control`: memory release/resume, weight updates and version, pause/continue,
+abort, LoRA adapters; bodies checked against SGLang's request classes), ``/get_weight_version``, Miles'
+weight-update bracket (no-ops), and ``/stand_in/stats`` (request counters, the last PD bootstrap fields seen,
+the control state and the control calls received). In PD mode the answers are a disaggregated server's: a
+prefill engine generates one token and returns the prompt's logprobs; a decode engine returns no input
+logprobs. With ``--disaggregation-mode prefill|decode``,
 ``/generate`` and ``/v1/chat/completions`` answer 400 unless the body has ``bootstrap_host``,
 ``bootstrap_port`` (may be null: the router sends null when it was given no port) and ``bootstrap_room``.
 A prefill engine also answers 400 unless they name its own bootstrap server, where the decode engine that gets

@@ -45,7 +45,8 @@ def test_released_memory_refuses_generation_until_resumed(spawn: Callable[..., P
         post(engine, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}).status_code
         == 503
     )
-    assert httpx.get(engine.url + "/health").status_code == 200  # an offloaded engine is alive
+    assert httpx.get(engine.url + "/health").status_code == 200  # an offloaded engine is alive ...
+    assert httpx.get(engine.url + "/health_generate").status_code == 503  # ... but cannot generate
     post(engine, "/release_memory_occupation")  # no tags: all of them
     assert stats(engine)["released_memory_tags"] == ["cuda_graph", "kv_cache", "weights"]
     post(engine, "/resume_memory_occupation", {"tags": ["weights", "cuda_graph"]})

@@ -282,3 +282,25 @@ def test_no_request_hangs_past_the_routers_request_timeout(tmp_path: Path, leak_
         assert response.status_code == 500 and "call_upstream_request_error" in response.text
         assert 1.9 < elapsed < 6
         assert d.events() == ()  # nothing watched
+
+
+def test_generation_health_checks_spare_engines_that_cannot_generate(
+    tmp_path: Path, leak_check: LeakTracker
+) -> None:
+    """With health_endpoint=/health_generate (Miles' monitor), an offloaded or paused engine is polled on
+    /health instead (its /health_generate fails: it cannot generate), so it is not taken for lost; a hang is
+    still noticed."""
+    cfg = compose(*TWO, "offload_rollout=true", "sglang_deploy.supervision.health_endpoint=/health_generate")
+    with launch_from_config(cfg, log_dir=tmp_path / "logs") as d:
+        d.control.offload(model="actor", group="regular")
+        d.control.pause_generation("in_place")
+        assert httpx.get(d.engines()[0].url + "/health_generate", timeout=5).status_code == 503
+        time.sleep(2.0)  # several polls
+        assert d.events() == () and d.state().status == "serving"
+        d.control.onload()
+        d.control.continue_generation()
+        since = len(d.events())
+        os.kill(engine_pid(d, "actor.regular.1"), signal.SIGSTOP)
+        lost = d.wait_for_event("engine_lost", subject="actor.regular.1", since=since, timeout_s=10)
+        assert "no answer to /health_generate within 0.5 s" in lost.message
+        d.wait_for_event("engine_recovered", subject="actor.regular.1", since=since, timeout_s=30)

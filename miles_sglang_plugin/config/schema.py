@@ -178,7 +178,12 @@ class SupervisionConf:
 
     #: Off: nothing is watched after start-up (``deployment.exited()`` still tells).
     enabled: bool = True
-    #: Every engine's ``/health`` (no generation with Miles' engine env) is polled this often ...
+    #: What is polled: ``/health`` (no generation with Miles' engine environment: it answers while the engine
+    #: is offloaded, and notices a dead or stopped server process) or ``/health_generate`` (a one-token
+    #: generation, as Miles' monitor: it also notices a wedged scheduler; engines that are offloaded or
+    #: paused, which cannot generate, are polled on ``/health`` meanwhile).
+    health_endpoint: str = "/health"
+    #: Every engine is polled this often ...
     health_interval_s: float = 1.0
     #: ... each poll answering within this time ...
     health_timeout_s: float = 2.0

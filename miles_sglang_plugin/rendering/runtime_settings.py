@@ -10,6 +10,9 @@ from typing import Any
 from miles_sglang_plugin.config.schema import SGLangDeployConf
 from miles_sglang_plugin.errors import Problem
 
+#: What supervision may poll.
+HEALTH_ENDPOINTS = ("/health", "/health_generate")
+
 #: key -> (minimum, whether the minimum itself is allowed, integer only)
 _BOUNDS: dict[str, tuple[float, bool, bool]] = {
     "supervision.health_interval_s": (0.0, False, False),
@@ -55,6 +58,11 @@ def runtime_settings_problems(settings: SGLangDeployConf) -> Iterator[Problem]:
         if message is not None:
             yield Problem(f"sglang_deploy.{key}", message)
     supervision = settings.supervision
+    if supervision.health_endpoint not in HEALTH_ENDPOINTS:
+        yield Problem(
+            "sglang_deploy.supervision.health_endpoint",
+            f"{supervision.health_endpoint!r} is not one of {', '.join(HEALTH_ENDPOINTS)}",
+        )
     if not isinstance(supervision.enabled, bool):
         yield Problem(
             "sglang_deploy.supervision.enabled", f"must be true or false, got {supervision.enabled!r}"

@@ -285,15 +285,26 @@ class Supervisor:
             code = process.exit_code()
             if code is not None:
                 return f"process {process.name} exited with code {code} ({process.where})", True
+        endpoint = self._health_endpoint(member)
         try:
-            response = client.get(member.url + "/health")
+            response = client.get(member.url + endpoint)
         except httpx.TimeoutException:
-            return f"no answer to /health within {self.settings.health_timeout_s:g} s", False
+            return f"no answer to {endpoint} within {self.settings.health_timeout_s:g} s", False
         except httpx.HTTPError as exc:
-            return f"/health failed ({type(exc).__name__})", False
+            return f"{endpoint} failed ({type(exc).__name__})", False
         if response.status_code != 200:
-            return f"/health answered {response.status_code}", False
+            return f"{endpoint} answered {response.status_code}", False
         return None, False
+
+    def _health_endpoint(self, member: EngineMember) -> str:
+        """The configured endpoint; ``/health`` for an engine that cannot generate now (offloaded, paused)."""
+        endpoint = self.settings.health_endpoint
+        if endpoint == "/health":
+            return endpoint
+        remembered = self.deployment.control.aio.remembered
+        if remembered.released.get(member.id) or member.id in remembered.paused:
+            return "/health"
+        return endpoint
 
     def _check_routers(self, client: httpx.Client) -> None:
         for router in self.deployment.router_members:

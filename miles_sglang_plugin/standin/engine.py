@@ -535,8 +535,16 @@ async def _error_middleware(request: web.Request, handler: Handler) -> web.Strea
 
 
 async def health(request: web.Request) -> web.Response:
-    if request.app[STATE].faults.never_healthy:
+    state = request.app[STATE]
+    if state.faults.never_healthy:
         return web.Response(status=503, text="stand-in engine: unhealthy (MSP_STANDIN_NEVER_HEALTHY)")
+    # /health_generate runs a one-token generation in SGLang: an engine that cannot generate (memory released,
+    # generation paused) fails it; /health answers without generating (SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION
+    # is false in Miles' engine environment).
+    if request.path == "/health_generate" and (state.control.released_tags or state.control.paused):
+        return web.Response(
+            status=503, text="stand-in engine: cannot generate now (memory released or paused)"
+        )
     return web.Response(text="OK")
 
 

@@ -29,7 +29,7 @@ $(VENV)/.ray-installed: pyproject.toml | $(VENV)/.base-installed
 	touch $@
 
 demo: $(VENV)/.base-installed
-	cd examples && ../$(BIN)/python train.py sglang=agentic_32gpu sglang_deploy=simulated
+	cd examples && ../$(BIN)/python train.py sglang=agentic_32gpu sglang_deploy=simulated colocate=true actor_num_nodes=4 kill_engine_at_step=1
 
 test: $(VENV)/.sglang-installed $(VENV)/.ray-installed
 	$(BIN)/python -m pytest -m "not ray"

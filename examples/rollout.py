@@ -25,6 +25,8 @@ class SampleResult:
     reward_reply: str | None
     reward: float | None
     served_by: str
+    #: The actor's weight version that generated it (``meta_info.weight_version``).
+    weight_version: str | None = None
 
     @property
     def kl(self) -> float | None:
@@ -104,6 +106,7 @@ async def generate_with_models(
         reward_reply=reward_reply,
         reward=reward,
         served_by=served_by,
+        weight_version=actor["meta_info"].get("weight_version"),
     )
 
 

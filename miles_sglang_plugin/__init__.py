@@ -62,7 +62,18 @@ _EXPORTS: dict[str, str] = {
     "RayBackend": "miles_sglang_plugin.backends.ray_backend",
     # serving
     "Deployment": "miles_sglang_plugin.serving.deployment",
-    "EngineInfo": "miles_sglang_plugin.serving.deployment",
+    "EngineInfo": "miles_sglang_plugin.serving.members",
+    "DeploymentControl": "miles_sglang_plugin.serving.control",
+    "AsyncDeploymentControl": "miles_sglang_plugin.serving.control",
+    "OperationResult": "miles_sglang_plugin.serving.control",
+    "EngineReply": "miles_sglang_plugin.serving.control",
+    "ControlError": "miles_sglang_plugin.serving.control",
+    "WeightUpdateGroup": "miles_sglang_plugin.serving.control",
+    "WeightUpdateRank": "miles_sglang_plugin.serving.control",
+    "DeploymentEvent": "miles_sglang_plugin.serving.supervision",
+    "DeploymentState": "miles_sglang_plugin.serving.supervision",
+    "DeploymentFailedError": "miles_sglang_plugin.serving.supervision",
+    "RouterInfo": "miles_sglang_plugin.serving.supervision",
     "RouterRegistry": "miles_sglang_plugin.serving.registry",
     "ModelRoute": "miles_sglang_plugin.serving.registry",
     "UnknownModelError": "miles_sglang_plugin.serving.registry",
@@ -80,16 +91,23 @@ _EXPORTS: dict[str, str] = {
 }
 
 __all__ = [
+    "AsyncDeploymentControl",
     "Backend",
     "CompositionError",
+    "ControlError",
     "Deployment",
     "DeploymentConfigError",
+    "DeploymentControl",
+    "DeploymentEvent",
+    "DeploymentFailedError",
     "DeploymentPlan",
     "DeploymentSpec",
+    "DeploymentState",
     "EngineInfo",
     "EnginePlan",
     "EngineProcess",
     "EngineProcessLaunch",
+    "EngineReply",
     "GroupPlan",
     "GroupSpec",
     "LaunchError",
@@ -100,15 +118,19 @@ __all__ = [
     "ModelPlan",
     "ModelRoute",
     "ModelSpec",
+    "OperationResult",
     "PreparedDeployment",
     "Problem",
     "RayBackend",
+    "RouterInfo",
     "RouterRegistry",
     "SGLangCleanupCallback",
     "SGLangDeployConf",
     "TrainerInputs",
     "UnknownModelError",
     "UnsupportedPlanError",
+    "WeightUpdateGroup",
+    "WeightUpdateRank",
     "WorkerType",
     "apply_miles_rules",
     "compose_config",
@@ -166,10 +188,26 @@ if TYPE_CHECKING:  # what static tools see; at run time the names load lazily th
     from miles_sglang_plugin.planning.views import print_plan
     from miles_sglang_plugin.rendering.launch_specs import EngineProcessLaunch, LaunchSpecs
     from miles_sglang_plugin.rendering.prepared import PreparedDeployment, prepare_deployment
-    from miles_sglang_plugin.serving.deployment import Deployment, EngineInfo
+    from miles_sglang_plugin.serving.control import (
+        AsyncDeploymentControl,
+        ControlError,
+        DeploymentControl,
+        EngineReply,
+        OperationResult,
+        WeightUpdateGroup,
+        WeightUpdateRank,
+    )
+    from miles_sglang_plugin.serving.deployment import Deployment
+    from miles_sglang_plugin.serving.members import EngineInfo
     from miles_sglang_plugin.serving.registry import (
         ModelRoute,
         RouterRegistry,
         UnknownModelError,
         get_model_url,
+    )
+    from miles_sglang_plugin.serving.supervision import (
+        DeploymentEvent,
+        DeploymentFailedError,
+        DeploymentState,
+        RouterInfo,
     )

@@ -56,7 +56,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_launch(args: argparse.Namespace) -> int:
-    """Serve a deployment without training (the seeds' standalone launcher) until Ctrl-C or SIGTERM."""
+    """Serve a deployment without training (the seeds' standalone launcher) until Ctrl-C or SIGTERM.
+
+    With supervision on (the default), a lost engine or router is reported and healed while the others serve;
+    the command ends (status 1) only when the deployment fails whole. With it off, the first process that
+    exits stops everything."""
+    import logging
     import time
     from pathlib import Path
 
@@ -64,7 +69,11 @@ def _cmd_launch(args: argparse.Namespace) -> int:
 
     cfg = compose_config(args.overrides)
     console = _err_console()
+    supervision_logger = logging.getLogger("miles_sglang_plugin.supervision")
+    supervision_logger.addHandler(logging.NullHandler())  # events are printed below, once each
+    supervision_logger.propagate = False
     with launch_from_config(cfg, log_dir=Path(args.log_dir) if args.log_dir else None) as deployment:
+        deployment.on_event(lambda event: console.print(f"{event.kind}: {escape(event.message)}"))
         registry = deployment.registry
         for name in registry.names():
             sys.stdout.write(f"{name} {registry[name].base_url}\n")
@@ -73,10 +82,12 @@ def _cmd_launch(args: argparse.Namespace) -> int:
         console.print(
             f"serving; logs in {deployment.log_dir}; Ctrl-C stops every engine and router", markup=False
         )
-        while not deployment.exited():
-            time.sleep(1.0)
-        console.print("[bold red]error:[/] " + escape("; ".join(deployment.exit_report())))
-        return 1
+        supervised = deployment.settings.supervision.enabled
+        while deployment.failure is None and (supervised or not deployment.exited()):
+            time.sleep(0.5)
+        if deployment.failure is None:
+            console.print("[bold red]error:[/] " + escape("; ".join(deployment.exit_report())))
+        return 1  # a failure raises DeploymentFailedError when the block ends
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
+
+# The local backend honours an inherited CUDA_VISIBLE_DEVICES (a scheduler's GPUs): the tests' expected GPU
+# pinning is that of a machine whose GPUs are all visible, wherever they run (a GPU node sets the variable).
+# Tests of the inherited list set it themselves.
+os.environ.pop("CUDA_VISIBLE_DEVICES", None)
 
 from miles_sglang_plugin.config.deployment_spec import DeploymentSpec, GroupSpec, ModelSpec
 

@@ -284,7 +284,8 @@ def test_a_placement_group_needs_the_ray_backend() -> None:
     ):
         pytest.fail("must not start")
     with pytest.raises(
-        ValueError, match=r"the local backend takes no option placement_group \(it takes: claims\)"
+        ValueError,
+        match=r"the local backend takes no option placement_group \(it takes: claims, visible_devices\)",
     ):
         get_backend("local", placement_group=object())
 

@@ -726,10 +726,26 @@ def test_empty_file(tmp_path, text):
     assert "is empty" in str(err)
 
 
-def test_empty_model_list_and_empty_group_list(tmp_path):
+def test_empty_model_list(tmp_path):
     assert problem_keys(load_bad(tmp_path, "sglang: []\n")) == ["bad.yaml: sglang"]
-    err = load_bad(tmp_path, "sglang:\n  - name: actor\n    server_groups: []\n")
-    assert problem_keys(err) == ["bad.yaml: sglang[0] (actor).server_groups"]
+
+
+@pytest.mark.parametrize("groups", ["    server_groups: []\n", "    engine_groups: []\n", ""])
+def test_a_model_without_server_groups_loads_as_in_slime_and_miles(tmp_path, groups):
+    """slime's test_config_allows_model_with_no_server_groups; Miles' from_yaml reads
+    ``m.get("server_groups") or m.get("engine_groups") or []`` (sglang_config.py:156 at 31f1ca961): a model
+    whose router serves external engines. Resolving it without external engines is still refused."""
+    path = tmp_path / "cfg.yaml"
+    path.write_text(
+        "sglang:\n  - name: actor\n    server_groups: [{worker_type: regular, num_gpus: 2}]\n"
+        f"  - name: judge\n{groups}"
+    )
+    spec = load_miles_config(str(path))
+    assert [(m.name, len(m.groups)) for m in spec.models] == [("actor", 1), ("judge", 0)]
+    with pytest.raises(DeploymentConfigError) as exc:
+        resolve_deployment(spec, TrainerInputs(hf_checkpoint="/c"))
+    assert problem_keys(exc.value) == [f"{path.name}: sglang[1] (judge)"]
+    assert "has no server groups and no external engines" in str(exc.value)
 
 
 def test_duplicate_model_names(tmp_path):

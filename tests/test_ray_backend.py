@@ -336,10 +336,14 @@ def test_worker_node_lost_while_serving(clean_cluster: FakeCluster, tmp_path: Pa
             proc.wait(10)
     text = err.read_text()
     assert code == 1, text
+    # Supervision notices the loss and, once Ray reports the engine's node gone, fails the deployment (no restart
+    # can give it its GPUs on that node again), naming the node.
+    flat = " ".join(text.split())
     assert re.search(
-        rf"error: actor\.regular\.1 exited with code -9 \(pid \d+ on node {re.escape(address_of(node))} "
-        r"\(Ray node [0-9a-f]{8}\)\): its node .* left the Ray cluster",
-        " ".join(text.split()),
+        r"error: the deployment failed and was stopped: engine actor\.regular\.1 lost \(.*\) and "
+        rf"actor\.regular\.1 cannot be started again on node {re.escape(address_of(node))} \(Ray node "
+        r"[0-9a-f]{8}\): its node .* left the Ray cluster",
+        flat,
     ), text
 
 

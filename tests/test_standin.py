@@ -506,6 +506,9 @@ def test_engine_endpoints(spawn: Callable[..., Proc]) -> None:
         assert released.json()["released_tags"] == ["kv_cache"]
         assert client.post("/resume_memory_occupation", json={}, headers=auth()).json()["released_tags"] == []
         client.post("/update_weights_from_disk", json={"model_path": "/x"}, headers=auth())
+        assert client.get("/get_weight_version", headers=auth()).json()["weight_version"] == "default"
+        body = {"model_path": "/x", "weight_version": "1"}
+        client.post("/update_weights_from_disk", json=body, headers=auth())
         assert client.get("/get_weight_version", headers=auth()).json()["weight_version"] == "1"
 
         stats = client.get("/stand_in/stats", headers=auth()).json()

@@ -108,6 +108,11 @@ class Backend(abc.ABC):
     def stop(self, processes: Sequence[EngineProcess], *, grace_s: float) -> None:
         """Stop ``processes`` (SIGTERM, then SIGKILL after ``grace_s``), children included."""
 
+    def cannot_restart(self, launch: EngineProcessLaunch) -> str | None:
+        """Why ``launch`` cannot be started again where the plan put it (its node left the cluster), or None.
+        Supervision fails the deployment at once on such a reason instead of retrying in vain."""
+        return None
+
     def close(self) -> None:  # noqa: B027 - optional hook: nothing to give back by default
         """Give back what :meth:`prepare` took (port claims, placement); idempotent."""
 

@@ -5,6 +5,10 @@ Each process runs in its own process group with a log file and ``PR_SET_PDEATHSI
 claimed against concurrent launches (:mod:`miles_sglang_plugin.rendering.ports`) for as long as the backend
 is open.
 
+GPUs: an inherited ``CUDA_VISIBLE_DEVICES`` (a scheduler's, a sweep job's slice) is honoured: the plan's local
+GPU ids are positions in it, and a plan needing more GPUs than it lists is refused before anything starts
+(:mod:`miles_sglang_plugin.backends.visible_gpus`).
+
 It runs on one machine: it refuses engines wider than a node and plans spread over several nodes, except with
 the stand-in engines, whose planned nodes run side by side here (ports kept apart), so that multi-node plans
 can be exercised without a cluster.
@@ -17,6 +21,7 @@ from pathlib import Path
 
 from miles_sglang_plugin.backends.base import Backend, EngineProcess, UnsupportedPlanError
 from miles_sglang_plugin.backends.processes import ManagedProcess, stop_processes
+from miles_sglang_plugin.backends.visible_gpus import inherited_visible_devices, restrict_to_visible
 from miles_sglang_plugin.config.schema import EngineKind, SGLangDeployConf
 from miles_sglang_plugin.planning.plan import DeploymentPlan
 from miles_sglang_plugin.rendering.launch_specs import EngineProcessLaunch
@@ -58,12 +63,16 @@ class LocalBackend(Backend):
     """Engines as subprocesses of this machine.
 
     ``claims``: port claims to use (and release at :meth:`close`); by default the backend takes its own in the
-    user's lock directory when it prepares a deployment."""
+    user's lock directory when it prepares a deployment. ``visible_devices``: the GPUs it may use (the plan's
+    local ids index into them); by default the ``CUDA_VISIBLE_DEVICES`` this process inherited, else all."""
 
     name = "local"
 
-    def __init__(self, claims: PortClaims | None = None) -> None:
+    def __init__(
+        self, claims: PortClaims | None = None, visible_devices: Sequence[str] | None = None
+    ) -> None:
         self.claims = claims
+        self.visible_devices = tuple(visible_devices) if visible_devices is not None else None
 
     def prepare(
         self,
@@ -78,7 +87,8 @@ class LocalBackend(Backend):
             plan, settings, server_arg_fields=server_arg_fields, probe=True, claims=self.claims
         )
         self.check(prepared)
-        return prepared
+        visible = self.visible_devices if self.visible_devices is not None else inherited_visible_devices()
+        return restrict_to_visible(prepared, visible) if visible is not None else prepared
 
     def check(self, prepared: PreparedDeployment) -> list[str]:
         plan = prepared.plan

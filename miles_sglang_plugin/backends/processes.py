@@ -145,13 +145,36 @@ def stop_processes(processes: Iterable[ManagedProcess], grace_s: float = 10.0) -
                 # The leader is gone but members of its group are not: keep asking them to stop.
                 process.signal_group(signal.SIGTERM)
         time.sleep(0.05)
-    for process in started:
-        if _still_running(process):
-            process.signal_group(signal.SIGKILL)
+    killed = [process for process in started if _still_running(process)]
+    for process in killed:
+        process.signal_group(signal.SIGKILL)
     codes: dict[str, int | None] = {}
     for process in started:
         assert process.popen is not None
         with contextlib.suppress(subprocess.TimeoutExpired):
             process.popen.wait(timeout=5)
         codes[process.name] = process.popen.returncode
+    # SIGKILL is delivered at once but a loaded machine takes a moment to end a group's other members: return
+    # when they are gone too (bounded), so that nothing of a stopped process outlives the call.
+    deadline = time.monotonic() + 2.0
+    while any(_group_has_live_members(p.popen.pid) for p in killed) and time.monotonic() < deadline:  # type: ignore[union-attr]
+        time.sleep(0.01)
     return codes
+
+
+def _group_has_live_members(pgid: int) -> bool:
+    """A process of group ``pgid`` is still running (zombies do not count: an orphan killed here may stay a
+    zombie where PID 1 does not reap). Without ``/proc``: whether the group exists at all."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return _group_alive(pgid)
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            return True
+    return False

@@ -162,6 +162,8 @@ class RayEngineProcess(EngineProcess):
         self._spawn_ref, self._run = spawn_ref, run
         self._exit_ref = actor.wait_exit.remote(run)
         self._result: tuple[int, str | None] | None = None
+        #: True once Ray reported its actor dead (a lost node): the process cannot be started on it again.
+        self.actor_lost = False
         self._pid: int | None = None
         self._last_tail = ""
 
@@ -191,6 +193,7 @@ class RayEngineProcess(EngineProcess):
                 self._exit_ref = self.actor.wait_exit.remote(self._run)
                 return None
             except exceptions.RayError as exc:
+                self.actor_lost = True
                 self._result = (EXIT_LOST, self._lost_reason(exc))
         return self._result[0]
 
@@ -480,6 +483,15 @@ class RayBackend(Backend):
             run=run,
         )
         return handle
+
+    def cannot_restart(self, launch: EngineProcessLaunch) -> str | None:
+        earlier = self._latest.get((launch.engine_id, launch.node_rank))
+        if earlier is None or not earlier.actor_lost:
+            return None
+        return (
+            f"{launch.name} cannot be started again on node {earlier.node.short}: {earlier.exit_reason()}; "
+            "its GPUs there are gone with it"
+        )
 
     def stop(self, processes: Sequence[EngineProcess], *, grace_s: float) -> None:
         if not self.ray.is_initialized():  # disconnected (Ray's own exit hook ran first): the actors and

@@ -76,6 +76,17 @@ class GroupSpec:
 
 
 @dataclass(frozen=True)
+class ExternalEngineSpec:
+    """An engine that already runs elsewhere, as written: its URL, what it serves (``regular``, ``prefill``,
+    ``decode``) and, for a prefill engine, its bootstrap port. Checked at resolution."""
+
+    url: Any
+    worker_type: Any = "regular"
+    bootstrap_port: Any = None
+    key: str = ""
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """One model (one router) as written."""
 
@@ -85,6 +96,8 @@ class ModelSpec:
     update_weights: bool | None = None
     num_gpus_per_engine: Any = None
     key: str = ""
+    #: Engines already running elsewhere that the model's router serves besides (or instead of) its groups.
+    external: tuple[ExternalEngineSpec, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,13 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from miles_sglang_plugin.config.deployment_spec import DeploymentSpec, GroupSpec, ModelSpec, WorkerType
+from miles_sglang_plugin.config.deployment_spec import (
+    DeploymentSpec,
+    ExternalEngineSpec,
+    GroupSpec,
+    ModelSpec,
+    WorkerType,
+)
 from miles_sglang_plugin.config.schema import (
     EXTRA_GROUP_GPUS_PER_ENGINE_DEFAULT,
     GROUP_GPUS_PER_ENGINE_DEFAULT,
@@ -154,6 +160,43 @@ def _ordered_groups(
     return [enabled[name] for name in order if name in enabled]
 
 
+#: What an entry of ``sglang.<model>.external`` may hold when it is a mapping.
+EXTERNAL_KEYS = ("url", "worker_type", "bootstrap_port")
+
+
+def _external(node: DictConfig, key: str, problems: ProblemCollector) -> tuple[ExternalEngineSpec, ...]:
+    """The model's external engines: each a URL, or a mapping of :data:`EXTERNAL_KEYS` (values checked at
+    resolution)."""
+    entries = _container(node.get("external"), f"{key}.external", problems)
+    if not isinstance(entries, list):
+        problems.add(f"{key}.external", f"must be a list of engine URLs, got {entries!r}")
+        return ()
+    out = []
+    for i, entry in enumerate(entries):
+        entry_key = f"{key}.external[{i}]"
+        if isinstance(entry, dict):
+            unknown = sorted(str(k) for k in entry if k not in EXTERNAL_KEYS)
+            if unknown:
+                problems.add(
+                    entry_key, f"unknown key(s) {unknown}; an external engine has {list(EXTERNAL_KEYS)}"
+                )
+                continue
+            if "url" not in entry:
+                problems.add(entry_key, "needs a url")
+                continue
+            out.append(
+                ExternalEngineSpec(
+                    url=entry["url"],
+                    worker_type=entry.get("worker_type", "regular"),
+                    bootstrap_port=entry.get("bootstrap_port"),
+                    key=entry_key,
+                )
+            )
+        else:
+            out.append(ExternalEngineSpec(url=entry, key=entry_key))
+    return tuple(out)
+
+
 def _model(name: str, node: DictConfig, key: str, problems: ProblemCollector) -> ModelSpec:
     enabled: dict[str, GroupSpec] = {}
     known: list[str] = list(GROUP_SLOTS)
@@ -171,6 +214,7 @@ def _model(name: str, node: DictConfig, key: str, problems: ProblemCollector) ->
         update_weights=_value(node, "update_weights", "", key, problems),
         num_gpus_per_engine=_value(node, "num_gpus_per_engine", MODEL_GPUS_PER_ENGINE_DEFAULT, key, problems),
         key=key,
+        external=_external(node, key, problems),
     )
 
 

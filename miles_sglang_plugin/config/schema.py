@@ -73,6 +73,10 @@ class ModelConf:
     placeholder: ServerGroupConf = field(default_factory=ServerGroupConf)
     extra_groups: dict[str, ExtraServerGroupConf] = field(default_factory=dict)
     group_order: list[str] = field(default_factory=list)
+    #: Engines that already run elsewhere, served by this model's router (Miles' ``rollout_external`` / slime's
+    #: external engines): a URL (a regular engine) or ``{url, worker_type, bootstrap_port}``. Health, routing
+    #: and control reach them; teardown leaves them running.
+    external: list[Any] = field(default_factory=list)
 
 
 class EngineKind(StrEnum):
@@ -104,6 +108,11 @@ class RouterConf:
     disable_health_check: bool = False
     retry_max_retries: int = 5
     disable_retries: bool = False
+    #: Backoff between the retries of a request (the router's own defaults).
+    retry_initial_backoff_ms: int = 50
+    retry_max_backoff_ms: int = 30000
+    retry_backoff_multiplier: float = 1.5
+    retry_jitter_factor: float = 0.2
     cb_failure_threshold: int = 10
     cb_timeout_duration_secs: int = 60
     disable_circuit_breaker: bool = False
@@ -189,6 +198,51 @@ class StandInFaultsConf:
     never_healthy: list[str] = field(default_factory=list)
     #: pattern -> seconds after which the engine exits
     die_after_s: dict[str, float] = field(default_factory=dict)
+    #: How long each control call (release/resume memory, weight updates, pause, ...) takes on a stand-in, as
+    #: a real engine's do (seconds): fan-out timing with stand-ins is otherwise all client overhead.
+    control_latency_s: float = 0.0
+
+
+@dataclass
+class SupervisionConf:
+    """Watching the engines and routers of a running deployment, and healing it (see the README)."""
+
+    #: Off: nothing is watched after start-up (``deployment.exited()`` still tells).
+    enabled: bool = True
+    #: What is polled: ``/health`` (no generation with Miles' engine environment: it answers while the engine
+    #: is offloaded, and notices a dead or stopped server process) or ``/health_generate`` (a one-token
+    #: generation, as Miles' monitor: it also notices a wedged scheduler; engines that are offloaded or
+    #: paused, which cannot generate, are polled on ``/health`` meanwhile).
+    health_endpoint: str = "/health"
+    #: Every engine is polled this often ...
+    health_interval_s: float = 1.0
+    #: ... each poll answering within this time ...
+    health_timeout_s: float = 2.0
+    #: ... and an engine that fails this many polls in a row is lost (a hang: SIGSTOP, a wedged scheduler).
+    #: A process that exits is lost at once.
+    failure_threshold: int = 2
+    #: Restarts of one engine (its same argv, environment and GPUs) before the deployment gives up and stops,
+    #: whole. 0: fail fast, the first loss stops the deployment.
+    max_restarts: int = 3
+    #: Wait before restart n (n = 1, 2, ...): ``restart_backoff_s * 2**(n-1)``, at most ``restart_backoff_max_s``.
+    restart_backoff_s: float = 1.0
+    restart_backoff_max_s: float = 30.0
+    #: A restarted engine that has served this long gets its restart budget back.
+    restart_budget_reset_s: float = 600.0
+    #: Grace of a lost engine's processes (SIGTERM, then SIGKILL): short, a hung engine ignores SIGTERM.
+    kill_grace_s: float = 1.0
+    #: Routers that exit are restarted (and re-populated) this many times in all.
+    router_max_restarts: int = 3
+
+
+@dataclass
+class ControlConf:
+    """The control handle's calls to the engines (``deployment.control``)."""
+
+    #: Deadline of one operation over all its engines (a weight update from disk can take minutes).
+    timeout_s: float = 600.0
+    #: At most this many requests in flight at once per operation.
+    max_concurrency: int = 128
 
 
 @dataclass
@@ -203,6 +257,8 @@ class SGLangDeployConf:
     env: dict[str, str] = field(default_factory=dict, repr=False)  # may hold tokens: kept out of repr
     lora: LoraConf = field(default_factory=LoraConf)
     standin: StandInFaultsConf = field(default_factory=StandInFaultsConf)
+    supervision: SupervisionConf = field(default_factory=SupervisionConf)
+    control: ControlConf = field(default_factory=ControlConf)
     #: API key of engines and routers. A secret: never printed, logged or written to a plan. Prefer the
     #: environment variable SGLANG_API_KEY (read when this is null): a value given here is part of the
     #: config that Hydra saves in the run directory.

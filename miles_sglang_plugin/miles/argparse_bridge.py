@@ -11,9 +11,11 @@ arguments onto ``sglang_deploy.lora``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection
 from typing import Any
 
+from miles_sglang_plugin.config.deployment_spec import DeploymentSpec, ExternalEngineSpec, ModelSpec
 from miles_sglang_plugin.config.schema import LoraConf
 from miles_sglang_plugin.config.trainer_inputs import TrainerInputs
 from miles_sglang_plugin.errors import ProblemCollector
@@ -95,7 +97,8 @@ def resolve_namespace(ns: Any, *, server_arg_fields: Collection[str] | None = No
 
     trainer = TrainerInputs.from_namespace(ns)
     config = getattr(ns, "sglang_config", None)
-    if getattr(ns, "rollout_external", False):
+    addresses = getattr(ns, "rollout_external_engine_addrs", None) or []
+    if getattr(ns, "rollout_external", False) or addresses:
         problems = ProblemCollector("trainer arguments")
         for name, flag in (
             ("sglang_config", "--sglang-config"),
@@ -107,7 +110,25 @@ def resolve_namespace(ns: Any, *, server_arg_fields: Collection[str] | None = No
                     f"{flag} cannot be combined with --rollout-external: external engines have their own "
                     "topology, there is nothing to deploy",
                 )
+        if not addresses and not problems:
+            problems.add(
+                "rollout_external_engine_addrs",
+                "--rollout-external needs the engines' addresses (--rollout-external-engine-addrs HOST:PORT ...)",
+            )
         problems.raise_if_any()
+        # slime and Miles: one model "default" served by the external engines, receiving weight updates
+        # (slime's ExternalRolloutServer("default", update_weights=True)); its GPUs are the engines', not the
+        # deployment's, so a rollout_num_gpus given for them is not checked against the (empty) groups.
+        external = tuple(
+            ExternalEngineSpec(url=address, key=f"rollout_external_engine_addrs[{i}]")
+            for i, address in enumerate(addresses)
+        )
+        spec = DeploymentSpec(
+            models=(ModelSpec("default", (), update_weights=True, key="sglang.default", external=external),),
+            source="trainer arguments (--rollout-external-engine-addrs)",
+        )
+        trainer = dataclasses.replace(trainer, rollout_num_gpus=None)
+        return resolve_deployment(spec, trainer, server_arg_fields=server_arg_fields)
     spec = load_miles_config(config) if config else None
     fields = server_arg_fields if server_arg_fields is not None else known_server_arg_fields().fields
     return resolve_deployment(

@@ -310,7 +310,10 @@ def _model_values_ok(raw_model: Mapping[Any, Any], model_key: str, problems: Pro
 def _raw_server_groups(
     raw_model: Mapping[Any, Any], model_key: str, problems: ProblemCollector
 ) -> tuple[str, list[Any]] | None:
-    """(the spelling used: ``server_groups`` or its alias ``engine_groups``, the non-empty list of groups)."""
+    """(the spelling used: ``server_groups`` or its alias ``engine_groups``, the list of groups). A model without
+    groups (the key left out or an empty list) is read as Miles' ``from_yaml`` and slime read it
+    (``m.get("server_groups") or m.get("engine_groups") or []``): a router whose engines are external, which
+    resolution accepts only when the model is given external engines."""
     if "server_groups" in raw_model and "engine_groups" in raw_model:
         problems.add(
             f"{model_key}.engine_groups",
@@ -318,12 +321,9 @@ def _raw_server_groups(
         )
         return None
     spelling = "engine_groups" if "engine_groups" in raw_model else "server_groups"
-    if spelling not in raw_model:
-        problems.add(
-            f"{model_key}.server_groups", "is required: a list of server groups (worker_type, num_gpus, ...)"
-        )
-        return None
-    raw_groups = raw_model[spelling]
+    raw_groups = raw_model.get(spelling)
+    if raw_groups is None:
+        return spelling, []
     if not isinstance(raw_groups, list):
         hint = (
             " (write each group as a list item: '- worker_type: ...')"
@@ -333,9 +333,6 @@ def _raw_server_groups(
         problems.add(
             f"{model_key}.{spelling}", f"must be a list of server groups, got {_type_name(raw_groups)}{hint}"
         )
-        return None
-    if not raw_groups:
-        problems.add(f"{model_key}.{spelling}", "is empty; give at least one server group")
         return None
     return spelling, raw_groups
 
@@ -849,6 +846,12 @@ def spec_to_miles_yaml(spec: DeploymentSpec | None, plan: DeploymentPlan) -> str
 
     models_out: list[dict[str, Any]] = []
     for model_spec, model_plan in zip(spec.models, plan.models, strict=True):
+        if model_plan.external:
+            problems.add(
+                f"{model_spec.key or 'sglang.' + model_plan.name}.external",
+                "external engines are not part of a Miles --sglang-config (Miles takes them as "
+                "--rollout-external-engine-addrs, and refuses them together with a config)",
+            )
         entry: dict[str, Any] = {"name": model_plan.name}
         model_level_path = model_spec.model_path or trainer.hf_checkpoint
         if model_level_path:

@@ -121,17 +121,51 @@ class GroupPlan:
 
 
 @dataclass(frozen=True)
+class ExternalEnginePlan:
+    """An engine that runs elsewhere (not started, never stopped here), served by its model's router."""
+
+    model: str
+    #: Index among the model's external engines.
+    index: int
+    url: str
+    worker_type: WorkerType
+    bootstrap_port: int | None = None
+
+    @property
+    def id(self) -> str:
+        """Unique within a deployment: ``<model>.external.<index>``."""
+        return f"{self.model}.external.{self.index}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "url": self.url,
+            "worker_type": self.worker_type.value,
+            "bootstrap_port": self.bootstrap_port,
+        }
+
+
+@dataclass(frozen=True)
 class ModelPlan:
     name: str
     model_path: str
     update_weights: bool
     groups: tuple[GroupPlan, ...]
     is_eval: bool = False
+    #: Engines already running elsewhere that its router serves too (no GPUs of this deployment).
+    external: tuple[ExternalEnginePlan, ...] = ()
 
     @property
     def is_pd(self) -> bool:
         """Prefill/decode disaggregated: its router runs in PD mode."""
-        return any(g.worker_type.is_pd for g in self.groups)
+        return any(g.worker_type.is_pd for g in self.groups) or any(
+            e.worker_type.is_pd for e in self.external
+        )
+
+    @property
+    def has_router(self) -> bool:
+        """It serves something: engines of its own, or external ones."""
+        return bool(self.engines or self.external)
 
     @property
     def engines(self) -> tuple[EnginePlan, ...]:
@@ -157,6 +191,7 @@ class ModelPlan:
             "is_eval": self.is_eval,
             "num_gpus": self.num_gpus,
             "groups": {g.name: g.to_dict() for g in self.groups},
+            "external": [e.to_dict() for e in self.external],
         }
 
 

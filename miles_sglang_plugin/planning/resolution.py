@@ -29,6 +29,7 @@ from miles_sglang_plugin.config.deployment_spec import (
 from miles_sglang_plugin.config.trainer_inputs import MilesDerivation, TrainerInputs, apply_miles_rules
 from miles_sglang_plugin.errors import ProblemCollector
 from miles_sglang_plugin.masking import MASK, SECRET_FIELDS
+from miles_sglang_plugin.planning.external import external_engine_plans
 from miles_sglang_plugin.planning.plan import (
     DeploymentPlan,
     EnginePlan,
@@ -91,10 +92,12 @@ def legacy_spec(trainer: TrainerInputs, problems: ProblemCollector) -> Deploymen
     group), plus the eval model when ``eval_num_gpus`` > 0."""
     models: list[ModelSpec] = []
     total = trainer.rollout_num_gpus
-    if total is None or total < 1:
+    if total == 0:
+        pass  # no rollout engines (newer Miles: no models; the eval fleet, if any, alone)
+    elif total is None or total < 1:
         problems.add(
             "rollout_num_gpus",
-            f"must be >= 1 when no sglang deployment is given (got {total!r}); set it, or choose a preset "
+            f"must be >= 0 when no sglang deployment is given (got {total!r}); set it, or choose a preset "
             "with sglang=<preset>",
         )
     elif trainer.prefill_num_servers is not None:
@@ -178,6 +181,8 @@ class _Resolver:
         self.rollout_offset = trainer.rollout_offset
         self.megatron = trainer.megatron_num_gpus
         self.eval_active = trainer.eval_num_gpus > 0
+        #: External engine URL -> where it was written (each engine may be given once).
+        self.external_urls: dict[str, str] = {}
 
     # -------------------------------------------------------------------------------------------- deployment
     def run(self) -> tuple[ModelPlan, ...]:
@@ -249,13 +254,17 @@ class _Resolver:
         self.check_worker_types(model, key)
         model_level_path = model.model_path or self.trainer.hf_checkpoint
         groups = tuple(self.group_plan(model, group, is_eval, model_level_path) for group in model.groups)
+        external = external_engine_plans(model.name, model.external, self.external_urls, self.problems)
         model_path = self.served_model_path(groups, key)
+        if model_path is None and not any(g.engines for g in groups) and external:
+            model_path = model_level_path  # what its external engines are taken to serve
         return ModelPlan(
             name=model.name,
             model_path=model_path or "",
             update_weights=self.update_weights(model, is_eval, model_path),
             groups=groups,
             is_eval=is_eval,
+            external=external,
         )
 
     def check_model_fields(self, model: ModelSpec, key: str) -> None:
@@ -277,8 +286,12 @@ class _Resolver:
             problems.add(
                 f"{key}.update_weights", f"must be true, false or null, got {model.update_weights!r}"
             )
-        if not model.groups:
-            problems.add(key, "has no server groups; give at least one group num_gpus > 0")
+        if not model.groups and not model.external:
+            problems.add(
+                key,
+                "has no server groups and no external engines; give a group num_gpus > 0, or point the model at "
+                f"engines that already run with {key}.external=[http://HOST:PORT, ...]",
+            )
         group_names = [group.name for group in model.groups]
         for name in sorted({n for n in group_names if group_names.count(n) > 1}):
             problems.add(
@@ -288,7 +301,9 @@ class _Resolver:
 
     def check_worker_types(self, model: ModelSpec, key: str) -> None:
         """Regular or PD-disaggregated (prefill and decode both), never mixed."""
-        types = {str(group.worker_type) for group in model.groups}
+        types = {str(group.worker_type) for group in model.groups} | {
+            str(e.worker_type) for e in model.external
+        }
         if "regular" in types and types & {"prefill", "decode"}:
             self.problems.add(
                 key,
@@ -596,10 +611,21 @@ class _Resolver:
         )
 
 
-def _plan_without_engines(derivation: MilesDerivation, source: str) -> DeploymentPlan:
-    """The plan of ``debug_train_only``: no engines, the eval fleet's neither (Miles starts none either)."""
+#: Why a plan has no engines at all.
+NO_ENGINES_DEBUG_TRAIN_ONLY = "debug_train_only: no rollout engines are started"
+NO_ENGINES_ZERO_ROLLOUT = (
+    "rollout_num_gpus=0 and no sglang deployment: no rollout engines are started (as newer Miles: no models)"
+)
+
+
+def _plan_without_engines(
+    derivation: MilesDerivation, source: str, note: str = NO_ENGINES_DEBUG_TRAIN_ONLY
+) -> DeploymentPlan:
+    """The plan of ``debug_train_only`` (the eval fleet's engines neither: Miles starts none either), or of
+    ``rollout_num_gpus=0`` without a deployment: no engines."""
     trainer = derivation.trainer
-    dropped = " (nor the eval fleet of eval_num_gpus)" if trainer.eval_num_gpus else ""
+    if note == NO_ENGINES_DEBUG_TRAIN_ONLY and trainer.eval_num_gpus:
+        note += " (nor the eval fleet of eval_num_gpus)"
     return DeploymentPlan(
         models=(),
         trainer=trainer,
@@ -608,7 +634,7 @@ def _plan_without_engines(derivation: MilesDerivation, source: str) -> Deploymen
         rollout_offset=trainer.rollout_offset,
         megatron_num_gpus=trainer.megatron_num_gpus,
         source=source,
-        notes=(*derivation.notes, f"debug_train_only: no rollout engines are started{dropped}"),
+        notes=(*derivation.notes, note),
         derived=derivation.derived,
     )
 
@@ -721,6 +747,8 @@ def resolve_deployment(
     trainer = derivation.trainer
     if trainer.debug_train_only:
         return _plan_without_engines(derivation, source)
+    if spec is None and trainer.rollout_num_gpus == 0 and trainer.eval_num_gpus == 0:
+        return _plan_without_engines(derivation, source, NO_ENGINES_ZERO_ROLLOUT)
 
     spec = _given_or_legacy_spec(spec, trainer, problems)
     dropped: tuple[str, ...] = ()

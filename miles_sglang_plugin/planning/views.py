@@ -18,7 +18,7 @@ def _gpu_ids_text(ids: tuple[int, ...]) -> str:
 
 def models_table(plan: DeploymentPlan) -> Table:
     table = Table(title="Models (one router each)", title_justify="left")
-    for col in ("model", "router", "update_weights", "GPUs", "model_path"):
+    for col in ("model", "router", "update_weights", "GPUs", "model_path", "external engines"):
         table.add_column(col)
     for model in plan.models:
         table.add_row(
@@ -27,6 +27,11 @@ def models_table(plan: DeploymentPlan) -> Table:
             str(model.update_weights),
             str(model.num_gpus),
             model.model_path,
+            ", ".join(
+                e.url + ("" if e.worker_type.value == "regular" else f" ({e.worker_type.value})")
+                for e in model.external
+            )
+            or "-",
         )
     return table
 

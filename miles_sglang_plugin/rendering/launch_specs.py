@@ -177,6 +177,7 @@ class LaunchSpecs:
 def check_deploy_settings(settings: SGLangDeployConf, fields: Collection[str] | None) -> list[Problem]:
     """Problems with ``sglang_deploy`` (server defaults, router settings); empty when fine."""
     from miles_sglang_plugin.rendering.router_specs import validate_router_settings
+    from miles_sglang_plugin.rendering.runtime_settings import runtime_settings_problems
 
     out: list[Problem] = []
     for key in settings.server_defaults:
@@ -194,6 +195,7 @@ def check_deploy_settings(settings: SGLangDeployConf, fields: Collection[str] | 
         out.append(Problem("sglang_deploy.router", str(exc)))
     else:
         out += [Problem("sglang_deploy.router", msg) for msg in validate_router_settings(router)]
+    out += list(runtime_settings_problems(settings))
     if settings.launch.port_base < 1024 or settings.launch.port_base >= settings.launch.port_max:
         out.append(
             Problem(
@@ -312,6 +314,8 @@ def standin_fault_env(settings: SGLangDeployConf, engine_id: str) -> dict[str, s
     for pattern, seconds in faults.die_after_s.items():
         if fnmatch.fnmatchcase(engine_id, pattern):
             env["MSP_STANDIN_DIE_AFTER_S"] = str(seconds)
+    if faults.control_latency_s:
+        env["MSP_STANDIN_CONTROL_LATENCY_S"] = str(faults.control_latency_s)
     return env
 
 
@@ -449,7 +453,11 @@ def render_launch(
     for model in plan.models:
         launches, workers = rendering.model_engines(model)
         engines += launches
-        if model.engines:
+        workers += [
+            WorkerRegistration(url=e.url, worker_type=e.worker_type.value, bootstrap_port=e.bootstrap_port)
+            for e in model.external
+        ]
+        if model.has_router:
             routers.append(_router_launch(model, settings, ports, router_host, workers))
     notes = tuple(
         f"left out {key}: Miles sets it, but the installed SGLang has no such ServerArgs field"

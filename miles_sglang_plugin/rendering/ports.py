@@ -235,7 +235,7 @@ def assign_ports(
 
     routers = {}
     for model in plan.models:
-        if model.engines:
+        if model.has_router:
             host_cursor = cursor(router_host)
             routers[model.name] = RouterPorts(http=host_cursor.take(), prometheus=host_cursor.take())
     requests = _engine_port_requests(plan)

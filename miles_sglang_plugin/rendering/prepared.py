@@ -25,7 +25,7 @@ class PreparedDeployment:
         data = self.plan.to_dict()
         for model in self.plan.models:
             model_dict = data["models"][model.name]
-            if model.engines:
+            if model.has_router:
                 model_dict["router"] = self.launch.router(model.name).to_dict()
             for group in model.groups:
                 for engine_dict in model_dict["groups"][group.name]["engines"]:

@@ -301,7 +301,11 @@ _INT_MINIMUMS = {
     "retry_max_retries": 1,
     "cb_failure_threshold": 1,
     "cb_timeout_duration_secs": 1,
+    "retry_initial_backoff_ms": 1,
+    "retry_max_backoff_ms": 1,
 }
+#: Float settings: name -> (lowest, highest) allowed.
+_FLOAT_RANGES = {"retry_backoff_multiplier": (1.0, 100.0), "retry_jitter_factor": (0.0, 1.0)}
 _BOOL_SETTINGS = ("disable_health_check", "disable_retries", "disable_circuit_breaker")
 #: The settings with a field of their own (anything else goes under ``extra``).
 _TYPED_SETTINGS = frozenset(f.name for f in dataclasses.fields(RouterSettings)) - {"extra"}
@@ -333,6 +337,10 @@ def _typed_setting_problems(settings: RouterSettings) -> list[str]:
         value = getattr(settings, name)
         if not isinstance(value, bool):
             problems.append(f"{name}: must be true or false, got {value!r}")
+    for name, (low, high) in _FLOAT_RANGES.items():
+        value = getattr(settings, name)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
+            problems.append(f"{name}: must be a number in {low:g}..{high:g}, got {value!r}")
     return problems
 
 

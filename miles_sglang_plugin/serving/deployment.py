@@ -11,6 +11,10 @@ model's router (``POST /workers``), and ends when every router reports all its w
 that exits during start-up fails the launch at once (its name, where it ran, command, exit code and log
 tail); so does the deadline. Whatever was started is then stopped.
 
+Once up, the deployment is watched and healed (:mod:`.supervision`: ``deployment.state()``, events) and
+driven by the trainer through its control handle (:mod:`.control`: ``deployment.control``). External engines
+(already running elsewhere) are health-checked and registered like the others, and never stopped.
+
 Stopping (normal exit, exception, Ctrl-C, SIGTERM, interpreter exit, Hydra job end): routers and engines get
 SIGTERM at once, SIGKILL after the grace period, and the backend gives back what it took (port claims). If
 the launcher itself is SIGKILLed, its children receive SIGKILL from the kernel (``PR_SET_PDEATHSIG``).
@@ -24,9 +28,9 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
@@ -39,6 +43,8 @@ from miles_sglang_plugin.backends.status_view import StatusView, SummaryRow
 from miles_sglang_plugin.masking import mask_argv
 from miles_sglang_plugin.rendering.launch_specs import EngineProcessLaunch, RouterLaunch
 from miles_sglang_plugin.rendering.prepared import PreparedDeployment
+from miles_sglang_plugin.serving.control import AsyncDeploymentControl, DeploymentControl
+from miles_sglang_plugin.serving.members import EngineInfo, EngineMember, build_members
 from miles_sglang_plugin.serving.registry import ModelRoute, RouterRegistry
 from miles_sglang_plugin.serving.routers import (
     RouterRequestError,
@@ -46,62 +52,31 @@ from miles_sglang_plugin.serving.routers import (
     router_command,
     router_ready,
 )
+from miles_sglang_plugin.serving.supervision import (
+    DeploymentEvent,
+    DeploymentFailedError,
+    DeploymentState,
+    RouterInfo,
+    Supervisor,
+)
 
 #: Engine health endpoint polled during start-up (as Miles: a real generation, not just a live socket).
 HEALTH_ENDPOINT = "/health_generate"
 
 
-@dataclass(frozen=True)
-class EngineInfo:
-    """One engine of a running deployment, as the trainer sees it."""
-
-    id: str
-    model: str
-    group: str
-    worker_type: str
-    url: str
-    node: int
-    #: The engine's ``CUDA_VISIBLE_DEVICES`` on its first node.
-    gpus: str
-    nnodes: int
-    #: ``starting``, ``healthy`` (answers its health endpoint), ``registered`` (with its router), ``failed``.
-    state: str
-    #: ``time.monotonic()`` when its first process was started, and when it first answered its health endpoint.
-    started_at: float | None = None
-    healthy_at: float | None = None
-
-
 @dataclass
-class _Engine:
-    launch: EngineProcessLaunch
-    followers: list[EngineProcessLaunch]
-    processes: list[EngineProcess] = field(default_factory=list)
-    state: str = "starting"
-    healthy_at: float | None = None
-    registered: bool = False
+class RouterMember:
+    """The router of one model (a process of this machine) and its live state."""
 
-    def info(self) -> EngineInfo:
-        lead = self.launch
-        return EngineInfo(
-            id=lead.engine_id,
-            model=lead.model,
-            group=lead.group,
-            worker_type=lead.worker_type.value,
-            url=lead.url,
-            node=lead.node,
-            gpus=lead.env.get("CUDA_VISIBLE_DEVICES", ""),
-            nnodes=lead.nnodes,
-            state=self.state,
-            started_at=self.processes[0].started_at if self.processes else None,
-            healthy_at=self.healthy_at,
-        )
-
-
-@dataclass
-class _Router:
     launch: RouterLaunch
     process: ManagedProcess
+    #: starting, live (answers), ready (lists all its workers), lost, restarting, stopped.
     state: str = "starting"
+    restarts: int = 0
+    health_failures: int = 0
+
+    def info(self) -> RouterInfo:
+        return RouterInfo(self.launch.model, self.launch.spec.url, self.state, self.restarts)
 
 
 #: Deployments of this process that have started and not stopped. Held strongly: a deployment whose code kept
@@ -139,10 +114,14 @@ class Deployment:
         self.status = status or StatusView(mode=self.settings.launch.live)
         self.install_signal_handlers = install_signal_handlers
         self.notes = backend.check(prepared)
-        self._engines: list[_Engine] = []
-        self._routers: list[_Router] = []
+        self._engines: list[EngineMember] = build_members(prepared)
+        self._routers: list[RouterMember] = []
         self._stopped = False
         self._started = False
+        self._failure: str | None = None
+        self._ready = False
+        self._control = DeploymentControl(AsyncDeploymentControl(self))
+        self.supervisor = Supervisor(self)
         self._previous_sigterm: Any = None
         self._lock = threading.Lock()
 
@@ -167,6 +146,74 @@ class Deployment:
         itself stays out of the registry, so that ``RouterRegistry.to_env()`` carries no secret."""
         key = self.settings.api_key
         return {"Authorization": f"Bearer {key}"} if key else {}
+
+    @property
+    def control(self) -> DeploymentControl:
+        """The control handle: offload/onload, weight updates, pause, cache, abort, LoRA (blocking calls)."""
+        return self._control
+
+    @property
+    def async_control(self) -> AsyncDeploymentControl:
+        """The same operations as coroutines, for a trainer's event loop."""
+        return self._control.aio
+
+    def state(self) -> DeploymentState:
+        """Where the deployment stands: every engine and router with its state, a failure, recent events."""
+        engines = self.engines()
+        routers = tuple(router.info() for router in self._routers)
+        if self._failure is not None:
+            status = "failed"
+        elif self._stopped:
+            status = "stopped"
+        elif not self._ready:
+            status = "starting"
+        elif all(e.state == "registered" for e in engines) and all(r.state == "ready" for r in routers):
+            status = "serving"
+        else:
+            status = "degraded"
+        return DeploymentState(status, engines, routers, self._failure, self.supervisor.events.events()[-50:])
+
+    def on_event(self, callback: Callable[[DeploymentEvent], None]) -> Callable[[], None]:
+        """Call ``callback(event)`` for every supervision event (engine lost, restarting, recovered, router
+        lost, deployment failed, ...), on the supervisor's thread; returns a function that unsubscribes."""
+        return self.supervisor.events.subscribe(callback)
+
+    def events(self) -> tuple[DeploymentEvent, ...]:
+        """The supervision events so far (the last 1,000)."""
+        return self.supervisor.events.events()
+
+    def wait_for_event(
+        self, kind: str, *, subject: str | None = None, since: int = 0, timeout_s: float = 60.0
+    ) -> DeploymentEvent:
+        """The first event ``kind`` (of ``subject``, e.g. an engine id) at or after position ``since``
+        (``len(deployment.events())`` before the action that causes it); TimeoutError after ``timeout_s``."""
+        return self.supervisor.events.wait_for(kind, subject=subject, since=since, timeout_s=timeout_s)
+
+    @property
+    def failure(self) -> str | None:
+        """Why the deployment failed while serving (None: it did not)."""
+        return self._failure
+
+    def check(self) -> None:
+        """Raise :class:`DeploymentFailedError` if the deployment failed (everything is stopped then)."""
+        if self._failure is not None:
+            raise DeploymentFailedError(f"the deployment failed and was stopped: {self._failure}")
+
+    def mark_failed(self, message: str) -> None:
+        """Record the failure (the supervisor stops everything next)."""
+        self._failure = self._failure or message
+
+    # Internal views for the control handle and the supervisor.
+    @property
+    def members(self) -> list[EngineMember]:
+        return self._engines
+
+    @property
+    def router_members(self) -> list[RouterMember]:
+        return self._routers
+
+    def router_of(self, model: str) -> RouterMember | None:
+        return next((router for router in self._routers if router.launch.model == model), None)
 
     def exited(self) -> list[tuple[str, int]]:
         """Processes that have exited since start-up (name, exit code): a deployment that lost a member."""
@@ -210,6 +257,8 @@ class Deployment:
             self.stop()
         finally:
             self._restore_signals()
+        if exc_type is None:
+            self.check()  # a deployment that failed while the block ran fails the block
 
     # --------------------------------------------------------------------------------------------- start
     def start(self) -> None:
@@ -222,6 +271,8 @@ class Deployment:
         try:
             self._spawn()
             self._wait_ready()
+            self._ready = True
+            self.supervisor.start()
         except BaseException as exc:
             interrupted = isinstance(exc, KeyboardInterrupt | SystemExit)
             self.status.finish()
@@ -234,13 +285,6 @@ class Deployment:
 
     def _spawn(self) -> None:
         launch = self.prepared.launch
-        for lead in (process for process in launch.engines if process.node_rank == 0):
-            followers = [
-                process
-                for process in launch.engines
-                if process.engine_id == lead.engine_id and process.node_rank > 0
-            ]
-            self._engines.append(_Engine(launch=lead, followers=followers))
         for router_launch in launch.routers:
             argv, env = router_command(router_launch.spec)
             process = ManagedProcess(
@@ -250,18 +294,18 @@ class Deployment:
                 log_path=self.log_dir / f"router.{router_launch.model}.log",
                 display_command=" ".join(argv[:3]) + f" <spec of {router_launch.model}>",
             )
-            self._routers.append(_Router(launch=router_launch, process=process))
+            self._routers.append(RouterMember(launch=router_launch, process=process))
             self.status.track(process.name, "router", router_launch.spec.url)
         for engine in self._engines:
-            gpus = engine.launch.env["CUDA_VISIBLE_DEVICES"]
-            self.status.track(engine.launch.engine_id, "engine", f"{engine.launch.url} GPUs {gpus}")
+            where = "external" if engine.external else f"GPUs {engine.gpus}"
+            self.status.track(engine.id, "engine", f"{engine.url} {where}")
         for router in self._routers:
             self._start_router(router)
         for engine in self._engines:
-            for process_launch in (engine.launch, *engine.followers):
+            for process_launch in engine.launches:
                 self._start_engine_process(engine, process_launch)
 
-    def _start_router(self, router: _Router) -> None:
+    def _start_router(self, router: RouterMember) -> None:
         try:
             router.process.start()
         except OSError as exc:
@@ -271,13 +315,13 @@ class Deployment:
                 f"  command: {router.process.display_command}"
             ) from exc
 
-    def _start_engine_process(self, engine: _Engine, process_launch: EngineProcessLaunch) -> None:
+    def _start_engine_process(self, engine: EngineMember, process_launch: EngineProcessLaunch) -> None:
         try:
             engine.processes.append(
                 self.backend.start(process_launch, log_path=self.log_dir / f"{process_launch.name}.log")
             )
         except OSError as exc:  # e.g. the command does not exist: a LaunchError like any other failed start
-            self.status.update(engine.launch.engine_id, "failed")
+            self.status.update(engine.id, "failed")
             raise LaunchError(
                 f"engine {process_launch.name} could not be started: {exc}\n"
                 f"  command: {process_launch.display_command()}"
@@ -303,7 +347,7 @@ class Deployment:
             for process in engine.processes:
                 code = process.exit_code()
                 if code is not None:
-                    self.status.update(engine.launch.engine_id, "failed")
+                    self.status.update(engine.id, "failed")
                     raise LaunchError(
                         _exited_message(
                             f"engine {process.name}",
@@ -341,7 +385,7 @@ class Deployment:
         routers = [router for router in self._routers if router.state == "starting"]
         engines = [engine for engine in self._engines if engine.state == "starting"]
         urls = [router.launch.spec.url + "/liveness" for router in routers] + [
-            engine.launch.url + HEALTH_ENDPOINT for engine in engines
+            engine.url + HEALTH_ENDPOINT for engine in engines
         ]
         answered = list(pool.map(lambda url: _get_ok(client, url), urls))
         for router, live in zip(routers, answered[: len(routers)], strict=True):
@@ -350,8 +394,10 @@ class Deployment:
                 self.status.update(router.process.name, "live")
         for engine, healthy in zip(engines, answered[len(routers) :], strict=True):
             if healthy:
+                if engine.external:
+                    _learn_external(client, engine)
                 engine.state, engine.healthy_at = "healthy", time.monotonic()
-                self.status.update(engine.launch.engine_id, "healthy")
+                self.status.update(engine.id, "healthy")
 
     def _register_healthy(self, pool: ThreadPoolExecutor) -> None:
         by_model = {r.launch.model: r for r in self._routers}
@@ -360,19 +406,16 @@ class Deployment:
             for engine in self._engines
             if engine.state == "healthy"
             and not engine.registered
-            and (router := by_model.get(engine.launch.model)) is not None
+            and (router := by_model.get(engine.model)) is not None
             and router.state != "starting"
         ]
 
-        def register(item: tuple[_Engine, _Router]) -> str | None:
+        def register(item: tuple[EngineMember, RouterMember]) -> str | None:
             engine, router = item
-            worker = next(worker for worker in router.launch.workers if worker.url == engine.launch.url)
             try:
-                register_workers(router.launch.spec.url, [worker], api_key=self.settings.api_key)
+                register_workers(router.launch.spec.url, [engine.registration], api_key=self.settings.api_key)
             except (RouterRequestError, httpx.HTTPError) as exc:
-                return (
-                    f"router of model {engine.launch.model!r} refused engine {engine.launch.engine_id}: {exc}"
-                )
+                return f"router of model {engine.model!r} refused engine {engine.id}: {exc}"
             return None
 
         for (engine, _router), error in zip(due, pool.map(register, due), strict=True):
@@ -380,7 +423,7 @@ class Deployment:
                 raise LaunchError(error)
             engine.registered = True
             engine.state = "registered"
-            self.status.update(engine.launch.engine_id, "registered")
+            self.status.update(engine.id, "registered")
 
     def _routers_ready(self) -> bool:
         ready = True
@@ -402,11 +445,16 @@ class Deployment:
             f"the deployment was not ready after {timeout_s:g} s (sglang_deploy.launch.startup_timeout_s):"
         ]
         for engine in self._engines:
-            if engine.state == "starting":
+            if engine.state == "starting" and engine.external:
+                lines.append(
+                    f"  external engine {engine.id} never answered {HEALTH_ENDPOINT} at {engine.url} "
+                    "(it runs elsewhere: is it up, and reachable from here?)"
+                )
+            elif engine.state == "starting":
                 process = engine.processes[0]
                 lines.append(
-                    f"  engine {engine.launch.engine_id} never answered {HEALTH_ENDPOINT} "
-                    f"at {engine.launch.url} "
+                    f"  engine {engine.id} never answered {HEALTH_ENDPOINT} "
+                    f"at {engine.url} "
                     f"({process.where}, still running); last log lines of {process.log_location}:"
                 )
                 lines += [f"    | {line}" for line in process.tail(10).splitlines()]
@@ -426,7 +474,7 @@ class Deployment:
                     model=model.name,
                     router=registry[model.name].base_url,
                     mode="pd" if model.is_pd else "regular",
-                    engines=len(model.engines),
+                    engines=len(model.engines) + len(model.external),
                     gpus=sum(engine.num_gpus for engine in model.engines),
                     engine_kind=self.prepared.launch.engine_kind.value,
                 )
@@ -435,7 +483,9 @@ class Deployment:
 
     # ---------------------------------------------------------------------------------------------- stop
     def stop(self) -> None:
-        """Stop every process this deployment started and close its backend (idempotent)."""
+        """Stop every process this deployment started and close its backend (idempotent). External engines
+        are left running (they are only taken out of routers that stop anyway)."""
+        self.supervisor.stop()  # no restarts while everything stops
         with self._lock:
             if self._stopped:
                 return
@@ -455,6 +505,15 @@ class Deployment:
                     self.backend.close()
                     self._stopped = True
                     _ACTIVE.discard(self)
+                    self._after_stop()
+
+    def _after_stop(self) -> None:
+        for member in self._engines:
+            member.state = "stopped"
+        for router in self._routers:
+            router.state = "stopped"
+        self.supervisor.close()
+        self._control.close()
 
     def _restore_signals(self) -> None:
         if self._previous_sigterm is not None:
@@ -480,6 +539,24 @@ def _signals_held() -> Iterator[None]:
 def _raise_on_sigterm(signum: int, frame: FrameType | None) -> None:
     print("SIGTERM received: stopping every engine and router", file=sys.stderr, flush=True)
     raise SystemExit(128 + signum)
+
+
+def _learn_external(client: httpx.Client, engine: EngineMember) -> None:
+    """An external engine's GPUs and LoRA serving, as it reports them (slime: ``num_gpus``, else
+    ``num_gpus_per_engine``, else tp_size * pp_size of ``/server_info``)."""
+    for path in ("/server_info", "/get_server_info"):
+        try:
+            response = client.get(engine.url + path)
+            info = response.json() if response.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            info = None
+        if isinstance(info, dict):
+            gpus = info.get("num_gpus") or info.get("num_gpus_per_engine")
+            if not isinstance(gpus, int):
+                gpus = int(info.get("tp_size") or 1) * int(info.get("pp_size") or 1)
+            engine.num_gpus = gpus
+            engine.serves_lora = bool(info.get("enable_lora"))
+            return
 
 
 def _get_ok(client: httpx.Client, url: str) -> bool:
@@ -510,4 +587,4 @@ def _exited_message(
     return "\n".join(lines)
 
 
-__all__: Sequence[str] = ["Deployment", "EngineInfo", "stop_all_active"]
+__all__: Sequence[str] = ["Deployment", "EngineInfo", "RouterMember", "stop_all_active"]

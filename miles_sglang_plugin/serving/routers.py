@@ -37,6 +37,7 @@ __all__ = [
     "RouterRequestError",
     "deregister_workers",
     "register_workers",
+    "remove_worker",
     "router_command",
     "router_ready",
     "router_workers",
@@ -334,3 +335,25 @@ def deregister_workers(
                 )
             time.sleep(0.05)
     return removed
+
+
+def remove_worker(
+    router_url: str, url: str, api_key: str | None = None, timeout_s: float = _HTTP_TIMEOUT_S
+) -> int:
+    """Take the worker at ``url`` out of the router (every entry of it: dp-aware routers list one per rank);
+    returns how many entries were removed (0: it was not listed). Removal is queued by the router (202)."""
+    base = _base(router_url)
+    entries = [
+        worker
+        for worker in router_workers(base, api_key=api_key, timeout_s=timeout_s)
+        if _same_worker(worker.get("url"), url) and worker.get("id")
+    ]
+    for worker in entries:
+        _request(
+            "DELETE",
+            f"{base}/workers/{worker['id']}",
+            api_key=api_key,
+            timeout_s=timeout_s,
+            ok=lambda status: 200 <= status < 300 or status == 404,
+        )
+    return len(entries)

@@ -21,6 +21,8 @@ Fault injection, read from the environment at start:
 ``MSP_STANDIN_NEVER_HEALTHY``
     non-empty and not ``0``: serve normally, but ``/health``, ``/health_generate`` and ``/readiness``
     answer 503 forever (``/liveness`` stays 200: the process is alive).
+``MSP_STANDIN_CONTROL_LATENCY_S``
+    float: each control call (memory, weights, pause, LoRA: :mod:`.control`) takes that long.
 
 ``MSP_ENGINE_NODE_ID`` (set by the backend that started it) is reported as ``node_id`` in ``/server_info``,
 ``/stand_in/stats`` and each response's stand-in metadata, next to the ``CUDA_VISIBLE_DEVICES`` it got.
@@ -34,10 +36,13 @@ waits to be terminated (the fault variables still apply).
 Endpoints: ``/health``, ``/health_generate``, ``/liveness``, ``/readiness``, ``/server_info``,
 ``/get_server_info``, ``/model_info``, ``/get_model_info``, ``POST /generate`` (optionally SSE),
 ``POST /v1/chat/completions``, ``POST /v1/completions``, ``/v1/models``, ``/flush_cache``, ``/get_load``,
-``/metrics`` (served whether or not ``--enable-metrics`` is given), ``/abort_request``,
-``/release_memory_occupation``, ``/resume_memory_occupation``, ``/get_weight_version``,
-``/update_weights_from_disk``, the weight-update bracket endpoints (no-ops), and ``/stand_in/stats``
-(request counters and the last PD bootstrap fields seen). With ``--disaggregation-mode prefill|decode``,
+``/metrics`` (served whether or not ``--enable-metrics`` is given), the control routes with their state
+(:mod:`miles_sglang_plugin.standin.control`: memory release/resume, weight updates and version, pause/continue,
+abort, LoRA adapters; bodies checked against SGLang's request classes), ``/get_weight_version``, Miles'
+weight-update bracket (no-ops), and ``/stand_in/stats`` (request counters, the last PD bootstrap fields seen,
+the control state and the control calls received). In PD mode the answers are a disaggregated server's: a
+prefill engine generates one token and returns the prompt's logprobs; a decode engine returns no input
+logprobs. With ``--disaggregation-mode prefill|decode``,
 ``/generate`` and ``/v1/chat/completions`` answer 400 unless the body has ``bootstrap_host``,
 ``bootstrap_port`` (may be null: the router sends null when it was given no port) and ``bootstrap_room``.
 A prefill engine also answers 400 unless they name its own bootstrap server, where the decode engine that gets
@@ -76,6 +81,14 @@ from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage
 
 from miles_sglang_plugin.engine_env import NODE_ID_ENV
+from miles_sglang_plugin.standin.common import RequestError, error_response, json_object
+from miles_sglang_plugin.standin.control import (
+    CONTROL,
+    CONTROL_LATENCY_ENV,
+    ControlState,
+    control_routes,
+    get_weight_version,
+)
 from miles_sglang_plugin.standin.flags import (
     SECRET_FIELDS,
     SGLANG_DEFAULT_BOOTSTRAP_PORT,
@@ -132,6 +145,7 @@ class FaultConfig:
     fail_at_start: bool = False
     die_after_s: float | None = None
     never_healthy: bool = False
+    control_latency_s: float = 0.0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> FaultConfig:
@@ -140,6 +154,7 @@ class FaultConfig:
             fail_at_start=_flag_set(env.get("MSP_STANDIN_FAIL_AT_START")),
             die_after_s=_float_env(env, "MSP_STANDIN_DIE_AFTER_S"),
             never_healthy=_flag_set(env.get("MSP_STANDIN_NEVER_HEALTHY")),
+            control_latency_s=_float_env(env, CONTROL_LATENCY_ENV) or 0.0,
         )
 
 
@@ -193,15 +208,6 @@ def fake_generate(prompt: Prompt, max_new_tokens: int, salt: str) -> Generated:
 
 # --------------------------------------------------------------------------------------------------------
 # Engine state
-
-
-class RequestError(Exception):
-    """Turned into a JSON error response by the error middleware."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
 
 
 def serves_on(host_flag: str, address: str) -> bool:
@@ -273,23 +279,29 @@ class EngineState:
     cuda_visible_devices: str | None
     #: The node it runs on as its backend names it (``MSP_ENGINE_NODE_ID``: the Ray node id), None if unset.
     node_id: str | None = None
-    weight_version: str = "default"
     started_at: float = field(default_factory=time.time)
     received: Counter[str] = field(default_factory=Counter)
     served: Counter[str] = field(default_factory=Counter)
     last_bootstrap: dict[str, Any] | None = None
-    released_tags: set[str] = field(default_factory=set)
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
-    weight_updates: int = 0
+    #: What the control routes change (memory, weights, pause, LoRA adapters): :mod:`.control`.
+    control: ControlState = field(init=False)
     max_total_num_tokens: int = field(init=False)
     max_running_requests: int = field(init=False)
     gpu_id_step: int = field(init=False)
 
     def __post_init__(self) -> None:
         extra = self.args.extra_dict()
+        self.control = ControlState(
+            enable_lora=bool(self.args.enable_lora),
+            tp_size=self.args.tp_size,
+            pp_size=self.args.pp_size,
+            latency_s=self.faults.control_latency_s,
+            model_path=self.args.model_path,
+        )
         if len(extra.get("weight_version", ())) == 1:
-            self.weight_version = extra["weight_version"][0]
+            self.control.weight_version = extra["weight_version"][0]
         self.max_total_num_tokens = _int_extra(extra, "max_total_tokens", 65536)
         self.max_running_requests = _int_extra(extra, "max_running_requests", 128)
         self.gpu_id_step = _int_extra(extra, "gpu_id_step", 1)
@@ -396,7 +408,7 @@ class EngineState:
             max_total_num_tokens=self.max_total_num_tokens,
             max_running_requests=self.max_running_requests,
             version=VERSION,
-            weight_version=self.weight_version,
+            weight_version=self.control.weight_version,
             internal_states=[
                 {
                     "world_size": args.world_size,
@@ -424,7 +436,7 @@ class EngineState:
             "requested_model_path": self.args.model_path,
             "is_generation": True,
             "preferred_sampling_params": None,
-            "weight_version": self.weight_version,
+            "weight_version": self.control.weight_version,
             "has_image_understanding": False,
             "has_audio_understanding": False,
             "model_type": "stand_in",
@@ -440,28 +452,6 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 # --------------------------------------------------------------------------------------------------------
 # Request helpers
-
-
-def _error(status: int, message: str) -> web.Response:
-    kind = {400: "BadRequestError", 401: "AuthenticationError"}.get(status, "Error")
-    return web.json_response(
-        {"object": "error", "error": {"message": message, "type": kind, "code": status}}, status=status
-    )
-
-
-async def _json_object(request: web.Request, *, required: bool = True) -> dict[str, Any]:
-    raw = await request.text()
-    if not raw.strip():
-        if required:
-            raise RequestError(400, "the request body must be a JSON object")
-        return {}
-    try:
-        body = json.loads(raw)
-    except ValueError as exc:
-        raise RequestError(400, f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise RequestError(400, "the request body must be a JSON object")
-    return body
 
 
 def _is_ids(value: Any) -> bool:
@@ -537,7 +527,7 @@ async def _auth_middleware(request: web.Request, handler: Handler) -> web.Stream
     if key and request.path not in OPEN_PATHS:
         given = request.headers.get("Authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-            return _error(401, "missing or wrong Authorization: Bearer <api key>")
+            return error_response(401, "missing or wrong Authorization: Bearer <api key>")
     return await handler(request)
 
 
@@ -546,7 +536,7 @@ async def _error_middleware(request: web.Request, handler: Handler) -> web.Strea
     try:
         return await handler(request)
     except RequestError as exc:
-        return _error(exc.status, exc.message)
+        return error_response(exc.status, exc.message)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -554,8 +544,16 @@ async def _error_middleware(request: web.Request, handler: Handler) -> web.Strea
 
 
 async def health(request: web.Request) -> web.Response:
-    if request.app[STATE].faults.never_healthy:
+    state = request.app[STATE]
+    if state.faults.never_healthy:
         return web.Response(status=503, text="stand-in engine: unhealthy (MSP_STANDIN_NEVER_HEALTHY)")
+    # /health_generate runs a one-token generation in SGLang: an engine that cannot generate (memory released,
+    # generation paused) fails it; /health answers without generating (SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION
+    # is false in Miles' engine environment).
+    if request.path == "/health_generate" and (state.control.released_tags or state.control.paused):
+        return web.Response(
+            status=503, text="stand-in engine: cannot generate now (memory released or paused)"
+        )
     return web.Response(text="OK")
 
 
@@ -588,7 +586,7 @@ def _generate_item(
         "prompt_tokens": len(prompt.ids),
         "completion_tokens": completion_tokens,
         "cached_tokens": 0,
-        "weight_version": state.weight_version,
+        "weight_version": state.control.weight_version,
         "e2e_latency": round(time.perf_counter() - started, 6),
         "stand_in": state.stand_in_meta(body),
     }
@@ -596,27 +594,58 @@ def _generate_item(
         with_text = bool(body.get("return_text_in_logprobs"))
         in_words = prompt.words if with_text and prompt.words else (None,) * len(prompt.ids)
         out_words = generated.words if with_text else (None,) * completion_tokens
-        meta["input_token_logprobs"] = [
-            [lp, t, w] for lp, t, w in zip(prompt.logprobs(), prompt.ids, in_words, strict=True)
-        ]
+        # As SGLang's disaggregated servers: the prefill engine computes the prompt's logprobs, the decode
+        # engine never sends input logprobs (output_streamer.py: "Decode server does not send input
+        # logprobs"); a PD router puts the prefill's in front of the decode's.
+        meta["input_token_logprobs"] = (
+            []
+            if state.args.disaggregation_mode == "decode"
+            else [[lp, t, w] for lp, t, w in zip(prompt.logprobs(), prompt.ids, in_words, strict=True)]
+        )
         meta["output_token_logprobs"] = [
             [lp, t, w] for lp, t, w in zip(generated.logprobs, generated.ids, out_words, strict=True)
         ]
     return {"text": generated.text, "output_ids": list(generated.ids), "meta_info": meta}
 
 
+async def _admitted(state: EngineState) -> bool:
+    """A generation request may run: 503 while memory is released; waits while generation is paused; False
+    when all requests were aborted while it waited."""
+    refusal = state.control.generation_refusal()
+    if refusal is not None:
+        raise RequestError(503, refusal)
+    return await state.control.wait_until_running()
+
+
+def _aborted_item(state: EngineState, body: Mapping[str, Any], prompt: Prompt, rid: str) -> dict[str, Any]:
+    meta = {
+        "id": rid,
+        "finish_reason": {"type": "abort", "message": "Abort all requests (stand-in engine)"},
+        "prompt_tokens": len(prompt.ids),
+        "completion_tokens": 0,
+        "weight_version": state.control.weight_version,
+        "stand_in": state.stand_in_meta(body),
+    }
+    return {"text": "", "output_ids": [], "meta_info": meta}
+
+
 async def generate(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     started = time.perf_counter()
-    body = await _json_object(request)
+    body = await json_object(request)
     state.check_bootstrap(body)
     prompts, batch = _generate_prompts(body)
+    if not await _admitted(state):
+        items = [_aborted_item(state, body, p, _rid(body.get("rid"), i)) for i, p in enumerate(prompts)]
+        return web.json_response(items if batch else items[0])
     sampling = body.get("sampling_params") or {}
     if isinstance(sampling, list):  # a batch may carry one dict per prompt; the stand-in uses the first
         sampling = sampling[0] if sampling else {}
     if not isinstance(sampling, dict):
         raise RequestError(400, "sampling_params must be an object")
     max_new = _max_tokens(sampling.get("max_new_tokens"), "sampling_params.max_new_tokens")
+    if state.args.disaggregation_mode == "prefill":
+        max_new = min(max_new, 1)  # SGLang's prefill server generates the first token only
     results = [state.complete(p, max_new) for p in prompts]
     rids = [_rid(body.get("rid"), i) for i in range(len(prompts))]
     if body.get("stream"):
@@ -723,9 +752,13 @@ def _chat_choice(body: Mapping[str, Any], generated: Generated) -> dict[str, Any
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    body = await _json_object(request)
+    body = await json_object(request)
     state.check_bootstrap(body)
     prompt = _chat_prompt(body.get("messages"))
+    if not await _admitted(state):
+        raise RequestError(
+            503, "stand-in engine: the request was aborted (abort_all) while generation was paused"
+        )
     max_new = _openai_max_tokens(body)
     generated = state.complete(prompt, max_new)
     model = body.get("model") or state.args.model_name
@@ -740,7 +773,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             "object": "chat.completion",
             "choices": [_chat_choice(body, generated)],
             "usage": _usage(prompt, generated),
-            "metadata": {"weight_version": state.weight_version},
+            "metadata": {"weight_version": state.control.weight_version},
             "stand_in": stand_in,
         }
     )
@@ -748,7 +781,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    body = await _json_object(request)
+    body = await json_object(request)
     raw = body.get("prompt")
     if isinstance(raw, str):
         prompt = Prompt.from_text(raw)
@@ -756,6 +789,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
         prompt = Prompt(tuple(raw))
     else:
         raise RequestError(400, "prompt must be a string or a list of token ids")
+    if not await _admitted(state):
+        raise RequestError(
+            503, "stand-in engine: the request was aborted (abort_all) while generation was paused"
+        )
     generated = state.complete(prompt, _openai_max_tokens(body))
     common = {
         "id": f"cmpl-{uuid.uuid4().hex}",
@@ -788,7 +825,11 @@ async def models(request: web.Request) -> web.Response:
         "root": state.args.model_path,
         "max_model_len": state.max_total_num_tokens,
     }
-    return web.json_response({"object": "list", "data": [model]})
+    adapters = [  # loaded LoRA adapters, as SGLang lists them
+        {"id": name, "object": "model", "root": path, "parent": state.args.model_name, "max_model_len": None}
+        for name, path in state.control.lora_adapters.items()
+    ]
+    return web.json_response({"object": "list", "data": [model, *adapters]})
 
 
 async def flush_cache(request: web.Request) -> web.Response:
@@ -825,63 +866,10 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8")
 
 
-async def abort_request(request: web.Request) -> web.Response:
-    await _json_object(request, required=False)
-    return web.json_response({"status": "ok", "success": True})
-
-
-async def _memory_tags(request: web.Request) -> set[str]:
-    body = await _json_object(request, required=False)
-    tags = body.get("tags")
-    if tags is None:
-        return set(MEMORY_TAGS)
-    if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
-        raise RequestError(400, "tags must be a list of strings")
-    return set(tags)
-
-
-async def release_memory(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    state.released_tags |= await _memory_tags(request)
-    return web.json_response({"success": True, "released_tags": sorted(state.released_tags)})
-
-
-async def resume_memory(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    state.released_tags -= await _memory_tags(request)
-    return web.json_response({"success": True, "released_tags": sorted(state.released_tags)})
-
-
-async def get_weight_version(request: web.Request) -> web.Response:
-    return web.json_response({"weight_version": request.app[STATE].weight_version})
-
-
-def _bump_weight_version(state: EngineState, requested: Any) -> None:
-    state.weight_updates += 1
-    state.weight_version = str(requested) if requested is not None else str(state.weight_updates)
-
-
-async def update_weights_from_disk(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    body = await _json_object(request, required=False)
-    _bump_weight_version(state, body.get("weight_version"))
-    return web.json_response(
-        {
-            "success": True,
-            "message": "stand-in engine: no weights loaded",
-            "num_paused_requests": 0,
-            "weight_version": state.weight_version,
-        }
-    )
-
-
-async def weight_update_noop(request: web.Request) -> web.Response:
-    """The weight-update bracket and transfer endpoints: accepted and ignored (weight_version honoured)."""
-    state = request.app[STATE]
-    body = await _json_object(request, required=False)
-    version = body.get("new_version", body.get("weight_version"))
-    if version is not None:
-        state.weight_version = str(version)
+async def weight_update_bracket(request: web.Request) -> web.Response:
+    """Miles' weight-update bracket (``/begin_weight_update``, ``/end_weight_update``) and
+    ``/update_weights_from_tensor`` (CUDA IPC, which a stand-in cannot receive): accepted, nothing changes."""
+    await json_object(request, required=False)
     return web.json_response({"success": True, "message": "stand-in engine: no-op"})
 
 
@@ -898,8 +886,7 @@ async def stats(request: web.Request) -> web.Response:
             "requests_received": dict(state.received),
             "requests_served": dict(state.served),
             "last_bootstrap": state.last_bootstrap,
-            "weight_version": state.weight_version,
-            "released_memory_tags": sorted(state.released_tags),
+            **state.control.stats(),
             "prompt_tokens_total": state.prompt_tokens_total,
             "generation_tokens_total": state.generation_tokens_total,
             "uptime_s": round(time.time() - state.started_at, 3),
@@ -907,17 +894,7 @@ async def stats(request: web.Request) -> web.Response:
     )
 
 
-NOOP_POST_PATHS = (
-    "/pause_generation",
-    "/continue_generation",
-    "/begin_weight_update",
-    "/end_weight_update",
-    "/init_weights_update_group",
-    "/destroy_weights_update_group",
-    "/update_weights_from_distributed",
-    "/update_weights_from_tensor",
-    "/update_weight_version",
-)
+BRACKET_PATHS = ("/begin_weight_update", "/end_weight_update", "/update_weights_from_tensor")
 
 
 def build_app(
@@ -952,15 +929,13 @@ def build_app(
         post("/flush_cache", flush_cache),
         get("/get_load", get_load),
         get("/metrics", metrics),
-        post("/abort_request", abort_request),
-        post("/release_memory_occupation", release_memory),
-        post("/resume_memory_occupation", resume_memory),
+        *control_routes(),
         get("/get_weight_version", get_weight_version),
-        post("/update_weights_from_disk", update_weights_from_disk),
-        *(post(p, weight_update_noop) for p in NOOP_POST_PATHS),
+        *(post(p, weight_update_bracket) for p in BRACKET_PATHS),
         get("/stand_in/stats", stats),
     ]
     app.add_routes(routes)
+    app[CONTROL] = app[STATE].control
     return app
 
 

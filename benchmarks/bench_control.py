@@ -1,0 +1,332 @@
+"""What the control handle and supervision cost, measured with stand-in engines and the real sglang-router.
+
+(1) fan-out: K stand-in engines of 1 GPU (K = 1, 8, 32), every group needing offload (colocate, offload on).
+    Wall time of ``offload(["kv_cache"])`` + ``onload(["kv_cache"])`` (one cycle) and of ``update_weight_version``
+    through ``deployment.control``, median over the repetitions, K = 32 against K = 1. Measured twice: with each
+    engine taking ``--latency`` seconds per control call (``sglang_deploy.standin.control_latency_s``, as a real
+    engine's release/resume of tens of GB takes), which is the case the goal is about, and with 0 s (the stand-in
+    answers at once), which shows the client's and the machine's own overhead per engine.
+(2) healing: 4 engines, each taking ``--start-delay`` s to start (``sglang_deploy.standin.start_delay_s``); one is
+    SIGKILLed; from the kill until the replacement serves again (registered and listed healthy by its router),
+    minus the replacement's own start (process start to answering ``/health_generate``): detection, taking it
+    out of the router, the restart backoff, registration. With the default supervision settings and with fast
+    ones (polls every 0.2 s, no backoff).
+(3) requests under a loss: 2,000 ``POST /generate`` at concurrency 64 through the router (cache_aware, the
+    router's default retries) of 8 engines; one engine is SIGKILLed after 500 answers. Requests failed, latency,
+    the loss and the recovery reported by the deployment.
+
+Everything binds 127.0.0.1 with ports from a random base; everything started is stopped (context managers).
+
+    python benchmarks/bench_control.py [--reps 5] [--latency 0.5] [--requests 2000] [--json]
+    python benchmarks/bench_control.py --smoke    # one quick repetition at the smallest sizes (run by the tests)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import io
+import json
+import os
+import random
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from miles_sglang_plugin.app.hydra_edge import launch_from_config
+from miles_sglang_plugin.config.compose import compose_config
+from miles_sglang_plugin.serving.deployment import Deployment
+
+HOST = "127.0.0.1"
+GEN_BODY = {"text": "the quick brown fox jumps over", "sampling_params": {"max_new_tokens": 4}}
+FAST_SUPERVISION = [
+    "sglang_deploy.supervision.health_interval_s=0.2",
+    "sglang_deploy.supervision.health_timeout_s=0.5",
+    "sglang_deploy.supervision.restart_backoff_s=0",
+]
+
+
+def overrides(k: int, *extra: str) -> list[str]:
+    return [
+        "sglang=default",
+        "hf_checkpoint=/c",
+        "colocate=true",
+        "offload_rollout=true",
+        f"actor_num_gpus_per_node={k}",  # colocate: rollout_num_gpus = the actor's k GPUs
+        f"num_gpus_per_node={max(8, k)}",
+        "sglang_deploy=simulated",
+        f"sglang.actor.regular.num_gpus={k}",
+        "sglang.actor.num_gpus_per_engine=1",
+        f"sglang_deploy.launch.host={HOST}",
+        f"sglang_deploy.launch.port_base={random.randrange(20000, 29000)}",
+        "sglang_deploy.launch.live=never",
+        *extra,
+    ]
+
+
+@contextlib.contextmanager
+def quiet(verbose: bool):
+    """The launcher's status lines go to stderr; keep them out of the table unless --verbose."""
+    if verbose:
+        yield
+        return
+    buf = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(buf):
+            yield
+    except BaseException:
+        sys.stderr.write(buf.getvalue())
+        raise
+
+
+def launch(k: int, tmp: Path, verbose: bool, *extra: str) -> contextlib.AbstractContextManager[Deployment]:
+    log_dir = Path(tempfile.mkdtemp(prefix=f"control_k{k}_", dir=tmp))
+    return launch_from_config(compose_config(overrides(k, *extra)), log_dir=log_dir)
+
+
+def _timed(operation: Callable[[], Any]) -> float:
+    started = time.perf_counter()
+    operation()
+    return time.perf_counter() - started
+
+
+# ------------------------------------------------------------------------------------------ (1) fan-out
+def _fan_out_times(d: Deployment, k: int, reps: int) -> tuple[list[float], list[float]]:
+    control = d.control
+    control.update_weight_version("warm-up")  # the stand-ins read SGLang's request classes once
+    cycles, versions = [], []
+    for rep in range(reps):
+        cycles.append(_timed(lambda: (control.offload(["kv_cache"]), control.onload(["kv_cache"]))))
+        versions.append(_timed(lambda rep=rep: control.update_weight_version(str(rep))))
+    assert len(control.offload(["kv_cache"]).engines) == k
+    control.onload(["kv_cache"])
+    return cycles, versions
+
+
+def fan_out(ks: list[int], latency_s: float, reps: int, tmp: Path, verbose: bool) -> list[dict[str, Any]]:
+    rows = []
+    for k in ks:
+        with (
+            quiet(verbose),
+            launch(k, tmp, verbose, f"sglang_deploy.standin.control_latency_s={latency_s}") as d,
+        ):
+            cycles, versions = _fan_out_times(d, k, reps)
+        rows.append(
+            {
+                "k": k,
+                "latency_s": latency_s,
+                "offload_onload_s": statistics.median(cycles),
+                "weight_version_s": statistics.median(versions),
+                "offload_onload_all_s": [round(x, 4) for x in cycles],
+            }
+        )
+    base = rows[0]
+    for row in rows:
+        row["offload_onload_ratio"] = row["offload_onload_s"] / base["offload_onload_s"]
+        row["weight_version_ratio"] = row["weight_version_s"] / base["weight_version_s"]
+    return rows
+
+
+# ------------------------------------------------------------------------------------------ (2) healing
+def healing(k: int, start_delay_s: float, reps: int, fast: bool, tmp: Path, verbose: bool) -> dict[str, Any]:
+    extra = [f"sglang_deploy.standin.start_delay_s={start_delay_s}", *(FAST_SUPERVISION if fast else [])]
+    runs = []
+    with quiet(verbose), launch(k, tmp, verbose, *extra) as d:
+        for rep in range(reps):
+            victim = d.engines()[rep % k].id
+            (process,) = [p for p in d.processes() if p.name == victim]
+            since = len(d.events())
+            killed = time.monotonic()
+            os.kill(process.pid, signal.SIGKILL)  # type: ignore[attr-defined]
+            lost = d.wait_for_event("engine_lost", subject=victim, since=since, timeout_s=60)
+            back = d.wait_for_event("engine_recovered", subject=victim, since=since, timeout_s=120)
+            total = back.monotonic - killed
+            runs.append(
+                {
+                    "noticed_s": lost.monotonic - killed,
+                    "death_to_serving_s": total,
+                    "own_start_s": back.details["start_s"],
+                    "overhead_s": total - back.details["start_s"],
+                }
+            )
+        backoff = d.settings.supervision.restart_backoff_s
+    row: dict[str, Any] = {
+        "settings": "fast" if fast else "default",
+        "start_delay_s": start_delay_s,
+        "backoff_s": backoff,
+    }
+    for field in runs[0]:
+        row[field] = statistics.median(run[field] for run in runs)
+    row["overhead_minus_backoff_s"] = row["overhead_s"] - backoff
+    row["reps"] = len(runs)
+    return row
+
+
+# ------------------------------------------------------------------------------------------ (3) requests
+async def _load(
+    url: str, total: int, concurrency: int, on_answers: int, kill: Callable[[], None]
+) -> dict[str, Any]:
+    latencies: list[float] = []
+    failures: list[str] = []
+    queue = iter(range(total))
+    killed = False
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        nonlocal killed
+        for _ in queue:
+            started = time.perf_counter()
+            try:
+                response = await client.post(url, json=GEN_BODY)
+                if response.status_code != 200:
+                    failures.append(f"HTTP {response.status_code}: {response.text[:120]}")
+            except httpx.HTTPError as exc:
+                failures.append(f"{type(exc).__name__}: {exc}")
+            latencies.append(time.perf_counter() - started)
+            if not killed and len(latencies) >= on_answers:
+                killed = True
+                kill()
+
+    # One client (one keep-alive connection) per worker: one pool of 64 connections measures httpcore's pool
+    # scan, not the router (see bench_launch.py).
+    clients = [
+        httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=1)) for _ in range(concurrency)
+    ]
+    started = time.perf_counter()
+    try:
+        await asyncio.gather(*(worker(client) for client in clients))
+    finally:
+        await asyncio.gather(*(client.aclose() for client in clients))
+    latencies.sort()
+    return {
+        "requests": total,
+        "failed": len(failures),
+        "failures": sorted(set(failures))[:5],
+        "wall_s": time.perf_counter() - started,
+        "p50_ms": 1000 * latencies[len(latencies) // 2],
+        "p99_ms": 1000 * latencies[int(len(latencies) * 0.99) - 1],
+        "max_ms": 1000 * latencies[-1],
+    }
+
+
+def requests_under_loss(k: int, total: int, concurrency: int, tmp: Path, verbose: bool) -> dict[str, Any]:
+    with quiet(verbose), launch(k, tmp, verbose) as d:
+        victim = d.engines()[-1].id
+        (process,) = [p for p in d.processes() if p.name == victim]
+        since = len(d.events())
+        row = asyncio.run(
+            _load(
+                d.registry.get_model_url("actor"),
+                total,
+                concurrency,
+                on_answers=total // 4,
+                kill=lambda: os.kill(process.pid, signal.SIGKILL),  # type: ignore[attr-defined]
+            )
+        )
+        lost = d.wait_for_event("engine_lost", subject=victim, since=since, timeout_s=60)
+        back = d.wait_for_event("engine_recovered", subject=victim, since=since, timeout_s=120)
+        row.update(engines=k, concurrency=concurrency, lost=lost.message, recovered=back.message)
+    return row
+
+
+# ------------------------------------------------------------------------------------------ report
+def print_report(results: dict[str, Any]) -> None:
+    if "fan_out" in results:
+        _print_fan_out(results["fan_out"])
+    if "healing" in results:
+        _print_healing(results["healing"])
+    if "requests" in results:
+        _print_requests(results["requests"])
+
+
+def _print_fan_out(rows: list[dict[str, Any]]) -> None:
+    print("(1) control fan-out, median wall time per call (ratio to K=1)")
+    print(f"    {'K':>3} {'engine latency':>15} {'offload+onload':>16} {'weight version':>16}")
+    for row in rows:
+        print(
+            f"    {row['k']:>3} {row['latency_s']:>13.2f} s {row['offload_onload_s'] * 1000:>9.1f} ms ({row['offload_onload_ratio']:.2f}x)"
+            f" {row['weight_version_s'] * 1000:>9.1f} ms ({row['weight_version_ratio']:.2f}x)"
+        )
+
+
+def _print_healing(rows: list[dict[str, Any]]) -> None:
+    print("(2) an engine's death to its replacement serving again, minus the replacement's own start")
+    for row in rows:
+        print(
+            f"    {row['settings']:>7} settings: noticed after {row['noticed_s']:.2f} s, serving after "
+            f"{row['death_to_serving_s']:.2f} s, own start {row['own_start_s']:.2f} s -> overhead {row['overhead_s']:.2f} s "
+            f"(restart backoff {row['backoff_s']:g} s; without it {row['overhead_minus_backoff_s']:.2f} s)"
+        )
+
+
+def _print_requests(row: dict[str, Any]) -> None:
+    print(
+        f"(3) {row['requests']} requests at concurrency {row['concurrency']} over {row['engines']} engines, one killed: "
+        f"failed {row['failed']}, p50 {row['p50_ms']:.1f} ms, p99 {row['p99_ms']:.1f} ms, max {row['max_ms']:.0f} ms, "
+        f"{row['requests'] / row['wall_s']:.0f} req/s"
+    )
+    print(f"    {row['lost']}\n    {row['recovered']}")
+    for failure in row["failures"]:
+        print(f"    failure: {failure}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument(
+        "--latency", type=float, default=0.5, help="seconds per control call on each stand-in"
+    )
+    parser.add_argument("--start-delay", type=float, default=2.0)
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--smoke", action="store_true", help="one quick repetition at the smallest sizes")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--verbose", action="store_true")
+    parser.add_argument("--skip", default="", help="parts to leave out: fan_out,healing,requests")
+    args = parser.parse_args(argv)
+    skip = set(filter(None, args.skip.split(",")))
+    ks = [1, 2] if args.smoke else [1, 8, 32]
+    reps = 1 if args.smoke else args.reps
+    with tempfile.TemporaryDirectory(prefix="bench_control_") as tmp_dir:
+        tmp = Path(tmp_dir)
+        results: dict[str, Any] = {}
+        if "fan_out" not in skip:
+            results["fan_out"] = fan_out(ks, args.latency, reps, tmp, args.verbose) + fan_out(
+                ks, 0.0, reps, tmp, args.verbose
+            )
+        if "healing" not in skip:
+            results["healing"] = [
+                healing(
+                    2 if args.smoke else 4,
+                    0.2 if args.smoke else args.start_delay,
+                    reps,
+                    fast,
+                    tmp,
+                    args.verbose,
+                )
+                for fast in ((True,) if args.smoke else (False, True))
+            ]
+        if "requests" not in skip:
+            results["requests"] = requests_under_loss(
+                2 if args.smoke else 8,
+                200 if args.smoke else args.requests,
+                16 if args.smoke else args.concurrency,
+                tmp,
+                args.verbose,
+            )
+    if args.json:
+        print(json.dumps(results, indent=2))
+    else:
+        print_report(results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

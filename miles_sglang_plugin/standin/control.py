@@ -1,0 +1,307 @@
+"""The stand-in engine's control routes, with the state a real engine keeps (NOT a real SGLang engine).
+
+What a trainer calls on its engines between rollouts (SGLang 0.5.23's routes, ``http_server.py``):
+
+* ``/release_memory_occupation`` / ``/resume_memory_occupation`` (``tags``: ``weights``, ``kv_cache``,
+  ``cuda_graph``; none: all). While any memory is released, ``/generate`` and the OpenAI routes answer 503:
+  an engine without its weights or KV cache cannot serve.
+* ``/update_weights_from_disk`` (refused while the weights are released), ``/init_weights_update_group``
+  (the engine's ranks ``rank_offset .. rank_offset + tp*pp - 1`` must lie in ``1 .. world_size - 1``: rank 0 is
+  the trainer), ``/update_weights_from_distributed`` (needs that group), ``/destroy_weights_update_group``,
+  ``/update_weight_version``. The weight version they set is what ``/get_server_info``, ``/model_info``,
+  ``/get_weight_version`` and each response's ``meta_info`` report.
+* ``/pause_generation`` (``abort``, ``retract``, ``in_place``) and ``/continue_generation``: generation requests
+  that arrive while paused wait for ``continue``; ``/abort_request`` with ``abort_all`` (and a pause in ``abort``
+  mode, and ``abort_all_requests`` of a weight update) ends the waiting ones with finish reason ``abort``.
+* ``/load_lora_adapter`` / ``/unload_lora_adapter`` (only with ``--enable-lora``); loaded adapters are listed
+  by ``/v1/models`` (as SGLang lists them) and ``/stand_in/stats``.
+
+Every body is checked against SGLang's own request class of its route where SGLang is installed (read from
+its ``io_struct.py``; the shipped 0.5.23 description otherwise): a missing or mistyped field, or one the class
+does not have, is answered 422 naming the class. ``MSP_STANDIN_CONTROL_LATENCY_S`` makes each control call
+take that long (a real engine's take from a fraction of a second to minutes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from miles_sglang_plugin.standin.common import RequestError, json_object
+
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+CONTROL_LATENCY_ENV = "MSP_STANDIN_CONTROL_LATENCY_S"
+
+
+@functools.cache
+def request_schemas() -> Any:
+    """SGLang's request classes (lazily: only the first control call reads them)."""
+    from miles_sglang_plugin.rendering.sglang_requests import load_request_schemas
+
+    return load_request_schemas()
+
+
+@dataclass
+class ControlState:
+    """What the control routes change, and what generation and the info routes read."""
+
+    enable_lora: bool = False
+    tp_size: int = 1
+    pp_size: int = 1
+    latency_s: float = 0.0
+    weight_version: str = "default"
+    model_path: str = ""
+    #: Successful weight loads (from disk or through a weights update group).
+    weight_updates: int = 0
+    released_tags: set[str] = field(default_factory=set)
+    #: The pause mode while paused, else None.
+    paused: str | None = None
+    lora_adapters: dict[str, str] = field(default_factory=dict)
+    #: group name -> the ``/init_weights_update_group`` body that created it.
+    weight_groups: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: Control calls received, in order: ``[route, body]`` (the last 500).
+    calls: deque[list[Any]] = field(default_factory=lambda: deque(maxlen=500))
+    #: Bumped by every abort of all requests: a request waiting for ``continue`` sees it and ends as aborted.
+    abort_epoch: int = 0
+    _resumed: asyncio.Event | None = None
+
+    # -------------------------------------------------------------------------------------------- generation
+    def generation_refusal(self) -> str | None:
+        """Why a generation request cannot be served now (None: it can)."""
+        if self.released_tags:
+            return (
+                f"stand-in engine: memory released ({', '.join(sorted(self.released_tags))}); "
+                "call /resume_memory_occupation before generating"
+            )
+        return None
+
+    def resumed(self) -> asyncio.Event:
+        if self._resumed is None:
+            self._resumed = asyncio.Event()
+            if self.paused is None:
+                self._resumed.set()
+        return self._resumed
+
+    async def wait_until_running(self) -> bool:
+        """Wait while generation is paused; False if all requests were aborted meanwhile."""
+        epoch = self.abort_epoch
+        while self.paused is not None:
+            await self.resumed().wait()
+            if self.abort_epoch != epoch:
+                return False
+        return self.abort_epoch == epoch
+
+    def abort_all(self) -> None:
+        self.abort_epoch += 1
+        if self.paused is not None:  # wake the waiting requests so that they end as aborted
+            event = self.resumed()
+            event.set()
+            event.clear()
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "weight_version": self.weight_version,
+            "loaded_model_path": self.model_path,
+            "weight_updates": self.weight_updates,
+            "released_memory_tags": sorted(self.released_tags),
+            "paused": self.paused,
+            "lora_adapters": dict(self.lora_adapters),
+            "weight_update_groups": {name: dict(body) for name, body in self.weight_groups.items()},
+            "control_calls": [list(call) for call in self.calls],
+        }
+
+
+CONTROL: web.AppKey[ControlState] = web.AppKey("standin_control", ControlState)
+
+Handler = Callable[[ControlState, dict[str, Any]], dict[str, Any] | None]
+
+
+def _tags(body: dict[str, Any]) -> set[str]:
+    tags = body.get("tags")
+    if tags is None:
+        return set(MEMORY_TAGS)
+    unknown = sorted(set(tags) - set(MEMORY_TAGS))
+    if unknown:
+        raise RequestError(400, f"unknown memory tags {unknown}; valid: {', '.join(MEMORY_TAGS)}")
+    return set(tags)
+
+
+def _require_weights(state: ControlState, what: str) -> None:
+    if "weights" in state.released_tags:
+        raise RequestError(
+            400,
+            f"stand-in engine: {what} while the weights are released; resume them first (tags=['weights'])",
+        )
+
+
+def release_memory(state: ControlState, body: dict[str, Any]) -> dict[str, Any]:
+    state.released_tags |= _tags(body)
+    return {"success": True, "released_tags": sorted(state.released_tags)}
+
+
+def resume_memory(state: ControlState, body: dict[str, Any]) -> dict[str, Any]:
+    state.released_tags -= _tags(body)
+    return {"success": True, "released_tags": sorted(state.released_tags)}
+
+
+def _set_version(state: ControlState, version: Any) -> None:
+    if version is not None:
+        state.weight_version = str(version)
+
+
+def update_weights_from_disk(state: ControlState, body: dict[str, Any]) -> dict[str, Any]:
+    _require_weights(state, "cannot load weights from disk")
+    if body.get("abort_all_requests"):
+        state.abort_all()
+    state.model_path = body["model_path"]
+    state.weight_updates += 1
+    _set_version(state, body.get("weight_version"))
+    return {
+        "success": True,
+        "message": f"stand-in engine: weights of {state.model_path} 'loaded' (none are)",
+        "num_paused_requests": 0,
+    }
+
+
+def init_weights_update_group(state: ControlState, body: dict[str, Any]) -> dict[str, Any]:
+    name = body.get("group_name", "weight_update_group")
+    if name in state.weight_groups:
+        raise RequestError(400, f"stand-in engine: weights update group {name!r} already exists")
+    offset, world = body["rank_offset"], body["world_size"]
+    engine_ranks = state.tp_size * state.pp_size
+    if offset < 1 or offset + engine_ranks > world:
+        raise RequestError(
+            400,
+            f"stand-in engine: ranks {offset}..{offset + engine_ranks - 1} of this engine (tp*pp = {engine_ranks}) "
+            f"do not fit a group of world_size {world} whose rank 0 is the trainer",
+        )
+    state.weight_groups[name] = dict(body)
+    return {"success": True, "message": f"stand-in engine: joined {name!r} as ranks from {offset}"}
+
+
+def update_weights_from_distributed(state: ControlState, body: dict[str, Any]) -> dict[str, Any]:
+    name = body.get("group_name", "weight_update_group")
+    if name not in state.weight_groups:
+        raise RequestError(400, f"stand-in engine: no weights update group {name!r}; init it first")
+    if not len(body["names"]) == len(body["dtypes"]) == len(body["shapes"]):
+        raise RequestError(400, "stand-in engine: names, dtypes and shapes must be of one length")
+    _require_weights(state, "cannot receive weights")
+    if body.get("abort_all_requests"):
+        state.abort_all()
+    state.weight_updates += 1
+    _set_version(state, body.get("weight_version"))
+    return {"success": True, "message": f"stand-in engine: {len(body['names'])} tensors 'received'"}
+
+
+def destroy_weights_update_group(state: ControlState, body: dict[str, Any]) -> dict[str, Any]:
+    name = body.get("group_name", "weight_update_group")
+    existed = state.weight_groups.pop(name, None) is not None
+    return {
+        "success": True,
+        "message": f"stand-in engine: {name!r} {'destroyed' if existed else 'did not exist'}",
+    }
+
+
+def update_weight_version(state: ControlState, body: dict[str, Any]) -> dict[str, Any]:
+    if body.get("abort_all_requests", True):
+        state.abort_all()
+    _set_version(state, body["new_version"])
+    return {
+        "success": True,
+        "message": f"Weight version updated to {state.weight_version}",
+        "new_version": state.weight_version,
+    }
+
+
+def pause_generation(state: ControlState, body: dict[str, Any]) -> dict[str, Any]:
+    state.paused = body.get("mode", "abort")
+    state.resumed().clear()
+    if state.paused == "abort":
+        state.abort_all()
+    return {"message": "Generation paused successfully.", "status": "ok"}
+
+
+def continue_generation(state: ControlState, body: dict[str, Any]) -> dict[str, Any]:
+    state.paused = None
+    state.resumed().set()
+    return {"message": "Generation continued successfully.", "status": "ok"}
+
+
+def abort_request(state: ControlState, body: dict[str, Any]) -> None:
+    if body.get("abort_all"):
+        state.abort_all()
+    return None  # SGLang answers an empty 200
+
+
+def load_lora_adapter(state: ControlState, body: dict[str, Any]) -> dict[str, Any]:
+    if not state.enable_lora:
+        raise RequestError(400, "stand-in engine: LoRA is not enabled (start it with --enable-lora)")
+    name = body["lora_name"]
+    if name in state.lora_adapters:
+        raise RequestError(400, f"stand-in engine: a LoRA adapter named {name!r} is already loaded")
+    state.lora_adapters[name] = body["lora_path"]
+    return {"success": True, "error_message": None, "loaded_adapters": dict(state.lora_adapters)}
+
+
+def unload_lora_adapter(state: ControlState, body: dict[str, Any]) -> dict[str, Any]:
+    if not state.enable_lora:
+        raise RequestError(400, "stand-in engine: LoRA is not enabled (start it with --enable-lora)")
+    name = body["lora_name"]
+    if state.lora_adapters.pop(name, None) is None:
+        raise RequestError(400, f"stand-in engine: no LoRA adapter named {name!r} is loaded")
+    return {"success": True, "error_message": None, "loaded_adapters": dict(state.lora_adapters)}
+
+
+#: route -> handler; each body is checked against SGLang's request class of the route first.
+HANDLERS: dict[str, Handler] = {
+    "/release_memory_occupation": release_memory,
+    "/resume_memory_occupation": resume_memory,
+    "/update_weights_from_disk": update_weights_from_disk,
+    "/init_weights_update_group": init_weights_update_group,
+    "/update_weights_from_distributed": update_weights_from_distributed,
+    "/destroy_weights_update_group": destroy_weights_update_group,
+    "/update_weight_version": update_weight_version,
+    "/pause_generation": pause_generation,
+    "/continue_generation": continue_generation,
+    "/abort_request": abort_request,
+    "/load_lora_adapter": load_lora_adapter,
+    "/unload_lora_adapter": unload_lora_adapter,
+}
+#: Routes SGLang also serves on GET (no body).
+GET_TOO = ("/release_memory_occupation", "/resume_memory_occupation")
+
+
+def _route(handler: Handler) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    async def serve(request: web.Request) -> web.StreamResponse:
+        state = request.app[CONTROL]
+        body = await json_object(request, required=False)
+        schemas = request_schemas()
+        problems = schemas.problems(request.path, body)
+        if problems:
+            raise RequestError(
+                422,
+                f"stand-in engine: not a valid body (checked against {schemas.source}): {'; '.join(problems)}",
+            )
+        state.calls.append([request.path, body])
+        if state.latency_s:
+            await asyncio.sleep(state.latency_s)
+        answer = handler(state, body)
+        return web.Response(status=200) if answer is None else web.json_response(answer)
+
+    return serve
+
+
+def control_routes() -> list[web.RouteDef]:
+    routes = [web.post(path, _route(handler)) for path, handler in HANDLERS.items()]
+    routes += [web.get(path, _route(HANDLERS[path])) for path in GET_TOO]
+    return routes
+
+
+async def get_weight_version(request: web.Request) -> web.Response:
+    return web.json_response({"weight_version": request.app[CONTROL].weight_version})

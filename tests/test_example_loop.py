@@ -1,0 +1,58 @@
+"""The example trainer's step loop (``make demo``), end to end with stand-ins: what each engine did in each
+step follows the plan, and an engine killed mid-loop is healed while the loop goes on."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.test_hydra_group import run_example
+
+pytestmark = pytest.mark.slow
+
+
+def rows(stdout: str, step: int) -> dict[str, list[str]]:
+    """engine -> its cells in the table of ``step``."""
+    table = stdout.split(f"step {step}: what each engine did", 1)[1].split("└", 1)[0]
+    out = {}
+    for line in table.splitlines():
+        cells = [c.strip() for c in re.split(r"[│┃]", line)[1:-1]]
+        if cells and re.fullmatch(r"\w+\.\w+\.\d+", cells[0]):
+            out[cells[0]] = cells[1:]
+    return out
+
+
+def test_the_demo_loop(tmp_path: Path) -> None:
+    proc = run_example(
+        "sglang=pd_actor_ref",
+        "sglang_deploy=simulated",
+        "colocate=true",
+        "actor_num_nodes=3",
+        "sglang.ref.regular.num_gpus=8",
+        "num_rollout=2",
+        "kill_engine_at_step=1",
+        "train_step_s=0",
+        f"sglang_deploy.launch.port_base={21000 + os.getpid() % 4000}",
+        tmp_path=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    # pd_actor_ref colocated with a 3 x 8-GPU actor (colocate: rollout_num_gpus = the actor's 24 GPUs, offload
+    # on): actor prefill 8 GPUs TP 4 at slot 0, actor decode 8 GPUs TP 4 at slot 8, ref 8 GPUs TP 2 (the
+    # example's rollout_num_gpus_per_engine) at slot 16: every group starts below Megatron's 24 GPUs, so every group
+    # needs offload; only the actor (its path is hf_checkpoint) receives weights.
+    step0 = rows(out, 0)
+    actor = ["actor.prefill.0", "actor.prefill.1", "actor.decode.0", "actor.decode.1"]
+    ref = ["ref.regular.0", "ref.regular.1", "ref.regular.2", "ref.regular.3"]
+    assert list(step0) == [*actor, *ref]
+    did = {engine: [cell.split()[0] for cell in cells] for engine, cells in step0.items()}
+    # columns: pause, offload, onload weights, update weights, onload kv, continue, weight version
+    assert all(did[e] == ["ok", "ok", "ok", "ok", "ok", "ok", "1"] for e in actor), did
+    assert all(did[e] == ["ok", "ok", "ok", "-", "ok", "ok", "default"] for e in ref), did
+    assert "killed engine actor.decode.1" in out
+    assert re.search(r"healed: engine actor\.decode\.1 serves again after [\d.]+ s", out)
+    assert [rows(out, 1)[e][6] for e in step0] == ["2"] * 4 + ["default"] * 4
+    assert "rollout 1: 4 samples" in out and "deployment stopped" in out

@@ -1,0 +1,309 @@
+"""Supervision of a running deployment (stand-in engines, real sglang-routers): an engine that exits, one that
+hangs (SIGSTOP) and a router that dies are each reported and healed, with the control state the trainer left
+the engines in; requests in flight are retried by the router; with no restarts left the deployment fails
+whole and leaves nothing.
+
+Every deployment here is checked to leave nothing behind (``leak_check``)."""
+
+from __future__ import annotations
+
+# ruff: noqa: F811  (pytest fixtures imported from other modules, redefined as arguments)
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from miles_sglang_plugin.app.hydra_edge import launch_from_config
+from miles_sglang_plugin.serving.deployment import Deployment
+from miles_sglang_plugin.serving.routers import router_workers
+from miles_sglang_plugin.serving.supervision import DeploymentFailedError
+from tests.conftest_launch import leak_check  # noqa: F401  (fixture)
+from tests.launch_helpers import (
+    LeakTracker,
+    children_of,
+    compose,
+    generate_body,
+    launch_overrides,
+    process_alive,
+)
+
+pytestmark = pytest.mark.slow
+
+#: Quick supervision: polls every 0.3 s answering within 0.5 s, 2 failed polls make a loss.
+FAST = [
+    "sglang_deploy.supervision.health_interval_s=0.3",
+    "sglang_deploy.supervision.health_timeout_s=0.5",
+    "sglang_deploy.supervision.restart_backoff_s=0.1",
+    "sglang_deploy.supervision.kill_grace_s=0.5",
+    "sglang_deploy.router.policy=round_robin",
+]
+TWO = ["sglang.actor.regular.num_gpus=2", *FAST]
+#: Colocated with a 2-GPU actor (Miles' colocate: offload on, rollout_num_gpus = the actor's 2 GPUs): both
+#: engines of TWO start below Megatron's 2 GPUs, so their group needs offload.
+COLOCATED = ["debug_rollout_only=false", "colocate=true", "actor_num_gpus_per_node=2"]
+
+
+def engine_pid(d: Deployment, engine: str) -> int:
+    (member,) = [m for m in d.members if m.id == engine]
+    return member.processes[0].pid  # type: ignore[attr-defined]
+
+
+def info(d: Deployment, engine: str) -> dict:
+    (e,) = [e for e in d.engines() if e.id == engine]
+    return httpx.get(e.url + "/server_info", timeout=10).json()
+
+
+def stats(d: Deployment, engine: str) -> dict:
+    (e,) = [e for e in d.engines() if e.id == engine]
+    return httpx.get(e.url + "/stand_in/stats", timeout=10).json()
+
+
+def router_urls(d: Deployment, model: str = "actor") -> list[str]:
+    return sorted(w["url"] for w in router_workers(d.registry[model].base_url) if w.get("is_healthy"))
+
+
+def test_an_engine_that_exits_is_restarted_with_its_command_gpus_and_control_state(
+    tmp_path: Path,
+    leak_check: LeakTracker,
+) -> None:
+    cfg = compose(*TWO, *COLOCATED, "sglang_deploy.lora.enabled=true")
+    with launch_from_config(cfg, log_dir=tmp_path / "logs") as d:
+        before = info(d, "actor.regular.1")
+        d.control.update_weights_from_disk("/ckpt/step5", weight_version="5")
+        d.control.load_lora_adapter("math", "/lora/math")
+        d.control.pause_generation("in_place")
+        d.control.offload(["kv_cache"])
+        since = len(d.events())
+        started = time.monotonic()
+        os.kill(engine_pid(d, "actor.regular.1"), signal.SIGKILL)
+        lost = d.wait_for_event("engine_lost", subject="actor.regular.1", since=since, timeout_s=10)
+        assert lost.monotonic - started < 2.0, "the exit was noticed late"
+        assert "exited with code -9" in lost.message
+        recovered = d.wait_for_event("engine_recovered", subject="actor.regular.1", since=since, timeout_s=30)
+        assert recovered.details["restarts"] == 1 and recovered.details["downtime_s"] < 10
+        after = info(d, "actor.regular.1")
+        assert after["pid"] != before["pid"]
+        assert (after["argv"], after["cuda_visible_devices"], after["port"]) == (
+            before["argv"],
+            "1",
+            before["port"],
+        )
+        # The trainer's state was replayed before it served again.
+        state = stats(d, "actor.regular.1")
+        assert (state["weight_version"], state["loaded_model_path"]) == ("5", "/ckpt/step5")
+        assert (state["lora_adapters"], state["paused"], state["released_memory_tags"]) == (
+            {"math": "/lora/math"},
+            "in_place",
+            ["kv_cache"],
+        )
+        assert [e.restarts for e in d.engines()] == [0, 1]
+        assert d.state().status == "serving" and len(router_urls(d)) == 2
+        kinds = [e.kind for e in d.events()[since:]]
+        assert kinds == ["engine_lost", "engine_restarting", "engine_recovered"]
+        d.control.onload()
+        d.control.continue_generation()
+
+
+def test_a_hung_engine_is_noticed_killed_and_replaced_and_its_requests_are_retried(
+    tmp_path: Path,
+    leak_check: LeakTracker,
+) -> None:
+    with launch_from_config(compose(*TWO), log_dir=tmp_path / "logs") as d:
+        pid = engine_pid(d, "actor.regular.0")
+        since = len(d.events())
+        os.kill(pid, signal.SIGSTOP)
+        started = time.monotonic()
+
+        async def requests() -> list[tuple[int, float]]:
+            async with httpx.AsyncClient(timeout=30) as client:
+
+                async def one() -> tuple[int, float]:
+                    t0 = time.monotonic()
+                    response = await client.post(d.registry.get_model_url("actor"), json=generate_body())
+                    return response.status_code, time.monotonic() - t0
+
+                return list(await asyncio.gather(*(one() for _ in range(6))))
+
+        answers = asyncio.run(requests())
+        lost = d.wait_for_event("engine_lost", subject="actor.regular.0", since=since, timeout_s=10)
+        assert "no answer to /health within 0.5 s (2 polls in a row)" in lost.message
+        assert lost.monotonic - started < 4.0
+        # Round robin sent half of them to the stopped engine: they hung until it was killed, then the router
+        # retried them on the other engine. None failed, none hung past the loss.
+        assert [status for status, _ in answers] == [200] * 6
+        assert max(seconds for _, seconds in answers) < 10
+        assert not process_alive(pid)
+        d.wait_for_event("engine_recovered", subject="actor.regular.0", since=since, timeout_s=30)
+        assert len(router_urls(d)) == 2
+
+
+def test_a_dead_router_is_restarted_and_repopulated(tmp_path: Path, leak_check: LeakTracker) -> None:
+    with launch_from_config(compose(*TWO), log_dir=tmp_path / "logs") as d:
+        workers = router_urls(d)
+        router = d.router_members[0]
+        since = len(d.events())
+        os.kill(router.process.pid, signal.SIGKILL)
+        d.wait_for_event("router_lost", subject="router.actor", since=since, timeout_s=10)
+        d.wait_for_event("router_recovered", subject="router.actor", since=since, timeout_s=30)
+        assert router_urls(d) == workers and router.restarts == 1
+        response = httpx.post(d.registry.get_model_url("actor"), json=generate_body(), timeout=10)
+        assert response.status_code == 200
+        assert d.state().status == "serving"
+
+
+def test_with_no_restarts_the_deployment_fails_whole_and_leaves_nothing(
+    tmp_path: Path,
+    leak_check: LeakTracker,
+) -> None:
+    with (
+        pytest.raises(DeploymentFailedError) as exc,
+        launch_from_config(
+            compose(*TWO, "sglang_deploy.supervision.max_restarts=0"), log_dir=tmp_path / "logs"
+        ) as d,
+    ):
+        os.kill(engine_pid(d, "actor.regular.0"), signal.SIGKILL)
+        failed = d.wait_for_event("deployment_failed", timeout_s=10)
+        assert "supervision.max_restarts=0 (fail fast)" in failed.message
+        deadline = time.monotonic() + 15
+        while d.state().status != "stopped" and d.failure and time.monotonic() < deadline:
+            if all(p.exit_code() is not None for p in d.processes()):
+                break
+            time.sleep(0.1)
+        assert all(p.exit_code() is not None for p in d.processes())  # everything is stopped already
+        assert d.state().status == "failed"
+        with pytest.raises(DeploymentFailedError, match="exited with code -9"):
+            d.control.pause_generation()
+    assert "the deployment failed and was stopped: engine actor.regular.0" in str(exc.value)
+
+
+def test_restarts_used_up_fail_the_deployment(tmp_path: Path, leak_check: LeakTracker) -> None:
+    cfg = compose(
+        *TWO,
+        "sglang_deploy.supervision.max_restarts=1",
+        "+sglang_deploy.standin.die_after_s={actor.regular.1:1.5}",
+    )
+    with pytest.raises(DeploymentFailedError), launch_from_config(cfg, log_dir=tmp_path / "logs") as d:
+        failed = d.wait_for_event("deployment_failed", timeout_s=30)
+        kinds = [e.kind for e in d.events() if e.subject == "actor.regular.1"]
+        assert kinds == ["engine_lost", "engine_restarting", "engine_recovered", "engine_lost"]
+        assert "its 1 restarts (supervision.max_restarts) are used up" in failed.message
+
+
+def test_an_engine_restarted_after_a_broadcast_waits_for_weights(
+    tmp_path: Path, leak_check: LeakTracker
+) -> None:
+    """Weights that came through a weights update group cannot be replayed: the restarted engine stays out
+    of its router until the trainer re-formed the group with it and sent it weights (Miles NEW's
+    PendingWeights; HEAD re-connects when num_new_engines > 0)."""
+    with launch_from_config(compose(*TWO), log_dir=tmp_path / "logs") as d:
+        d.control.background.init_weights_update_group("127.0.0.1", 29500).result(timeout=30)
+        d.control.update_weights_from_distributed(["w"], ["bfloat16"], [[2]], weight_version="7")
+        since = len(d.events())
+        os.kill(engine_pid(d, "actor.regular.0"), signal.SIGKILL)
+        pending = d.wait_for_event(
+            "engine_pending_weights", subject="actor.regular.0", since=since, timeout_s=30
+        )
+        assert "its weights are the checkpoint's" in pending.message
+        assert [e.state for e in d.engines()] == ["pending_weights", "registered"]
+        assert len(router_urls(d)) == 1
+        assert d.control.engines_outside_weight_group() == ("actor.regular.0",)
+        d.control.destroy_weights_update_group()
+        group = d.control.background.init_weights_update_group("127.0.0.1", 29501).result(timeout=30).group
+        assert [(r.engine, r.rank_offset) for r in group.ranks] == [
+            ("actor.regular.0", 1),
+            ("actor.regular.1", 2),
+        ]
+        d.control.update_weights_from_distributed(["w"], ["bfloat16"], [[2]], weight_version="8")
+        d.wait_for_event("engine_admitted", subject="actor.regular.0", since=since, timeout_s=30)
+        assert len(router_urls(d)) == 2
+        assert d.control.weight_versions() == {"actor.regular.0": "8", "actor.regular.1": "8"}
+
+
+def test_miles_sglang_launch_heals_instead_of_stopping(tmp_path: Path, leak_check: LeakTracker) -> None:
+    command = [
+        str(Path(sys.executable).parent / "miles-sglang"),
+        "launch",
+        "--log-dir",
+        str(tmp_path / "logs"),
+    ]
+    out, err = tmp_path / "out", tmp_path / "err"
+    with out.open("wb") as fo, err.open("wb") as fe:
+        cli = subprocess.Popen(
+            [*command, *launch_overrides(*TWO)], stdout=fo, stderr=fe, start_new_session=True
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while "serving; logs in" not in err.read_text() and time.monotonic() < deadline:
+            assert cli.poll() is None, err.read_text()
+            time.sleep(0.1)
+        engines = sorted(children_of(cli.pid, ["miles_sglang_plugin.standin"]))
+        for pid in engines:
+            leak_check.add_process(pid, "engine", "miles_sglang_plugin.standin")
+        assert len(engines) == 2
+        os.kill(engines[0], signal.SIGKILL)
+        while "engine_recovered" not in err.read_text() and time.monotonic() < deadline:
+            assert cli.poll() is None, err.read_text()
+            time.sleep(0.1)
+        assert "engine_lost: engine actor.regular." in err.read_text()
+        assert cli.poll() is None  # still serving
+        replacement = children_of(cli.pid, ["miles_sglang_plugin.standin"]) - set(engines)
+        for pid in replacement:
+            leak_check.add_process(pid, "engine", "miles_sglang_plugin.standin")
+        assert len(replacement) == 1
+        os.killpg(cli.pid, signal.SIGINT)
+        assert cli.wait(timeout=30) == 130
+    finally:
+        if cli.poll() is None:
+            os.killpg(cli.pid, signal.SIGKILL)
+            cli.wait(timeout=10)
+
+
+def test_no_request_hangs_past_the_routers_request_timeout(tmp_path: Path, leak_check: LeakTracker) -> None:
+    """Without supervision nothing takes a hung engine out: the router's request_timeout_secs still bounds
+    every request (an error after it, not a hang of Miles' 4 hours)."""
+    cfg = compose(
+        "sglang.actor.regular.num_gpus=1",
+        "sglang_deploy.supervision.enabled=false",
+        "sglang_deploy.router.request_timeout_secs=2",
+        "sglang_deploy.router.retry_max_retries=1",
+    )
+    with launch_from_config(cfg, log_dir=tmp_path / "logs") as d:
+        pid = engine_pid(d, "actor.regular.0")
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            response = httpx.post(d.registry.get_model_url("actor"), json=generate_body(), timeout=60)
+            elapsed = time.monotonic() - started
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert response.status_code == 500 and "call_upstream_request_error" in response.text
+        assert 1.9 < elapsed < 6
+        assert d.events() == ()  # nothing watched
+
+
+def test_generation_health_checks_spare_engines_that_cannot_generate(
+    tmp_path: Path, leak_check: LeakTracker
+) -> None:
+    """With health_endpoint=/health_generate (Miles' monitor), an offloaded or paused engine is polled on
+    /health instead (its /health_generate fails: it cannot generate), so it is not taken for lost; a hang is
+    still noticed."""
+    cfg = compose(*TWO, *COLOCATED, "sglang_deploy.supervision.health_endpoint=/health_generate")
+    with launch_from_config(cfg, log_dir=tmp_path / "logs") as d:
+        d.control.offload(model="actor", group="regular")
+        d.control.pause_generation("in_place")
+        assert httpx.get(d.engines()[0].url + "/health_generate", timeout=5).status_code == 503
+        time.sleep(2.0)  # several polls
+        assert d.events() == () and d.state().status == "serving"
+        d.control.onload()
+        d.control.continue_generation()
+        since = len(d.events())
+        os.kill(engine_pid(d, "actor.regular.1"), signal.SIGSTOP)
+        lost = d.wait_for_event("engine_lost", subject="actor.regular.1", since=since, timeout_s=10)
+        assert "no answer to /health_generate within 0.5 s" in lost.message
+        d.wait_for_event("engine_recovered", subject="actor.regular.1", since=since, timeout_s=30)

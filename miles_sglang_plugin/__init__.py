@@ -61,6 +61,7 @@ _EXPORTS: dict[str, str] = {
     # serving
     "Deployment": "miles_sglang_plugin.serving.deployment",
     "EngineInfo": "miles_sglang_plugin.serving.deployment",
+    "StartupInterrupted": "miles_sglang_plugin.serving.deployment",
     "RouterRegistry": "miles_sglang_plugin.serving.registry",
     "ModelRoute": "miles_sglang_plugin.serving.registry",
     "UnknownModelError": "miles_sglang_plugin.serving.registry",
@@ -102,6 +103,7 @@ __all__ = [
     "RouterRegistry",
     "SGLangCleanupCallback",
     "SGLangDeployConf",
+    "StartupInterrupted",
     "TrainerInputs",
     "UnknownModelError",
     "UnsupportedPlanError",
@@ -159,7 +161,7 @@ if TYPE_CHECKING:  # what static tools see; at run time the names load lazily th
     from miles_sglang_plugin.planning.views import print_plan
     from miles_sglang_plugin.rendering.launch_specs import EngineProcessLaunch, LaunchSpecs
     from miles_sglang_plugin.rendering.prepared import PreparedDeployment, prepare_deployment
-    from miles_sglang_plugin.serving.deployment import Deployment, EngineInfo
+    from miles_sglang_plugin.serving.deployment import Deployment, EngineInfo, StartupInterrupted
     from miles_sglang_plugin.serving.registry import (
         ModelRoute,
         RouterRegistry,

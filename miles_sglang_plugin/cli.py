@@ -73,8 +73,11 @@ def _cmd_launch(args: argparse.Namespace) -> int:
         console.print(
             f"serving; logs in {deployment.log_dir}; Ctrl-C stops every engine and router", markup=False
         )
-        while not (lost := deployment.exited()):
+        lost: list[tuple[str, int]] = []
+        while deployment.stop_signal is None and not (lost := deployment.exited()):
             time.sleep(1.0)
+        if deployment.stop_signal is not None:  # stopped by Ctrl-C/SIGTERM, which reaches this process next
+            return 128 + deployment.stop_signal
         console.print(
             "[bold red]error:[/] " + escape(", ".join(f"{n} exited with code {c}" for n, c in lost))
         )

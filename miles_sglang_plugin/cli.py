@@ -49,9 +49,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     print_plan(plan, console)
     if args.commands:
         print_commands(prepared.launch, console)
-    console.print(f"override keys checked against {known.source}")
+    console.print(f"override keys checked against {known.source}", markup=False)
     for note in prepared.launch.notes:
-        console.print(f"note: {note}")
+        console.print(f"note: {note}", markup=False)
     return 0
 
 

@@ -36,6 +36,7 @@ from miles_sglang_plugin.planning.plan import (
     ModelPlan,
 )
 from miles_sglang_plugin.planning.resolution import PLAN_OWNED_OVERRIDES, suggest
+from miles_sglang_plugin.rendering.deploy_checks import launch_setting_problems
 from miles_sglang_plugin.rendering.ports import EnginePorts, PortAssignment
 from miles_sglang_plugin.rendering.router_specs import RouterLaunchSpec, RouterSettings, WorkerRegistration
 
@@ -174,7 +175,8 @@ class LaunchSpecs:
 
 
 def check_deploy_settings(settings: SGLangDeployConf, fields: Collection[str] | None) -> list[Problem]:
-    """Problems with ``sglang_deploy`` (server defaults, router settings); empty when fine."""
+    """Problems with ``sglang_deploy`` (server defaults, router settings, every launch setting); empty when
+    fine."""
     from miles_sglang_plugin.rendering.router_specs import validate_router_settings
 
     out: list[Problem] = []
@@ -193,14 +195,7 @@ def check_deploy_settings(settings: SGLangDeployConf, fields: Collection[str] | 
         out.append(Problem("sglang_deploy.router", str(exc)))
     else:
         out += [Problem("sglang_deploy.router", msg) for msg in validate_router_settings(router)]
-    if settings.launch.port_base < 1024 or settings.launch.port_base >= settings.launch.port_max:
-        out.append(
-            Problem(
-                "sglang_deploy.launch.port_base",
-                f"{settings.launch.port_base} must be >= 1024 and below port_max={settings.launch.port_max}",
-            )
-        )
-    return out
+    return out + launch_setting_problems(settings)
 
 
 def _placement_args(

@@ -1,11 +1,12 @@
 # Two entry points on a fresh machine (Python >= 3.11 on PATH as python3):
 #   make demo   the main job end to end: stand-in engines, real sglang-router, one rollout step, teardown
-#   make test   the test suite (installs SGLang's argument parser for CPU first; ~1.4 GB)
+#   make test   the test suite (installs SGLang's argument parser for CPU and Ray first; ~1.7 GB); the Ray
+#               tests run in a loopback-only network namespace (scripts/in-loopback-netns.sh)
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test test-ray lint bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -22,18 +23,28 @@ $(VENV)/.sglang-installed: scripts/install-sglang-cpu.sh | $(VENV)/.base-install
 	PYTHON=$(BIN)/python bash scripts/install-sglang-cpu.sh
 	touch $@
 
+# The ray backend's extra (Ray itself), for the tests.
+$(VENV)/.ray-installed: pyproject.toml | $(VENV)/.base-installed
+	$(BIN)/python -m pip install --quiet -e '.[test,ray]' --config-settings editable_mode=compat
+	touch $@
+
 demo: $(VENV)/.base-installed
 	cd examples && ../$(BIN)/python train.py sglang=agentic_32gpu sglang_deploy=simulated
 
-test: $(VENV)/.sglang-installed
-	$(BIN)/python -m pytest
+test: $(VENV)/.sglang-installed $(VENV)/.ray-installed
+	$(BIN)/python -m pytest -m "not ray"
+	bash scripts/in-loopback-netns.sh $(BIN)/python -m pytest -m ray -p no:cacheprovider
+
+test-ray: $(VENV)/.ray-installed
+	bash scripts/in-loopback-netns.sh $(BIN)/python -m pytest -m ray -p no:cacheprovider
 
 lint: $(VENV)/.base-installed
 	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/lint-imports
 
-bench: $(VENV)/.sglang-installed
+bench: $(VENV)/.sglang-installed $(VENV)/.ray-installed
 	$(BIN)/python benchmarks/bench_resolve.py --subprocess-runs 3
 	$(BIN)/python benchmarks/bench_launch.py
+	bash scripts/in-loopback-netns.sh $(BIN)/python benchmarks/bench_ray.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

@@ -4,6 +4,7 @@ It resolves the deployment, prints the plan, brings the engines and routers up, 
 (actor generation with logprobs, reference scoring, reward model), prints the result and tears down.
 
     python examples/train.py sglang=agentic_32gpu sglang_deploy=simulated    # CPU machine: stand-in engines
+    python examples/train.py sglang=pd_actor_ref sglang.actor.decode.num_gpus=12 sglang_deploy.launch.backend=ray
     python examples/train.py sglang=agentic_32gpu                             # GPU node: real SGLang
     python examples/train.py sglang=pd_actor_ref sglang.actor.decode.num_gpus=12 plan_only=true
     python examples/train.py -m sglang=pd_actor_ref sglang.actor.decode.num_gpus_per_engine=2,4,8 plan_only=true
@@ -13,10 +14,13 @@ It resolves the deployment, prints the plan, brings the engines and routers up, 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import httpx
 import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
@@ -49,9 +53,48 @@ class TrainConf(MilesTrainerArgs):
     max_new_tokens: int = 16
     #: Only resolve and print the plan; start nothing.
     plan_only: bool = False
+    #: Write what each engine reports about itself (its /server_info: node, CUDA_VISIBLE_DEVICES, ...) to
+    #: this JSON file, next to where the plan put it.
+    engines_report: str | None = None
 
 
 ConfigStore.instance().store(name="train_schema", node=TrainConf)
+
+
+def engine_reports(deployment, headers: dict[str, str]) -> list[dict]:
+    """Each engine as the deployment placed it and as it reports itself (stand-ins report the node and the
+    CUDA_VISIBLE_DEVICES they got; a real SGLang engine reports neither)."""
+    out = []
+    for e in deployment.engines():
+        info = httpx.get(e.url + "/server_info", headers=headers, timeout=10).json()
+        out.append(
+            {
+                "id": e.id,
+                "url": e.url,
+                "plan_node": e.node,
+                "gpus": e.gpus,
+                "reported_cuda_visible_devices": info.get("cuda_visible_devices"),
+                "reported_node_id": info.get("node_id"),
+                "pid": info.get("pid"),
+            }
+        )
+    return out
+
+
+def print_engines(reports: list[dict], console: Console) -> None:
+    table = Table(title="engines", title_justify="left")
+    for col in ("engine", "url", "plan node", "CUDA_VISIBLE_DEVICES", "reported GPUs", "reported node"):
+        table.add_column(col)
+    for r in reports:
+        table.add_row(
+            r["id"],
+            r["url"],
+            str(r["plan_node"]),
+            r["gpus"],
+            str(r["reported_cuda_visible_devices"] or "-"),
+            (r["reported_node_id"] or "-")[:12],
+        )
+    console.print(table)
 
 
 def print_results(results, console: Console) -> None:
@@ -83,6 +126,10 @@ def main(cfg: DictConfig) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request is noise here
     with launch_from_config(cfg) as deployment:
         registry = deployment.registry
+        reports = engine_reports(deployment, deployment.auth_headers())
+        print_engines(reports, console)
+        if cfg.engines_report:
+            Path(cfg.engines_report).write_text(json.dumps(reports, indent=2))
         for step in range(cfg.num_rollout):
             results = asyncio.run(
                 rollout_step(

@@ -58,6 +58,7 @@ _EXPORTS: dict[str, str] = {
     "UnsupportedPlanError": "miles_sglang_plugin.backends.base",
     "get_backend": "miles_sglang_plugin.backends",
     "LocalBackend": "miles_sglang_plugin.backends.local",
+    "RayBackend": "miles_sglang_plugin.backends.ray_backend",
     # serving
     "Deployment": "miles_sglang_plugin.serving.deployment",
     "EngineInfo": "miles_sglang_plugin.serving.deployment",
@@ -100,6 +101,7 @@ __all__ = [
     "ModelSpec",
     "PreparedDeployment",
     "Problem",
+    "RayBackend",
     "RouterRegistry",
     "SGLangCleanupCallback",
     "SGLangDeployConf",
@@ -148,6 +150,7 @@ if TYPE_CHECKING:  # what static tools see; at run time the names load lazily th
     from miles_sglang_plugin.backends import get_backend
     from miles_sglang_plugin.backends.base import Backend, EngineProcess, LaunchError, UnsupportedPlanError
     from miles_sglang_plugin.backends.local import LocalBackend
+    from miles_sglang_plugin.backends.ray_backend import RayBackend
     from miles_sglang_plugin.config.compose import CompositionError, compose_config
     from miles_sglang_plugin.config.deployment_spec import DeploymentSpec, GroupSpec, ModelSpec, WorkerType
     from miles_sglang_plugin.config.schema import MilesTrainerArgs, ModelConf, SGLangDeployConf

@@ -73,14 +73,11 @@ def _cmd_launch(args: argparse.Namespace) -> int:
         console.print(
             f"serving; logs in {deployment.log_dir}; Ctrl-C stops every engine and router", markup=False
         )
-        lost: list[tuple[str, int]] = []
-        while deployment.stop_signal is None and not (lost := deployment.exited()):
+        while deployment.stop_signal is None and not deployment.exited():
             time.sleep(1.0)
         if deployment.stop_signal is not None:  # stopped by Ctrl-C/SIGTERM, which reaches this process next
             return 128 + deployment.stop_signal
-        console.print(
-            "[bold red]error:[/] " + escape(", ".join(f"{n} exited with code {c}" for n, c in lost))
-        )
+        console.print("[bold red]error:[/] " + escape("; ".join(deployment.exit_report())))
         return 1
 
 

@@ -529,9 +529,12 @@ def test_deployment_wide_dp_and_pp_sizes_shape_engines_and_ports():
 
 
 def test_ipv6_host_renders_bracketed_addresses_that_sglang_accepts():
-    prep = prepared_for("sglang=pd", "hf_checkpoint=/c", "colocate=true", "sglang_deploy.launch.host='[::1]'")
+    # One 16-GPU node: where a plan spreads real engines over several nodes, the addresses are the nodes'
+    # (shown as <node N address>), not launch.host.
+    one_node = ("sglang=pd", "hf_checkpoint=/c", "colocate=true", "num_gpus_per_node=16")
+    prep = prepared_for(*one_node, "sglang_deploy.launch.host='[::1]'")
     check_against_plan(prep)
-    bare = prepared_for("sglang=pd", "hf_checkpoint=/c", "colocate=true", "sglang_deploy.launch.host='::1'")
+    bare = prepared_for(*one_node, "sglang_deploy.launch.host='::1'")
     assert [e.argv for e in bare.launch.engines] == [e.argv for e in prep.launch.engines]
     e = prep.launch.engines[0]
     sa = parsed(e)

@@ -405,10 +405,13 @@ def test_engine_endpoints(spawn: Callable[..., Proc]) -> None:
         "--mem-fraction-static",
         "0.7",
         "--enable-memory-saver",
-        env={"CUDA_VISIBLE_DEVICES": "3,4"},
+        env={"CUDA_VISIBLE_DEVICES": "3,4", "MSP_ENGINE_NODE_ID": "node-a"},
     )
     wait_http(proc)
-    assert "NOT a real SGLang engine" in proc.stdout() and "CUDA_VISIBLE_DEVICES=3,4" in proc.stdout()
+    assert (
+        "NOT a real SGLang engine" in proc.stdout()
+        and "CUDA_VISIBLE_DEVICES=3,4, node node-a" in proc.stdout()
+    )
     assert API_KEY not in proc.stdout() + proc.stderr()
     with httpx.Client(base_url=proc.url, timeout=5.0) as client:
         for path in ("/health_generate", "/liveness", "/readiness", "/metrics"):
@@ -419,6 +422,7 @@ def test_engine_endpoints(spawn: Callable[..., Proc]) -> None:
 
         info = client.get("/server_info", headers=auth()).json()
         assert info["stand_in"] is True and info["cuda_visible_devices"] == "3,4"
+        assert info["node_id"] == "node-a"
         assert info["tp_size"] == 2 and info["internal_states"][0]["world_size"] == 2
         assert info["disaggregation_mode"] == "null" and info["enable_memory_saver"] is True
         assert Path(info["model_path"]).is_dir() and info["tokenizer_path"] == info["model_path"]
@@ -454,6 +458,7 @@ def test_engine_endpoints(spawn: Callable[..., Proc]) -> None:
             "port": proc.port,
             "disaggregation_mode": "null",
             "cuda_visible_devices": "3,4",
+            "node_id": "node-a",
         }
         assert client.post("/generate", json=body, headers=auth()).json()["text"] == out["text"]
 
@@ -506,6 +511,7 @@ def test_engine_endpoints(spawn: Callable[..., Proc]) -> None:
         stats = client.get("/stand_in/stats", headers=auth()).json()
         assert stats["requests_served"]["/generate"] == 4 and stats["requests_received"]["/generate"] == 7
         assert stats["requests_served"]["/v1/chat/completions"] == 1
+        assert (stats["cuda_visible_devices"], stats["node_id"]) == ("3,4", "node-a")
 
     os.killpg(proc.popen.pid, signal.SIGTERM)
     assert proc.wait(10) == 0

@@ -9,19 +9,21 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from miles_sglang_plugin.backends import get_backend
+from miles_sglang_plugin.backends import Backend, get_backend
 from miles_sglang_plugin.config.reading import (
     deploy_settings_from_config,
     spec_from_config,
     trainer_from_config,
 )
-from miles_sglang_plugin.errors import DeploymentConfigError, ProblemCollector, first_line
+from miles_sglang_plugin.config.schema import BackendKind, EngineKind, SGLangDeployConf
+from miles_sglang_plugin.errors import DeploymentConfigError, Problem, ProblemCollector, first_line
 from miles_sglang_plugin.planning.plan import DeploymentPlan
 from miles_sglang_plugin.planning.resolution import resolve_deployment
 from miles_sglang_plugin.rendering.prepared import PreparedDeployment, prepare_deployment
@@ -48,10 +50,35 @@ def resolve_config(cfg: DictConfig, *, server_arg_fields: Collection[str] | None
 
 def prepare_from_config(cfg: DictConfig) -> PreparedDeployment:
     """Resolve and render ``cfg`` as ``miles-sglang plan`` shows it: every check on (override keys against the
-    installed SGLang's fields, the deployment-wide settings), ports the plain sequence from ``port_base``."""
+    installed SGLang's fields, the deployment-wide settings), ports the plain sequence from ``port_base``
+    (per node). Where the addresses are only known at launch (the ray backend, or real engines on several
+    nodes), they are shown as ``<node N address>`` and ``<driver address>`` (:data:`NODE_ADDRESS`)."""
     fields = known_server_arg_fields().fields
     plan = resolve_config(cfg, server_arg_fields=fields)
-    return prepare_deployment(plan, deploy_settings_from_config(cfg), server_arg_fields=fields)
+    settings = deploy_settings_from_config(cfg)
+    if not addresses_known_before_launch(plan, settings):
+        return prepare_deployment(
+            plan,
+            settings,
+            server_arg_fields=fields,
+            host_of_node=NODE_ADDRESS.format,
+            router_host=DRIVER_ADDRESS,
+        )
+    return prepare_deployment(plan, settings, server_arg_fields=fields)
+
+
+#: How a printed plan shows an address that the launch decides (each node's, the routers' node).
+NODE_ADDRESS = "<node {} address>"
+DRIVER_ADDRESS = "<driver address>"
+
+
+def addresses_known_before_launch(plan: DeploymentPlan, settings: SGLangDeployConf) -> bool:
+    """True where every process runs at ``sglang_deploy.launch.host`` (the local backend on one node, or its
+    stand-ins side by side); False where each node's address comes from the cluster at launch."""
+    if BackendKind(settings.launch.backend) is not BackendKind.local:
+        return False
+    spread = len(plan.nodes) > 1 or any(e.nnodes > 1 for e in plan.engines)
+    return not (spread and EngineKind(settings.launch.engine) is not EngineKind.simulated)
 
 
 def resolve_config_or_exit(
@@ -67,6 +94,26 @@ def resolve_config_or_exit(
         if _in_multirun():
             raise
         raise SystemExit(2) from None
+
+
+def _placement_options(
+    settings: SGLangDeployConf, placement_group: Any, bundle_indices: Sequence[int] | None
+) -> dict[str, Any]:
+    if placement_group is None and bundle_indices is None:
+        return {}
+    if BackendKind(settings.launch.backend) is not BackendKind.ray:
+        raise DeploymentConfigError(
+            [
+                Problem(
+                    "sglang_deploy.launch.backend",
+                    f"a placement group was handed over, which only the ray backend uses, but the backend is "
+                    f"{BackendKind(settings.launch.backend).value!r}: set sglang_deploy.launch.backend=ray",
+                )
+            ]
+        )
+    if placement_group is None:
+        raise DeploymentConfigError([Problem("", "bundle_indices was given without a placement_group")])
+    return {"placement_group": placement_group, "bundle_indices": bundle_indices}
 
 
 def _in_multirun() -> bool:
@@ -85,17 +132,31 @@ def _default_log_dir() -> Path:
 
 
 @contextlib.contextmanager
-def launch_from_config(cfg: DictConfig, *, log_dir: Path | None = None) -> Iterator[Deployment]:
+def launch_from_config(
+    cfg: DictConfig,
+    *,
+    log_dir: Path | None = None,
+    placement_group: Any = None,
+    bundle_indices: Sequence[int] | None = None,
+    backend: Backend | None = None,
+) -> Iterator[Deployment]:
     """Resolve, render and start the deployment of ``cfg``; stop everything when the block ends.
 
     Every check (deployment, overrides against the installed SGLang's fields, deployment-wide settings, what
-    the backend supports) runs before the first process starts. Engine and router logs go to
-    ``sglang_deploy.launch.log_dir``, else ``sglang_logs/`` in the Hydra run directory."""
+    the backend supports and what its machines can give) runs before the first engine starts. Engine and
+    router logs go to ``sglang_deploy.launch.log_dir``, else ``sglang_logs/`` in the Hydra run directory.
+
+    ``placement_group`` (and ``bundle_indices``, GPU slot -> bundle): the trainer's Ray placement group to
+    place the engines in, for ``sglang_deploy.launch.backend=ray`` (Miles: its placement group and
+    ``reordered_bundle_indices``). ``backend``: a backend instance to use instead of the configured one."""
     fields = known_server_arg_fields().fields
     plan = resolve_config(cfg, server_arg_fields=fields)
     settings = deploy_settings_from_config(cfg)
     target = Path(log_dir or settings.launch.log_dir or _default_log_dir())
-    backend = get_backend(settings.launch.backend)
+    if backend is None:
+        backend = get_backend(
+            settings.launch.backend, **_placement_options(settings, placement_group, bundle_indices)
+        )
     try:
         prepared = backend.prepare(plan, settings, server_arg_fields=fields)
         deployment = Deployment(prepared, backend, log_dir=target)

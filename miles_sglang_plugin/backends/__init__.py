@@ -8,23 +8,36 @@ cleaned up (:mod:`.processes`) and the live start-up view (:mod:`.status_view`).
 from __future__ import annotations
 
 import importlib
+import inspect
+from typing import Any
 
 from miles_sglang_plugin.backends.base import Backend, EngineProcess, LaunchError, UnsupportedPlanError
 
 #: Backend name -> ``module:class``, imported only when chosen (a backend may need an optional extra).
 BACKENDS: dict[str, str] = {
     "local": "miles_sglang_plugin.backends.local:LocalBackend",
+    "ray": "miles_sglang_plugin.backends.ray_backend:RayBackend",
 }
 
 
-def get_backend(name: str) -> Backend:
-    """A new backend of kind ``name`` (a value of ``sglang_deploy.launch.backend``)."""
+def get_backend(name: str, **options: Any) -> Backend:
+    """A new backend of kind ``name`` (a value of ``sglang_deploy.launch.backend``), constructed with
+    ``options`` (e.g. ``placement_group=`` for ``ray``). A backend whose optional extra is missing raises
+    :class:`~miles_sglang_plugin.errors.DeploymentConfigError` naming it."""
     try:
         target = BACKENDS[str(name)]
     except KeyError:
         raise ValueError(f"unknown backend {name!r}; valid: {', '.join(BACKENDS)}") from None
     module, _, cls = target.partition(":")
-    return getattr(importlib.import_module(module), cls)()
+    backend_class = getattr(importlib.import_module(module), cls)
+    accepted = inspect.signature(backend_class).parameters
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise ValueError(
+            f"the {name} backend takes no option {', '.join(unknown)}"
+            + (f" (it takes: {', '.join(accepted)})" if accepted else "")
+        )
+    return backend_class(**options)
 
 
 __all__ = ["BACKENDS", "Backend", "EngineProcess", "LaunchError", "UnsupportedPlanError", "get_backend"]

@@ -8,6 +8,8 @@ A backend does two things for the serving stage:
 2. :meth:`Backend.start` runs one rendered engine process on its node and returns an :class:`EngineProcess`
    handle (alive or not, exit code, log tail); :meth:`Backend.stop` stops such processes, leaving nothing on
    any node; :meth:`Backend.close` gives back what :meth:`prepare` took (port claims, placement).
+3. A process can be started again: :meth:`Backend.start` with the same launch after its process exited or was
+   stopped runs it anew with the same argv, environment, GPUs and node (a restart), until :meth:`close`.
 
 Everything above process level (routers, health, worker registration, the registry, the running-deployment
 handle) is the serving stage's (:mod:`miles_sglang_plugin.serving.deployment`), the same for every backend.
@@ -55,6 +57,11 @@ class EngineProcess(abc.ABC):
     def running(self) -> bool:
         return self.exit_code() is None
 
+    def exit_reason(self) -> str | None:
+        """Why it exited, where the exit code alone does not say (its node was lost, its host process died);
+        None while it runs or when the code says it all."""
+        return None
+
     @abc.abstractmethod
     def tail(self, lines: int = 20) -> str:
         """The last lines of its log (fetched from its node)."""
@@ -93,7 +100,9 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def start(self, launch: EngineProcessLaunch, *, log_path: Path) -> EngineProcess:
-        """Start one engine process on its node (returns at once; readiness is the caller's to wait for)."""
+        """Start one engine process on its node (returns at once; readiness is the caller's to wait for).
+        Callable again for the same launch once its earlier process has exited or was stopped: a restart with
+        the same argv, environment, GPUs and node. Raises :class:`OSError` if it cannot be started here."""
 
     @abc.abstractmethod
     def stop(self, processes: Sequence[EngineProcess], *, grace_s: float) -> None:

@@ -83,9 +83,10 @@ class EngineKind(StrEnum):
 
 
 class BackendKind(StrEnum):
-    """Where engines run: subprocesses of this machine (``local``)."""
+    """Where engines run: subprocesses of this machine (``local``), or Ray actors on a cluster's nodes (``ray``)."""
 
     local = "local"
+    ray = "ray"
 
 
 @dataclass
@@ -112,6 +113,25 @@ class RouterConf:
 
 
 @dataclass
+class RayConf:
+    """The ``ray`` backend: engines under Ray actors on the nodes of a running Ray cluster."""
+
+    #: The cluster to connect to when this process is not connected to one yet: null = ``$RAY_ADDRESS``, else
+    #: the cluster started on this machine (``ray start --head``; Ray's ``address="auto"``).
+    address: str | None = None
+    #: Start a one-machine Ray cluster when none is found (off: a missing cluster is an error, never started
+    #: silently).
+    start_local_cluster: bool = False
+    #: Deadline for the placement group to be placed and the engine actors to start on their nodes.
+    placement_timeout_s: float = 120.0
+    #: CPUs each engine actor reserves (its engine process uses the node's CPUs either way).
+    engine_num_cpus: float = 0.0
+    #: In a placement group handed over by the trainer (one GPU per bundle, Miles' layout), the share of its
+    #: first bundle's GPU each engine actor reserves (Miles: 0.2, so that colocated training actors fit).
+    bundle_gpu_share: float = 0.2
+
+
+@dataclass
 class LaunchConf:
     """How engines are started and stopped."""
 
@@ -133,6 +153,8 @@ class LaunchConf:
     log_dir: str | None = None
     #: Live status display: auto (a terminal), always, never.
     live: str = "auto"
+    #: Settings of the ``ray`` backend.
+    ray: RayConf = field(default_factory=RayConf)
 
 
 @dataclass

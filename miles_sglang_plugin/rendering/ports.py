@@ -10,6 +10,10 @@ Ports are taken upward from ``port_base`` and stay below the ephemeral range (32
 
 Without probing (``miles-sglang plan``) the assignment is the plain cursor sequence, so a printed plan is
 reproducible. Engines that span several nodes share one ``dist_init_addr`` on their first node.
+
+A backend whose nodes are other machines finds each node's engine ports on that node
+(``assign_ports(..., find_node_ports=...)``: it is given, per plan node, the runs of consecutive ports each engine
+process there needs, in order, and returns their first ports, e.g. with :func:`free_port_runs` run on the node).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import fcntl
 import os
 import socket
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -159,6 +163,54 @@ class _Cursor:
         )
 
 
+#: Plan node -> the runs of consecutive ports (their lengths) each engine process on it needs, in order ->
+#: the first port of each run. Finds the ports of engine processes on the nodes themselves.
+NodePortFinder = Callable[[Mapping[int, Sequence[Sequence[int]]]], Mapping[int, Sequence[Sequence[int]]]]
+
+
+@dataclass(frozen=True)
+class _PortRequest:
+    engine_id: str
+    node: int
+    node_rank: int
+    #: Lengths of the runs, in EnginePorts' field order: http, nccl[, dist_init, engine_info[, disaggregation]].
+    runs: tuple[int, ...]
+
+
+def _engine_port_requests(plan: DeploymentPlan) -> list[_PortRequest]:
+    requests = []
+    for _model, g in plan.groups():
+        for e in g.engines:
+            for proc in e.processes:
+                runs = [1, 1]
+                if proc.node_rank == 0:
+                    runs += [DIST_INIT_SPAN + g.dp_size, 1]
+                    if g.worker_type is WorkerType.prefill:
+                        runs.append(1)
+                requests.append(_PortRequest(e.id, proc.node, proc.node_rank, tuple(runs)))
+    return requests
+
+
+def _engine_ports(starts: Sequence[int]) -> EnginePorts:
+    fields = ("http", "nccl", "dist_init", "engine_info_bootstrap", "disaggregation_bootstrap")
+    return EnginePorts(**dict(zip(fields, starts, strict=False)))  # type: ignore[arg-type]
+
+
+def free_port_runs(
+    host: str,
+    runs: Sequence[Sequence[int]],
+    *,
+    port_base: int,
+    port_max: int,
+    claims: PortClaims | None,
+    probe: bool = True,
+) -> list[list[int]]:
+    """First ports of consecutive runs of the given lengths on ``host`` (one list per process), each run free
+    and claimed; the search goes upward from ``port_base`` and never hands out a port twice."""
+    cursor = _Cursor(port_base, min(port_max, EPHEMERAL_START - 1), host, claims, probe)
+    return [[cursor.take(count) for count in process] for process in runs]
+
+
 def assign_ports(
     plan: DeploymentPlan,
     *,
@@ -168,8 +220,10 @@ def assign_ports(
     port_max: int = EPHEMERAL_START - 1,
     probe: bool = False,
     claims: PortClaims | None = None,
+    find_node_ports: NodePortFinder | None = None,
 ) -> PortAssignment:
-    """Assign ports for every engine process and router of ``plan``, never twice on one host."""
+    """Assign ports for every engine process and router of ``plan``, never twice on one host. Routers' ports
+    are found here; engine ports too, unless ``find_node_ports`` finds them on their nodes."""
     if port_max >= EPHEMERAL_START:
         port_max = EPHEMERAL_START - 1
     cursors: dict[str, _Cursor] = {}
@@ -184,20 +238,18 @@ def assign_ports(
         if model.engines:
             host_cursor = cursor(router_host)
             routers[model.name] = RouterPorts(http=host_cursor.take(), prometheus=host_cursor.take())
-    engines: dict[tuple[str, int], EnginePorts] = {}
-    for _model, group in plan.groups():
-        dp_size = group.dp_size
-        for engine in group.engines:
-            for process in engine.processes:
-                host_cursor = cursor(host_of_node(process.node))
-                first = process.node_rank == 0
-                engines[(engine.id, process.node_rank)] = EnginePorts(
-                    http=host_cursor.take(),
-                    nccl=host_cursor.take(),
-                    dist_init=host_cursor.take(DIST_INIT_SPAN + dp_size) if first else None,
-                    engine_info_bootstrap=host_cursor.take() if first else None,
-                    disaggregation_bootstrap=host_cursor.take()
-                    if first and group.worker_type is WorkerType.prefill
-                    else None,
-                )
+    requests = _engine_port_requests(plan)
+    if find_node_ports is None:
+        starts = [[cursor(host_of_node(request.node)).take(n) for n in request.runs] for request in requests]
+    else:
+        by_node: dict[int, list[_PortRequest]] = {}
+        for request in requests:
+            by_node.setdefault(request.node, []).append(request)
+        found = find_node_ports({node: [request.runs for request in rs] for node, rs in by_node.items()})
+        position = {id(request): (node, i) for node, rs in by_node.items() for i, request in enumerate(rs)}
+        starts = [list(found[position[id(request)][0]][position[id(request)][1]]) for request in requests]
+    engines = {
+        (request.engine_id, request.node_rank): _engine_ports(start)
+        for request, start in zip(requests, starts, strict=True)
+    }
     return PortAssignment(engines=engines, routers=routers)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,7 +10,7 @@ from miles_sglang_plugin.config.schema import SGLangDeployConf
 from miles_sglang_plugin.errors import DeploymentConfigError, ProblemCollector
 from miles_sglang_plugin.planning.plan import DeploymentPlan
 from miles_sglang_plugin.rendering.launch_specs import LaunchSpecs, check_deploy_settings, render_launch
-from miles_sglang_plugin.rendering.ports import PortClaims, PortExhaustedError, assign_ports
+from miles_sglang_plugin.rendering.ports import NodePortFinder, PortClaims, PortExhaustedError, assign_ports
 
 
 @dataclass(frozen=True)
@@ -43,22 +43,32 @@ def prepare_deployment(
     server_arg_fields: Collection[str] | None = None,
     probe: bool = False,
     claims: PortClaims | None = None,
+    host_of_node: Callable[[int], str] | None = None,
+    router_host: str | None = None,
+    find_node_ports: NodePortFinder | None = None,
 ) -> PreparedDeployment:
-    """Assign ports and render every launch spec. Single-machine semantics: every node of the plan maps to
-    ``settings.launch.host`` (the local backend runs a multi-node plan side by side only with stand-ins)."""
+    """Check the deployment-wide settings, assign ports and render every launch spec.
+
+    By default every node of the plan and the routers map to ``settings.launch.host`` (one machine: the local
+    backend runs a multi-node plan side by side only with stand-ins); a backend whose nodes are other machines
+    passes each node's address (``host_of_node``), the routers' (``router_host``) and, to find engine ports on
+    the nodes themselves, ``find_node_ports``."""
     problems = ProblemCollector("sglang_deploy")
     problems.extend(check_deploy_settings(settings, server_arg_fields))
     problems.raise_if_any()
     host = settings.launch.host
+    node_host = host_of_node or (lambda _node: host)
+    routers_on = router_host if router_host is not None else host
     try:
         ports = assign_ports(
             plan,
-            host_of_node=lambda _node: host,
-            router_host=host,
+            host_of_node=node_host,
+            router_host=routers_on,
             port_base=settings.launch.port_base,
             port_max=settings.launch.port_max,
             probe=probe,
             claims=claims,
+            find_node_ports=find_node_ports,
         )
     except PortExhaustedError as exc:
         problems.add("sglang_deploy.launch.port_base", str(exc))
@@ -67,8 +77,8 @@ def prepare_deployment(
         plan,
         settings,
         ports,
-        host_of_node=lambda _node: host,
-        router_host=host,
+        host_of_node=node_host,
+        router_host=routers_on,
         server_arg_fields=server_arg_fields,
     )
     return PreparedDeployment(plan=plan, settings=settings, launch=launch)

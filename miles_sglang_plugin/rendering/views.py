@@ -3,20 +3,30 @@
 from __future__ import annotations
 
 from rich.console import Console
+from rich.markup import escape
 
 from miles_sglang_plugin.rendering.launch_specs import LaunchSpecs
 
 
 def print_commands(launch: LaunchSpecs, console: Console | None = None) -> None:
-    """Each engine process's command line (secrets masked) and GPU pinning; each router's URL."""
+    """Each engine process's command line (secrets masked), the node it runs on and its GPU pinning; each
+    router's URL. Addresses written ``<node N address>`` are each node's, filled in at launch."""
     console = console or Console()
     for process in launch.engines:
-        pinning = process.env["CUDA_VISIBLE_DEVICES"]
-        console.print(f"[bold]{process.name}[/] node {process.node} CUDA_VISIBLE_DEVICES={pinning}")
+        rank = f", node rank {process.node_rank} of {process.nnodes}" if process.nnodes > 1 else ""
+        console.print(
+            f"[bold]{escape(process.name)}[/] on node {process.node} ({escape(process.host)}{rank}) "
+            f"CUDA_VISIBLE_DEVICES={process.env['CUDA_VISIBLE_DEVICES']}"
+        )
         console.print(f"  {process.display_command()}", markup=False, soft_wrap=True)
     for router in launch.routers:
         mode = "pd" if router.spec.pd_disaggregation else "regular"
         console.print(
-            f"[bold]router {router.model}[/] {router.spec.url} ({mode}, "
+            f"[bold]router {escape(router.model)}[/] {escape(router.spec.url)} ({mode}, "
             f"policy {router.spec.settings.policy}, {len(router.workers)} workers)"
+        )
+    if any(process.host.startswith("<") for process in launch.engines):
+        console.print(
+            "addresses in <...> are decided at launch: each node's own address (from the cluster), the "
+            "routers on the driver's node; ports are per node"
         )

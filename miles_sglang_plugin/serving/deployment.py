@@ -190,6 +190,22 @@ class Deployment:
             (process.name, code) for process in self.processes() if (code := process.exit_code()) is not None
         ]
 
+    def exit_report(self) -> list[str]:
+        """One line per exited process: name, exit code, where it ran and, when the code does not say it all,
+        why (a lost node)."""
+        lines = []
+        for process in self.processes():
+            code = process.exit_code()
+            if code is None:
+                continue
+            if isinstance(process, EngineProcess):
+                reason = process.exit_reason()
+                why = f": {reason}" if reason else ""
+                lines.append(f"{process.name} exited with code {code} ({process.where}){why}")
+            else:
+                lines.append(f"{process.name} exited with code {code} (pid {process.pid} on this machine)")
+        return lines
+
     @property
     def stop_signal(self) -> int | None:
         """The SIGINT/SIGTERM that stops (or stopped) this deployment; None while none arrived."""
@@ -354,6 +370,7 @@ class Deployment:
                             process.launch.display_command(),
                             process.log_location,
                             process.tail(15),
+                            reason=process.exit_reason(),
                         )
                     )
 
@@ -506,10 +523,18 @@ def _get_ok(client: httpx.Client, url: str) -> bool:
 
 
 def _exited_message(
-    what: str, where: str, code: int, elapsed_s: float, command: str, log: str, tail: str
+    what: str,
+    where: str,
+    code: int,
+    elapsed_s: float,
+    command: str,
+    log: str,
+    tail: str,
+    reason: str | None = None,
 ) -> str:
+    why = f": {reason}" if reason else ""
     lines = [
-        f"{what} exited with code {code} during start-up (after {elapsed_s:.1f} s)",
+        f"{what} exited with code {code} during start-up (after {elapsed_s:.1f} s){why}",
         f"  where: {where}",
         f"  command: {command}",
         f"  last log lines of {log}:",

@@ -22,6 +22,9 @@ Fault injection, read from the environment at start:
     non-empty and not ``0``: serve normally, but ``/health``, ``/health_generate`` and ``/readiness``
     answer 503 forever (``/liveness`` stays 200: the process is alive).
 
+``MSP_ENGINE_NODE_ID`` (set by the backend that started it) is reported as ``node_id`` in ``/server_info``,
+``/stand_in/stats`` and each response's stand-in metadata, next to the ``CUDA_VISIBLE_DEVICES`` it got.
+
 Exit codes: 0 on SIGTERM/SIGINT, 1 when the port cannot be bound, 2 for a bad argv or a bad fault variable,
 3 for ``MSP_STANDIN_FAIL_AT_START``, 4 for ``MSP_STANDIN_DIE_AFTER_S``.
 
@@ -72,6 +75,7 @@ from typing import Any
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage
 
+from miles_sglang_plugin.engine_env import NODE_ID_ENV
 from miles_sglang_plugin.standin.flags import (
     SECRET_FIELDS,
     SGLANG_DEFAULT_BOOTSTRAP_PORT,
@@ -267,6 +271,8 @@ class EngineState:
     faults: FaultConfig
     model_dir: str
     cuda_visible_devices: str | None
+    #: The node it runs on as its backend names it (``MSP_ENGINE_NODE_ID``: the Ray node id), None if unset.
+    node_id: str | None = None
     weight_version: str = "default"
     started_at: float = field(default_factory=time.time)
     received: Counter[str] = field(default_factory=Counter)
@@ -349,6 +355,7 @@ class EngineState:
             "port": self.args.port,
             "disaggregation_mode": self.args.disaggregation_mode,
             "cuda_visible_devices": self.cuda_visible_devices,
+            "node_id": self.node_id,
         }
         meta.update({k: body[k] for k in BOOTSTRAP_KEYS if k in body})
         return meta
@@ -403,6 +410,8 @@ class EngineState:
             ],
             stand_in=True,
             cuda_visible_devices=self.cuda_visible_devices,
+            node_id=self.node_id,
+            hostname=socket.gethostname(),
             argv=args.masked_argv(),
             pid=os.getpid(),
         )
@@ -884,6 +893,8 @@ async def stats(request: web.Request) -> web.Response:
             "port": state.args.port,
             "pid": os.getpid(),
             "disaggregation_mode": state.args.disaggregation_mode,
+            "cuda_visible_devices": state.cuda_visible_devices,
+            "node_id": state.node_id,
             "requests_received": dict(state.received),
             "requests_served": dict(state.served),
             "last_bootstrap": state.last_bootstrap,
@@ -910,7 +921,11 @@ NOOP_POST_PATHS = (
 
 
 def build_app(
-    args: StandInArgs, faults: FaultConfig | None = None, *, cuda_visible_devices: str | None = None
+    args: StandInArgs,
+    faults: FaultConfig | None = None,
+    *,
+    cuda_visible_devices: str | None = None,
+    node_id: str | None = None,
 ) -> web.Application:
     """The aiohttp application of a stand-in engine (node_rank 0)."""
     app = web.Application(
@@ -921,6 +936,7 @@ def build_app(
         faults=faults or FaultConfig(),
         model_dir=local_model_dir(args.model_path),
         cuda_visible_devices=cuda_visible_devices,
+        node_id=node_id,
     )
     get, post = web.get, web.post
     routes = [
@@ -1000,6 +1016,8 @@ async def serve(args: StandInArgs, faults: FaultConfig, env: Mapping[str, str]) 
         loop.add_signal_handler(sig, stop.set)
     visible = env.get("CUDA_VISIBLE_DEVICES")
     where = f"CUDA_VISIBLE_DEVICES={visible if visible is not None else '<unset>'}"
+    if env.get(NODE_ID_ENV):
+        where += f", node {env[NODE_ID_ENV]}"
     if args.node_rank > 0:
         print(
             f"{TAG} NOT a real SGLang engine: node_rank={args.node_rank} of nnodes={args.nnodes} for "
@@ -1026,7 +1044,9 @@ async def serve(args: StandInArgs, faults: FaultConfig, env: Mapping[str, str]) 
         return await _run_until_stopped(stop, faults)
     logging.getLogger("aiohttp.server").addFilter(_ProbeFilter())
     runner = web.AppRunner(
-        build_app(args, faults, cuda_visible_devices=visible), access_log=None, shutdown_timeout=1.0
+        build_app(args, faults, cuda_visible_devices=visible, node_id=env.get(NODE_ID_ENV) or None),
+        access_log=None,
+        shutdown_timeout=1.0,
     )
     await runner.setup()
     try:

@@ -1,0 +1,544 @@
+"""The ray backend: every engine process under a small Ray actor on its node of a running Ray cluster.
+
+``sglang_deploy.launch.backend=ray``. What :meth:`RayBackend.prepare` does, before any engine starts:
+
+1. **Connect**: the cluster this process is already connected to (``ray.is_initialized()``), else
+   ``sglang_deploy.launch.ray.address`` / ``$RAY_ADDRESS`` / the cluster started on this machine. A cluster that
+   is not there is an error (its address is probed first, so a stale address never hangs); only
+   ``sglang_deploy.launch.ray.start_local_cluster=true`` starts one.
+2. **Place** (:mod:`.ray_placement`): in the placement group the trainer handed over (one GPU per bundle,
+   indexed by GPU slot), or in one of the backend's own for the rollout GPUs alone (one bundle per engine
+   process and per run of placeholder GPUs, each plan node's bundles pinned to one Ray node, Ray's scheduler
+   choosing the nodes). One :class:`~.ray_actor.EngineHost` actor per engine process holds its GPUs; what Ray
+   gave (node, GPU ids) is checked against the plan, with one message for every mismatch.
+3. **Address and ports**: each plan node's address is its Ray node's IP (``--host``, worker URLs,
+   ``--dist-init-addr``); the engine ports of a node are found free and claimed on that node by its first
+   actor; routers run on this (the driver's) node, with ports found and claimed here.
+
+:meth:`RayBackend.start` runs the engine command through its actor (returns at once), with
+``CUDA_VISIBLE_DEVICES`` from Ray's assignment. A dead actor or a lost node is an exited process with its
+reason. :meth:`RayBackend.close` kills every actor (their engine processes die with them: parent-death signal),
+waits until Ray reports them dead and removes the backend's placement group. Actors are owned by this process
+(not detached): if it dies, Ray kills them too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import time
+from collections.abc import Collection, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from miles_sglang_plugin.addresses import strip_brackets
+from miles_sglang_plugin.backends.base import Backend, EngineProcess, LaunchError
+from miles_sglang_plugin.backends.processes import log_tail
+from miles_sglang_plugin.backends.ray_actor import EngineHost, gpu_probe
+from miles_sglang_plugin.backends.ray_placement import (
+    NODE_ID_LABEL,
+    PlacementError,
+    ProcessGrant,
+    ProcessPlacement,
+    RayNodeInfo,
+    assign_plan_nodes,
+    check_grants,
+    gpus_per_plan_node,
+    grant_error,
+    own_bundles,
+    process_placements,
+    slot_bundles,
+)
+from miles_sglang_plugin.config.schema import RayConf, SGLangDeployConf
+from miles_sglang_plugin.engine_env import NODE_ID_ENV
+from miles_sglang_plugin.errors import DeploymentConfigError, Problem, ProblemCollector, first_line
+from miles_sglang_plugin.planning.plan import DeploymentPlan
+from miles_sglang_plugin.rendering.launch_specs import EngineProcessLaunch, check_deploy_settings
+from miles_sglang_plugin.rendering.ports import PortClaims, default_lock_dir
+from miles_sglang_plugin.rendering.prepared import PreparedDeployment, prepare_deployment
+
+#: What a user installs to get this backend.
+RAY_EXTRA = "pip install 'miles_sglang_plugin[ray]'"
+#: Exit code reported for an engine process whose actor died (its node was lost): it was killed with it.
+EXIT_LOST = -9
+#: GPU share of the probe task that asks Ray which GPU a bundle of a trainer's placement group holds.
+PROBE_GPU_SHARE = 0.01
+#: Upper bound on how long a teardown waits for Ray to report the actors dead.
+ACTOR_DEATH_WAIT_S = 20.0
+
+log = logging.getLogger(__name__)
+
+
+def import_ray() -> Any:
+    """The ``ray`` module, or a config error naming the extra that installs it."""
+    try:
+        import ray
+    except ImportError:
+        raise DeploymentConfigError(
+            [Problem("sglang_deploy.launch.backend", f"'ray' needs Ray, which is not installed: {RAY_EXTRA}")]
+        ) from None
+    return ray
+
+
+def ray_conf_problems(conf: RayConf) -> list[Problem]:
+    """Problems with ``sglang_deploy.launch.ray`` (values, not only keys)."""
+    key = "sglang_deploy.launch.ray"
+    out = []
+    if not conf.placement_timeout_s > 0:
+        out.append(Problem(f"{key}.placement_timeout_s", f"{conf.placement_timeout_s} must be > 0 (seconds)"))
+    if not conf.engine_num_cpus >= 0:
+        out.append(Problem(f"{key}.engine_num_cpus", f"{conf.engine_num_cpus} must be >= 0"))
+    if not 0 < conf.bundle_gpu_share <= 1:
+        out.append(Problem(f"{key}.bundle_gpu_share", f"{conf.bundle_gpu_share} must be in (0, 1]"))
+    if conf.address is not None and not str(conf.address).strip():
+        out.append(
+            Problem(f"{key}.address", "must be null (find the cluster) or an address like 10.0.0.1:6379")
+        )
+    return out
+
+
+def _gcs_reachable(address: str, timeout_s: float = 3.0) -> bool:
+    """Does something accept TCP connections at ``host:port``?"""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((strip_brackets(host), int(port)), timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+def _resolve_address(ray: Any, conf: RayConf) -> str | None:
+    """The cluster address ``ray.init`` would use (configured, ``$RAY_ADDRESS``, or this machine's latest
+    cluster), or None when there is none."""
+    wanted = conf.address or os.environ.get("RAY_ADDRESS") or "auto"
+    if wanted != "auto":
+        return wanted
+    try:
+        from ray._private.services import canonicalize_bootstrap_address
+
+        return canonicalize_bootstrap_address("auto")
+    except (ConnectionError, ImportError, AttributeError):
+        return None
+
+
+def connect(ray: Any, conf: RayConf) -> bool:
+    """Connect to the Ray cluster (see the module docstring). True if this call connected."""
+    if ray.is_initialized():
+        return False
+    address = _resolve_address(ray, conf)
+    plain = address is not None and "://" not in address
+    if address is not None and (not plain or _gcs_reachable(address)):
+        ray.init(address=address, logging_level=logging.WARNING)
+        return True
+    if conf.start_local_cluster:
+        ray.init(address="local", logging_level=logging.WARNING)  # a new one, whatever RAY_ADDRESS says
+        return True
+    where = f"at {address}" if address else "(no address configured, no RAY_ADDRESS, none started here)"
+    raise LaunchError(
+        f"no Ray cluster found {where}. Start one (ray start --head on the first node, ray start "
+        "--address=<head>:6379 on the others), point sglang_deploy.launch.ray.address or RAY_ADDRESS at it, or "
+        "set sglang_deploy.launch.ray.start_local_cluster=true to start a one-machine cluster"
+    )
+
+
+class RayEngineProcess(EngineProcess):
+    """An engine process under its :class:`~.ray_actor.EngineHost` actor on a Ray node."""
+
+    def __init__(
+        self,
+        launch: EngineProcessLaunch,
+        *,
+        ray: Any,
+        actor: Any,
+        node: RayNodeInfo,
+        log_path: Path,
+        spawn_ref: Any,
+        run: int,
+    ) -> None:
+        super().__init__(launch)
+        self._ray, self.actor, self.node, self.log_path = ray, actor, node, log_path
+        self._spawn_ref, self._run = spawn_ref, run
+        self._exit_ref = actor.wait_exit.remote(run)
+        self._result: tuple[int, str | None] | None = None
+        self._pid: int | None = None
+        self._last_tail = ""
+
+    @property
+    def argv(self) -> Sequence[str]:
+        return self.launch.argv
+
+    @property
+    def pid(self) -> int | None:
+        """The engine's pid on its node (None before it started or if it could not be started)."""
+        if self._pid is None:
+            with contextlib.suppress(Exception):
+                self._pid = self._ray.get(self._spawn_ref, timeout=10)["pid"]
+        return self._pid
+
+    def exit_code(self) -> int | None:
+        if self._result is None:
+            ready, _ = self._ray.wait([self._exit_ref], timeout=0)
+            if not ready:
+                return None
+            exceptions = self._ray.exceptions
+            try:
+                result = self._ray.get(ready[0])
+                self._result = (result["code"] if result["code"] is not None else 0, result["reason"])
+            except getattr(exceptions, "ActorUnavailableError", ()):
+                # Unreachable, not (yet) known dead: ask again; Ray says which once its health checks decide.
+                self._exit_ref = self.actor.wait_exit.remote(self._run)
+                return None
+            except exceptions.RayError as exc:
+                self._result = (EXIT_LOST, self._lost_reason(exc))
+        return self._result[0]
+
+    def exit_reason(self) -> str | None:
+        return self._result[1] if self._result is not None else None
+
+    def _lost_reason(self, exc: BaseException) -> str:
+        text = str(exc)
+        if "node has died" in text or "node was" in text.lower():
+            return f"its node {self.node.short} left the Ray cluster; the engine process died with its actor"
+        return f"its Ray actor on {self.node.short} died ({first_line(exc)}); the engine process died with it"
+
+    def tail(self, lines: int = 20) -> str:
+        try:
+            self._last_tail = self._ray.get(self.actor.tail.remote(lines), timeout=10)
+            return self._last_tail
+        except Exception:  # the node is gone or does not answer: what we can still read
+            local = log_tail(self.log_path, lines) if self.log_path.exists() else ""
+            note = f"(the log on {self.node.address} cannot be fetched: its actor is gone"
+            if local:
+                return f"{note}; read from this machine's copy of {self.log_path})\n{local}"
+            return (
+                f"{note}; last lines fetched earlier:)\n{self._last_tail}" if self._last_tail else note + ")"
+            )
+
+    @property
+    def where(self) -> str:
+        pid = self.pid
+        return f"{'pid ' + str(pid) if pid else 'no process'} on node {self.node.short}"
+
+    @property
+    def log_location(self) -> str:
+        return f"{self.log_path} on node {self.node.address}"
+
+
+class RayBackend(Backend):
+    """Engines under Ray actors on the nodes of a Ray cluster (see the module docstring).
+
+    ``placement_group``: a placement group of the trainer's to place the engines in, one GPU per bundle, GPU
+    slot ``s`` in bundle ``bundle_indices[s]`` (Miles' ``reordered_bundle_indices``) or bundle ``s``. Without
+    it the backend creates one for the rollout GPUs alone and removes it at :meth:`close`."""
+
+    name = "ray"
+
+    def __init__(self, *, placement_group: Any = None, bundle_indices: Sequence[int] | None = None) -> None:
+        self.ray = import_ray()
+        self.placement_group = placement_group
+        self.bundle_indices = list(bundle_indices) if bundle_indices is not None else None
+        self.claims: PortClaims | None = None
+        self.conf = RayConf()
+        self._settings: SGLangDeployConf | None = None
+        self._connected_here = False
+        self._own_groups: list[Any] = []
+        self._actors: dict[tuple[str, int], Any] = {}
+        self._grants: dict[tuple[str, int], ProcessGrant] = {}
+        self._placements: list[ProcessPlacement] = []
+        self._runs: dict[tuple[str, int], int] = {}
+        self._latest: dict[tuple[str, int], RayEngineProcess] = {}
+        self._actor_class: Any = None
+        self._closed = False
+
+    @property
+    def placement_groups(self) -> tuple[Any, ...]:
+        """The placement groups this backend created and holds (removed at :meth:`close`)."""
+        return tuple(self._own_groups)
+
+    # ------------------------------------------------------------------------------------------ prepare
+    def prepare(
+        self,
+        plan: DeploymentPlan,
+        settings: SGLangDeployConf,
+        *,
+        server_arg_fields: Collection[str] | None = None,
+    ) -> PreparedDeployment:
+        problems = ProblemCollector("sglang_deploy")
+        problems.extend(check_deploy_settings(settings, server_arg_fields))
+        problems.extend(ray_conf_problems(settings.launch.ray))
+        problems.raise_if_any()
+        self.conf, self._settings = settings.launch.ray, settings
+        self._connected_here = connect(self.ray, self.conf) or self._connected_here
+        self._placements = process_placements(plan)
+        if self.placement_group is not None:
+            self._place_in_trainer_group(plan)
+        else:
+            self._place_in_own_group(plan)
+        problems_found = check_grants(self._placements, self._grants)
+        if problems_found:
+            raise grant_error(problems_found, self._mismatch_hint())
+        address = {p.node: self._grants[p.key].node.address for p in self._placements}
+        self.claims = self.claims or PortClaims(default_lock_dir())
+        return prepare_deployment(
+            plan,
+            settings,
+            server_arg_fields=server_arg_fields,
+            probe=True,
+            claims=self.claims,
+            host_of_node=lambda node: address[node],
+            router_host=self.ray.util.get_node_ip_address(),
+            find_node_ports=self._find_node_ports,
+        )
+
+    def _mismatch_hint(self) -> str:
+        if self.placement_group is not None:
+            return (
+                "The placement group handed over must hold, for GPU slot s (bundle_indices[s]), the plan's node "
+                "s // num_gpus_per_node and local GPU s % num_gpus_per_node (Miles sorts its bundles by node "
+                "address and GPU id)."
+            )
+        return (
+            "Ray hands out a node's free GPUs from the lowest id, so a process planned on higher local GPUs gets "
+            "others when the GPUs below them are not held in Ray: the plan's slots start at rollout_offset, "
+            "after the trainer's GPUs, which the trainer's placement group or actors must hold. Hand that "
+            "placement group over (launch_from_config(cfg, placement_group=pg)), or colocate / "
+            "debug_rollout_only to start the rollout at slot 0."
+        )
+
+    def _wait(self, refs: Sequence[Any], what: str) -> list[Any]:
+        try:
+            return self.ray.get(list(refs), timeout=self.conf.placement_timeout_s)
+        except self.ray.exceptions.GetTimeoutError:
+            raise PlacementError(
+                f"{what} did not finish within sglang_deploy.launch.ray.placement_timeout_s="
+                f"{self.conf.placement_timeout_s:g} s; {self._cluster_summary()}"
+            ) from None
+
+    def _cluster_summary(self) -> str:
+        try:
+            nodes = [n for n in self.ray.nodes() if n.get("Alive")]
+            free = self.ray.available_resources().get("GPU", 0)
+        except Exception as exc:  # a summary for a message only
+            return f"(cluster state unavailable: {first_line(exc)})"
+        per_node = ", ".join(
+            f"{n['NodeManagerAddress']}: {n['Resources'].get('GPU', 0):g} GPUs"
+            for n in sorted(nodes, key=lambda n: n["NodeManagerAddress"])
+        )
+        return f"the cluster has {len(nodes)} live node(s) ({per_node}), {free:g} GPU(s) free in all"
+
+    def _node_info(self) -> dict[str, RayNodeInfo]:
+        return {
+            n["NodeID"]: RayNodeInfo(n["NodeID"], n["NodeManagerAddress"])
+            for n in self.ray.nodes()
+            if n.get("Alive")
+        }
+
+    def _place_in_own_group(self, plan: DeploymentPlan) -> None:
+        from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+
+        bundles = own_bundles(plan)
+        need = gpus_per_plan_node(bundles)
+        cpus = self.conf.engine_num_cpus
+        specs = [{"GPU": float(b.gpus), **({"CPU": cpus} if cpus and b.process else {})} for b in bundles]
+        # Ray's scheduler picks the nodes (one per plan node, each with what its bundles need free) ...
+        per_node: dict[int, dict[str, float]] = {node: {} for node in need}
+        for b, spec in zip(bundles, specs, strict=True):
+            for resource, amount in spec.items():
+                per_node[b.node][resource] = per_node[b.node].get(resource, 0.0) + amount
+        chooser = placement_group(list(per_node.values()), strategy="STRICT_SPREAD")
+        self._own_groups.append(chooser)
+        try:
+            self._wait_group(
+                chooser, f"{len(need)} node(s) with {', '.join(map(str, need.values()))} free GPU(s)"
+            )
+            chosen = placement_group_table(chooser)["bundles_to_node_id"]
+        finally:
+            remove_placement_group(chooser)
+            self._own_groups.remove(chooser)
+        info = self._node_info()
+        node_of = assign_plan_nodes(list(need), [info[chosen[i]] for i in range(len(need))])
+        # ... and each plan node's bundles are pinned there, in slot order.
+        group = placement_group(
+            specs,
+            strategy="PACK",
+            bundle_label_selector=[{NODE_ID_LABEL: node_of[b.node].node_id} for b in bundles],
+        )
+        self._own_groups.append(group)
+        self._wait_group(group, "the engines' placement group")
+        by_key = {p.key: p for p in self._placements}
+        for index, b in enumerate(bundles):
+            if b.process is not None:
+                self._create_actor(by_key[b.process], group, index, num_gpus=float(b.gpus))
+        self._collect_grants(lambda key, where: tuple(where["gpu_ids"]))
+
+    def _place_in_trainer_group(self, plan: DeploymentPlan) -> None:
+        pg = self.placement_group
+        self._wait_group(pg, "the placement group handed over")
+        specs = list(pg.bundle_specs)
+        slots = sorted({s for p in self._placements for s in p.gpu_slots})
+        bundle_of = slot_bundles(len(specs), self.bundle_indices, slots)
+        wide = [
+            f"bundle {bundle_of[s]} ({specs[bundle_of[s]]})"
+            for s in slots
+            if specs[bundle_of[s]].get("GPU") != 1
+        ]
+        if wide:
+            raise PlacementError(
+                "the placement group handed over must hold one GPU per bundle (Miles' and slime's layout); "
+                f"{', '.join(wide[:4])}{' …' if len(wide) > 4 else ''} do not"
+            )
+        probe = self.ray.remote(gpu_probe)
+        refs = [probe.options(**self._in_bundle(pg, bundle_of[s], PROBE_GPU_SHARE)).remote() for s in slots]
+        probed = dict(zip(slots, self._wait(refs, "asking Ray which GPU each bundle holds"), strict=True))
+        for p in self._placements:
+            self._create_actor(p, pg, bundle_of[p.gpu_slots[0]], num_gpus=self.conf.bundle_gpu_share)
+        split = [
+            f"{p.name}: its GPU slots {list(p.gpu_slots)} are bundles on different nodes"
+            for p in self._placements
+            if len({probed[s]["node_id"] for s in p.gpu_slots}) > 1
+        ]
+        if split:
+            raise grant_error(split, self._mismatch_hint())
+        by_key = {p.key: p for p in self._placements}
+        self._collect_grants(lambda key, where: tuple(probed[s]["gpu_ids"][0] for s in by_key[key].gpu_slots))
+
+    def _wait_group(self, pg: Any, what: str) -> None:
+        self._wait([pg.ready()], f"placing {what}")
+
+    def _in_bundle(self, pg: Any, index: int, num_gpus: float) -> dict[str, Any]:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return {
+            "num_cpus": 0,
+            "num_gpus": num_gpus,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                placement_group=pg, placement_group_bundle_index=index
+            ),
+        }
+
+    def _create_actor(self, p: ProcessPlacement, pg: Any, bundle: int, *, num_gpus: float) -> None:
+        options = {**self._in_bundle(pg, bundle, num_gpus), "num_cpus": self.conf.engine_num_cpus}
+        if self._actor_class is None:  # one remote class: Ray ships its definition to the cluster once
+            self._actor_class = self.ray.remote(EngineHost)
+        self._actors[p.key] = self._actor_class.options(max_restarts=0, **options).remote(p.name)
+
+    def _collect_grants(self, gpu_ids: Any) -> None:
+        keys = list(self._actors)
+        wheres = self._wait([self._actors[k].where.remote() for k in keys], "starting the engine actors")
+        for key, where in zip(keys, wheres, strict=True):
+            node = RayNodeInfo(where["node_id"], where["address"])
+            self._grants[key] = ProcessGrant(node=node, gpu_ids=gpu_ids(key, where))
+
+    def _find_node_ports(self, requests: Mapping[int, Sequence[Sequence[int]]]) -> dict[int, list[list[int]]]:
+        assert self._settings is not None
+        launch = self._settings.launch
+        first_on = {}
+        for p in self._placements:
+            first_on.setdefault(p.node, p.key)
+        nodes = list(requests)
+        refs = [
+            self._actors[first_on[n]].find_ports.remote(
+                self._grants[first_on[n]].node.address, requests[n], launch.port_base, launch.port_max
+            )
+            for n in nodes
+        ]
+        return dict(zip(nodes, self._wait(refs, "finding free ports on the nodes"), strict=True))
+
+    def check(self, prepared: PreparedDeployment) -> list[str]:
+        nodes: dict[int, RayNodeInfo] = {}
+        for p in self._placements:
+            nodes.setdefault(p.node, self._grants[p.key].node)
+        where = ", ".join(f"plan node {n} on {info.short}" for n, info in sorted(nodes.items()))
+        group = (
+            "the trainer's placement group" if self.placement_group is not None else "its own placement group"
+        )
+        return [f"ray: {len(self._placements)} engine process(es) in {group}: {where}"]
+
+    # -------------------------------------------------------------------------------------- processes
+    def start(self, launch: EngineProcessLaunch, *, log_path: Path) -> RayEngineProcess:
+        key = (launch.engine_id, launch.node_rank)
+        if self._closed or key not in self._actors:
+            raise LaunchError(f"{launch.name}: not prepared by this ray backend (or it was closed)")
+        earlier = self._latest.get(key)
+        if earlier is not None and earlier.exit_code() is None:
+            raise LaunchError(
+                f"{launch.name} is still running ({earlier.where}); stop it before starting it again"
+            )
+        actor, grant = self._actors[key], self._grants[key]
+        env = {**launch.env, "CUDA_VISIBLE_DEVICES": ",".join(grant.gpu_ids), NODE_ID_ENV: grant.node.node_id}
+        run = self._runs[key] = self._runs.get(key, 0) + 1
+        spawn_ref = actor.spawn.remote(run, list(launch.argv), env, str(log_path), launch.display_command())
+        handle = self._latest[key] = RayEngineProcess(
+            launch,
+            ray=self.ray,
+            actor=actor,
+            node=grant.node,
+            log_path=log_path,
+            spawn_ref=spawn_ref,
+            run=run,
+        )
+        return handle
+
+    def stop(self, processes: Sequence[EngineProcess], *, grace_s: float) -> None:
+        if not self.ray.is_initialized():  # disconnected (Ray's own exit hook ran first): the actors and
+            return  # their engines die with this job
+        running = [p for p in processes if isinstance(p, RayEngineProcess) and p.exit_code() is None]
+        refs = [p.actor.stop.remote(grace_s) for p in running]
+        if refs:
+            self.ray.wait(refs, num_returns=len(refs), timeout=grace_s + 15)
+            # ... and until each handle has seen its exit (an actor notices within its poll interval).
+            deadline = time.monotonic() + 5
+            while any(p.exit_code() is None for p in running) and time.monotonic() < deadline:
+                time.sleep(0.05)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        ray = self.ray
+        # Not connected any more (Ray's own exit hook ran first): the actors and groups go with the job.
+        connected = ray.is_initialized()
+        actors = list(self._actors.values()) if connected else []
+        try:
+            for actor in actors:
+                with contextlib.suppress(Exception):
+                    ray.kill(actor, no_restart=True)
+            self._wait_dead(actors)
+            from ray.util.placement_group import remove_placement_group
+
+            for group in self._own_groups if connected else []:
+                with contextlib.suppress(Exception):
+                    remove_placement_group(group)
+        finally:
+            self._own_groups.clear()
+            self._actors.clear()
+            if self.claims is not None:
+                self.claims.release()
+            if self._connected_here:
+                with contextlib.suppress(Exception):
+                    ray.shutdown()
+
+    def _wait_dead(self, actors: Sequence[Any]) -> None:
+        """Until Ray reports every actor dead (a call to it fails), at most ACTOR_DEATH_WAIT_S."""
+        deadline = time.monotonic() + ACTOR_DEATH_WAIT_S
+        alive = list(actors)
+        while alive and time.monotonic() < deadline:
+            still = []
+            for actor in alive:
+                try:
+                    self.ray.get(actor.status.remote(), timeout=2)
+                    still.append(actor)
+                except self.ray.exceptions.GetTimeoutError:
+                    still.append(actor)
+                except Exception:
+                    pass  # dead, as wanted
+            alive = still
+            if alive:
+                time.sleep(0.1)
+        if alive:
+            log.warning("%d Ray actor(s) were not reported dead within %gs", len(alive), ACTOR_DEATH_WAIT_S)
+
+
+__all__ = ["NODE_ID_ENV", "RAY_EXTRA", "RayBackend", "RayEngineProcess", "connect", "import_ray"]

@@ -1,0 +1,220 @@
+"""Placement of a plan on a Ray cluster, as pure functions (no Ray import): which bundles a placement group
+needs, which Ray node plays which plan node, and whether what Ray gave matches the plan.
+
+The plan numbers GPU *slots* (``slot // num_gpus_per_node`` is the plan node, ``slot % num_gpus_per_node`` the
+local GPU id). On Ray:
+
+* **A placement group of the backend's own** holds the rollout GPUs alone: per plan node, in slot order, one
+  bundle per engine process (``{"GPU": k}``) and one per run of placeholder GPUs (reserved, no engine), pinned
+  to that plan node's Ray node with a label selector. Ray hands a node's GPUs to its bundles in bundle order,
+  so an otherwise free node gives each process exactly the plan's local GPU ids.
+* **A placement group the trainer hands over** (Miles and slime: one bundle per GPU, actor and rollout GPUs
+  together) is indexed by slot: slot ``s`` is bundle ``bundle_indices[s]`` (Miles' ``reordered_bundle_indices``)
+  or bundle ``s``.
+
+Either way the result is checked against the plan before any engine starts: every process of a plan node on
+one Ray node, distinct plan nodes on distinct Ray nodes, each process's GPU ids equal to its local GPU ids.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from miles_sglang_plugin.backends.base import LaunchError
+from miles_sglang_plugin.planning.plan import DeploymentPlan
+
+#: The label every Ray node carries with its node id (label selectors pin bundles to nodes with it).
+NODE_ID_LABEL = "ray.io/node-id"
+
+
+@dataclass(frozen=True)
+class ProcessPlacement:
+    """One engine process as the plan places it."""
+
+    engine_id: str
+    node_rank: int
+    #: ``<engine id>`` or ``<engine id>.node<rank>`` (the launch spec's name).
+    name: str
+    node: int
+    gpu_slots: tuple[int, ...]
+    local_gpu_ids: tuple[int, ...]
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.engine_id, self.node_rank)
+
+
+@dataclass(frozen=True)
+class BundlePlan:
+    """One bundle of the backend's own placement group: an engine process's GPUs, or placeholder GPUs."""
+
+    node: int
+    gpus: int
+    #: The process it holds (``(engine id, node rank)``), None for placeholder GPUs.
+    process: tuple[str, int] | None
+
+
+@dataclass(frozen=True)
+class RayNodeInfo:
+    """What the backend knows of a Ray node."""
+
+    node_id: str
+    address: str
+
+    @property
+    def short(self) -> str:
+        return f"{self.address} (Ray node {self.node_id[:8]})"
+
+
+@dataclass(frozen=True)
+class ProcessGrant:
+    """What Ray gave one engine process: its node and its GPU ids there."""
+
+    node: RayNodeInfo
+    gpu_ids: tuple[str, ...]
+
+
+class PlacementError(LaunchError):
+    """The cluster cannot give what the plan needs (or gave something else); no engine was started."""
+
+
+def process_placements(plan: DeploymentPlan) -> list[ProcessPlacement]:
+    """Every engine process of ``plan``, in deployment order."""
+    out = []
+    for e in plan.engines:
+        for p in e.processes:
+            name = e.id if e.nnodes == 1 else f"{e.id}.node{p.node_rank}"
+            out.append(ProcessPlacement(e.id, p.node_rank, name, p.node, p.gpu_slots, p.local_gpu_ids))
+    return out
+
+
+def placeholder_slots(plan: DeploymentPlan) -> list[int]:
+    """GPU slots the plan reserves without an engine (placeholder groups)."""
+    engine_slots = {s for e in plan.engines for s in e.gpu_slots}
+    slots = []
+    for _model, g in plan.groups():
+        start = plan.rollout_offset + g.gpu_offset
+        slots += [s for s in range(start, start + g.num_gpus) if s not in engine_slots]
+    return sorted(slots)
+
+
+def own_bundles(plan: DeploymentPlan) -> list[BundlePlan]:
+    """Bundles of the backend's own placement group: per plan node (ascending), in slot order, one per engine
+    process and one per run of consecutive placeholder GPUs."""
+    gpn = plan.num_gpus_per_node
+    items: list[tuple[int, int, tuple[str, int] | None]] = []  # (first slot, GPUs, process)
+    for p in process_placements(plan):
+        items.append((p.gpu_slots[0], len(p.gpu_slots), p.key))
+    run: list[int] = []
+    for slot in [*placeholder_slots(plan), None]:
+        if run and (slot is None or slot != run[-1] + 1 or slot // gpn != run[0] // gpn):
+            items.append((run[0], len(run), None))
+            run = []
+        if slot is not None:
+            run.append(slot)
+    items.sort(key=lambda item: item[0])
+    return [BundlePlan(node=first // gpn, gpus=gpus, process=proc) for first, gpus, proc in items]
+
+
+def gpus_per_plan_node(bundles: Sequence[BundlePlan]) -> dict[int, int]:
+    """Plan node -> GPUs its bundles hold, in ascending node order."""
+    need: dict[int, int] = {}
+    for b in bundles:
+        need[b.node] = need.get(b.node, 0) + b.gpus
+    return dict(sorted(need.items()))
+
+
+def address_order(address: str) -> tuple[int, int, str]:
+    """Sort key of node addresses: numerically (10.0.0.9 before 10.0.0.10), names after addresses."""
+    try:
+        ip = ipaddress.ip_address(address.strip("[]"))
+    except ValueError:
+        return (2, 0, address)
+    return (0 if ip.version == 4 else 1, int(ip), address)
+
+
+def assign_plan_nodes(plan_nodes: Sequence[int], chosen: Sequence[RayNodeInfo]) -> dict[int, RayNodeInfo]:
+    """Plan nodes (ascending) to the Ray nodes chosen for them, in address order: the mapping is the same
+    whichever order Ray reported them in."""
+    ordered = sorted(chosen, key=lambda n: (address_order(n.address), n.node_id))
+    return dict(zip(sorted(plan_nodes), ordered, strict=True))
+
+
+def slot_bundles(
+    num_bundles: int, bundle_indices: Sequence[int] | None, slots: Sequence[int]
+) -> dict[int, int]:
+    """Slot -> bundle index of a trainer's placement group; raises :class:`PlacementError` if the group is too
+    small for the plan."""
+    order = list(bundle_indices) if bundle_indices is not None else list(range(num_bundles))
+    if sorted(set(order)) != sorted(order) or any(not 0 <= i < num_bundles for i in order):
+        raise PlacementError(
+            f"bundle_indices must be distinct bundle indices of the placement group (0..{num_bundles - 1}), "
+            f"got {order[:8]}{'…' if len(order) > 8 else ''}"
+        )
+    top = max(slots, default=-1)
+    if top >= len(order):
+        raise PlacementError(
+            f"the plan uses GPU slots up to {top} (rollout_offset + gpu_offset + ...), but the placement group "
+            f"handed over has {len(order)} bundle(s){' in bundle_indices' if bundle_indices is not None else ''}: "
+            "hand over the group that holds the trainer's and the rollout's GPUs, one bundle per GPU"
+        )
+    return {s: order[s] for s in slots}
+
+
+def check_grants(
+    placements: Sequence[ProcessPlacement], grants: Mapping[tuple[str, int], ProcessGrant]
+) -> list[str]:
+    """Problems of what Ray gave against the plan (empty when every process got its plan node's Ray node and
+    its local GPU ids)."""
+    problems: list[str] = []
+    node_of_plan: dict[int, RayNodeInfo] = {}
+    plan_of_node: dict[str, int] = {}
+    for p in placements:
+        grant = grants[p.key]
+        where = node_of_plan.setdefault(p.node, grant.node)
+        if where.node_id != grant.node.node_id:
+            problems.append(
+                f"{p.name}: the plan puts it on node {p.node} with other engines, which run on {where.short}, "
+                f"but Ray placed it on {grant.node.short}"
+            )
+        other = plan_of_node.setdefault(grant.node.node_id, p.node)
+        if other != p.node:
+            problems.append(
+                f"{p.name}: plan nodes {other} and {p.node} both landed on {grant.node.short}; each plan node "
+                "needs a Ray node of its own"
+            )
+        expected = tuple(str(i) for i in p.local_gpu_ids)
+        if tuple(grant.gpu_ids) != expected:
+            problems.append(
+                f"{p.name}: the plan gives it local GPUs {','.join(expected)} of node {p.node}, but Ray assigned "
+                f"GPUs {','.join(grant.gpu_ids) or '(none)'} on {grant.node.short}"
+            )
+    return problems
+
+
+def grant_error(problems: Sequence[str], hint: str) -> PlacementError:
+    lines = ["the Ray cluster cannot give the plan's GPUs:", *(f"  - {p}" for p in problems[:12])]
+    if len(problems) > 12:
+        lines.append(f"  ... and {len(problems) - 12} more")
+    lines.append(hint)
+    return PlacementError("\n".join(lines))
+
+
+__all__ = [
+    "NODE_ID_LABEL",
+    "BundlePlan",
+    "PlacementError",
+    "ProcessGrant",
+    "ProcessPlacement",
+    "RayNodeInfo",
+    "address_order",
+    "assign_plan_nodes",
+    "check_grants",
+    "gpus_per_plan_node",
+    "own_bundles",
+    "placeholder_slots",
+    "process_placements",
+    "slot_bundles",
+]

@@ -1,0 +1,537 @@
+"""The ray backend on a real Ray cluster: 4 nodes x 8 fake GPUs on loopback (node 0 = the head = the driver's
+node, at 127.0.0.1; nodes 1-3 at 127.0.0.2-4), stand-in engines, the real sglang-router.
+
+Expected placements are worked out by hand from the plan (GPU slot s: node s // 8, local GPU s % 8) and the
+cluster's layout; every test ends with nothing of the deployment left on any node (``clean_cluster``)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from miles_sglang_plugin.app.hydra_edge import launch_from_config
+from miles_sglang_plugin.backends.base import LaunchError
+from miles_sglang_plugin.config.compose import compose_config
+from tests.conftest_ray import clean_cluster, ray_cluster  # noqa: F401 - fixtures
+from tests.launch_helpers import REPO, generate_body, random_port_base
+from tests.ray_helpers import FakeCluster, address_of
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+
+def ray_overrides(*extra: str, startup_timeout_s: float = 90.0) -> list[str]:
+    return [
+        "hf_checkpoint=/c",
+        "sglang_deploy=simulated",
+        "sglang_deploy.launch.backend=ray",
+        f"sglang_deploy.launch.port_base={random_port_base()}",
+        f"sglang_deploy.launch.startup_timeout_s={startup_timeout_s}",
+        "sglang_deploy.launch.shutdown_grace_s=3",
+        "sglang_deploy.launch.poll_interval_s=0.2",
+        "sglang_deploy.launch.live=never",
+        "sglang_deploy.launch.ray.placement_timeout_s=60",
+        *extra,
+    ]
+
+
+def subprocess_env(cluster: FakeCluster, **extra: str) -> dict[str, str]:
+    env = {**os.environ, "RAY_ADDRESS": cluster.address, "PYTHONUNBUFFERED": "1", **extra}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
+
+
+@contextlib.contextmanager
+def trainer_gpus_on(cluster: FakeCluster, node: int) -> Iterator[Any]:
+    """Hold node ``node``'s 8 GPUs, as a trainer's training actors do."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    pg = placement_group([{"GPU": 8}], bundle_label_selector=[{"ray.io/node-id": cluster.node_id(node)}])
+    cluster.ray.get(pg.ready(), timeout=30)
+    try:
+        yield pg
+    finally:
+        remove_placement_group(pg)
+
+
+def node_of_log(log: Path, cluster: FakeCluster, timeout_s: float = 60.0) -> int:
+    """The fake node an engine runs on, from the first line its stand-in logs (``..., node <id>``)."""
+    deadline = time.monotonic() + timeout_s
+    by_id = {node_id: int(addr.rsplit(".", 1)[1]) - 1 for addr, node_id in cluster.node_ids().items()}
+    while time.monotonic() < deadline:
+        if log.exists() and (m := re.search(r"node ([0-9a-f]{20,})", log.read_text(errors="replace"))):
+            return by_id[m.group(1)]
+        time.sleep(0.1)
+    raise AssertionError(f"no node id in {log}")
+
+
+# ------------------------------------------------------------------------------------ the card command
+CARD_EXPECTED = {
+    # rollout_offset 8 (the trainer's 8 GPUs are node 0's): actor prefill 8 (TP 4) on node 1, decode 12 (TP 4)
+    # on node 2 and the first half of node 3, ref 4 (TP 2: rollout_num_gpus_per_engine of examples/conf) after.
+    "actor.prefill.0": (1, "0,1,2,3"),
+    "actor.prefill.1": (1, "4,5,6,7"),
+    "actor.decode.0": (2, "0,1,2,3"),
+    "actor.decode.1": (2, "4,5,6,7"),
+    "actor.decode.2": (3, "0,1,2,3"),
+    "ref.regular.0": (3, "4,5"),
+    "ref.regular.1": (3, "6,7"),
+}
+
+
+def test_card_command_runs_the_rollout_step_on_three_nodes(
+    clean_cluster: FakeCluster,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    report = tmp_path / "engines.json"
+    argv = [
+        sys.executable,
+        "examples/train.py",
+        "sglang=pd_actor_ref",
+        "sglang.actor.decode.num_gpus=12",
+        "sglang_deploy=simulated",
+        "sglang_deploy.launch.backend=ray",
+        f"engines_report={report}",
+        f"sglang_deploy.launch.port_base={random_port_base()}",
+        "sglang_deploy.launch.shutdown_grace_s=3",
+        "sglang_deploy.launch.live=never",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ]
+    with trainer_gpus_on(clean_cluster, 0):
+        proc = subprocess.run(
+            argv, cwd=REPO, env=subprocess_env(clean_cluster), capture_output=True, text=True, timeout=300
+        )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "rollout 0: 4 samples" in proc.stdout
+    output = proc.stdout + proc.stderr
+    assert re.search(r"actor +│ http://127\.0\.0\.1:\d+ +│ pd", output), output[-3000:]  # routers: node 0
+    reports = {r["id"]: r for r in json.loads(report.read_text())}
+    assert set(reports) == set(CARD_EXPECTED)
+    node_ids = clean_cluster.node_ids()
+    for engine_id, (node, gpus) in CARD_EXPECTED.items():
+        got = reports[engine_id]
+        assert got["plan_node"] == node, engine_id
+        assert got["url"].startswith(f"http://{address_of(node)}:"), (engine_id, got["url"])
+        # What the stand-in itself saw: CUDA_VISIBLE_DEVICES from Ray, on the Ray node of its plan node.
+        assert got["reported_cuda_visible_devices"] == gpus, (engine_id, got)
+        assert got["reported_node_id"] == node_ids[address_of(node)], (engine_id, got)
+
+
+# ------------------------------------------------------------------------------ an engine over two nodes
+def test_tp16_engine_runs_one_process_per_node(clean_cluster: FakeCluster, tmp_path: Path) -> None:  # noqa: F811
+    cfg = compose_config(
+        ray_overrides(
+            "colocate=true", "sglang.actor.regular.num_gpus=16", "sglang.actor.num_gpus_per_engine=16"
+        )
+    )
+    with launch_from_config(cfg, log_dir=tmp_path / "logs") as deployment:
+        engine = [p for p in deployment.processes() if hasattr(p, "node")]
+        assert [p.launch.node_rank for p in engine] == [0, 1]
+        lead, follower = engine
+        assert lead.node.node_id != follower.node.node_id
+        # Plan nodes go to the chosen Ray nodes in address order.
+        assert tuple(map(int, lead.node.address.split("."))) < tuple(
+            map(int, follower.node.address.split("."))
+        )
+        dist = {p.launch.server_args["dist_init_addr"] for p in engine}
+        assert (
+            len(dist) == 1
+            and dist.pop()
+            == f"{lead.node.address}:{lead.launch.server_args['dist_init_addr'].rsplit(':', 1)[1]}"
+        )
+        assert all(p.exit_code() is None for p in engine)
+        info = httpx.get(deployment.engines()[0].url + "/server_info", timeout=10).json()
+        assert (info["nnodes"], info["node_rank"], info["tp_size"]) == (2, 0, 16)
+        assert info["cuda_visible_devices"] == "0,1,2,3,4,5,6,7" and info["node_id"] == lead.node.node_id
+        tail = follower.tail()
+        assert "node_rank=1 of nnodes=2" in tail
+        assert f"follower of --dist-init-addr {lead.launch.server_args['dist_init_addr']}" in tail
+        assert f"CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7, node {follower.node.node_id}" in tail
+        url = deployment.registry.get_model_url("actor", "/generate")
+        assert httpx.post(url, json=generate_body(), timeout=30).status_code == 200
+
+
+# ------------------------------------------------------------------------- the trainer's placement group
+def test_engines_run_in_the_placement_group_the_trainer_hands_over(
+    clean_cluster: FakeCluster,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """Miles' hand-off: one bundle per GPU for trainer and rollout together, and the slot -> bundle order."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    node0, node1 = clean_cluster.node_id(0), clean_cluster.node_id(1)
+    # Bundles 0-7 on node 1, 8-15 on node 0; Miles' order puts node 0 (the trainer's) first.
+    pg = placement_group(
+        [{"GPU": 1}] * 16,
+        bundle_label_selector=[{"ray.io/node-id": node1}] * 8 + [{"ray.io/node-id": node0}] * 8,
+    )
+    order = list(range(8, 16)) + list(range(8))
+    try:
+        # Not colocated: the actor's 8 GPUs are slots 0-7, the rollout's 8 are slots 8-15 = plan node 1.
+        cfg = compose_config(
+            ray_overrides("sglang.actor.regular.num_gpus=8", "sglang.actor.num_gpus_per_engine=4")
+        )
+        with launch_from_config(
+            cfg, log_dir=tmp_path / "logs", placement_group=pg, bundle_indices=order
+        ) as d:
+            assert any("the trainer's placement group" in note for note in d.notes)
+            got = {}
+            for e in d.engines():
+                info = httpx.get(e.url + "/server_info", timeout=10).json()
+                got[e.id] = (
+                    e.url.split("//")[1].rsplit(":", 1)[0],
+                    info["cuda_visible_devices"],
+                    info["node_id"],
+                )
+        assert got == {
+            "actor.regular.0": (address_of(1), "0,1,2,3", node1),
+            "actor.regular.1": (address_of(1), "4,5,6,7", node1),
+        }
+    finally:
+        remove_placement_group(pg)
+
+
+def test_gpus_the_cluster_cannot_give_are_a_clear_error_before_anything_starts(
+    clean_cluster: FakeCluster,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    # The trainer's 4 GPUs first: the engine is planned on local GPUs 4-7 of node 0. Nothing holds GPUs 0-3
+    # in Ray, so the backend's own placement group gets GPUs 0-3 of the node it lands on.
+    cfg = compose_config(
+        ray_overrides(
+            "actor_num_gpus_per_node=4",
+            "sglang.actor.regular.num_gpus=4",
+            "sglang.actor.num_gpus_per_engine=4",
+        )
+    )
+    with pytest.raises(LaunchError) as exc, launch_from_config(cfg, log_dir=tmp_path / "logs"):
+        pytest.fail("must not start")
+    msg = str(exc.value)
+    assert msg.startswith("the Ray cluster cannot give the plan's GPUs:"), msg
+    assert re.search(
+        r"actor\.regular\.0: the plan gives it local GPUs 4,5,6,7 of node 0, but Ray assigned GPUs 0,1,2,3 on "
+        r"127\.0\.0\.\d \(Ray node [0-9a-f]{8}\)",
+        msg,
+    ), msg
+    assert "placement_group=pg" in msg
+    assert not list(tmp_path.glob("logs/*.log")), "an engine was started"
+
+
+def test_a_plan_larger_than_the_cluster_fails_at_the_placement_deadline(
+    clean_cluster: FakeCluster,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    # 40 GPUs from slot 0 = 5 nodes of 8, on a cluster of 4 such nodes.
+    cfg = compose_config(
+        ray_overrides("colocate=true", "sglang.actor.regular.num_gpus=40", "sglang.actor.num_gpus_per_engine=8",
+                      "sglang_deploy.launch.ray.placement_timeout_s=3")
+    )  # fmt: skip
+    started = time.monotonic()
+    with pytest.raises(LaunchError) as exc, launch_from_config(cfg, log_dir=tmp_path / "logs"):
+        pytest.fail("must not start")
+    assert time.monotonic() - started < 30
+    assert str(exc.value) == (
+        "placing 5 node(s) with 8, 8, 8, 8, 8 free GPU(s) did not finish within "
+        "sglang_deploy.launch.ray.placement_timeout_s=3 s; the cluster has 4 live node(s) (127.0.0.1: 8 GPUs, "
+        "127.0.0.2: 8 GPUs, 127.0.0.3: 8 GPUs, 127.0.0.4: 8 GPUs), 32 GPU(s) free in all"
+    )
+
+
+# ------------------------------------------------------------------------------------------------ faults
+def test_engine_failing_at_start_on_a_remote_node(clean_cluster: FakeCluster, tmp_path: Path) -> None:  # noqa: F811
+    cfg = compose_config(
+        ray_overrides(
+            "colocate=true",
+            "sglang.actor.regular.num_gpus=16",
+            "sglang.actor.num_gpus_per_engine=8",
+            "sglang_deploy.standin.fail_at_start=[actor.regular.1]",
+        )
+    )
+    started = time.monotonic()
+    with pytest.raises(LaunchError) as exc, launch_from_config(cfg, log_dir=tmp_path / "logs"):
+        pytest.fail("must not become ready")
+    assert time.monotonic() - started < 60
+    msg = str(exc.value)
+    assert msg.startswith("engine actor.regular.1 exited with code 3 during start-up"), msg
+    where = re.search(r"where: pid \d+ on node (127\.0\.0\.\d) \(Ray node ([0-9a-f]{8})\)", msg)
+    assert where, msg
+    assert where.group(1) != address_of(0)  # plan node 1: the higher address of the two chosen
+    assert clean_cluster.node_ids()[where.group(1)].startswith(where.group(2))
+    assert f"actor.regular.1.log on node {where.group(1)}" in msg
+    assert "failing at start as asked by MSP_STANDIN_FAIL_AT_START" in msg
+
+
+def test_worker_node_lost_during_start_up(clean_cluster: FakeCluster, tmp_path: Path) -> None:  # noqa: F811
+    logs = tmp_path / "logs"
+    cfg = compose_config(
+        ray_overrides(
+            "colocate=true",
+            "sglang.actor.regular.num_gpus=16",
+            "sglang.actor.num_gpus_per_engine=8",
+            "sglang_deploy.standin.start_delay_s=60",
+        )
+    )
+    removed: dict[str, Any] = {}
+
+    def remove_node_of_engine_1() -> None:
+        node = node_of_log(logs / "actor.regular.1.log", clean_cluster)
+        removed["node"], removed["at"] = node, time.monotonic()
+        clean_cluster.remove_worker(node)
+
+    killer = threading.Thread(target=remove_node_of_engine_1, daemon=True)
+    killer.start()
+    with pytest.raises(LaunchError) as exc, launch_from_config(cfg, log_dir=logs):
+        pytest.fail("must not become ready")
+    killer.join(5)
+    assert time.monotonic() - removed["at"] < 30, "the lost node was not noticed promptly"
+    msg = str(exc.value)
+    address = address_of(removed["node"])
+    assert msg.startswith("engine actor.regular.1 exited with code -9 during start-up"), msg
+    assert f"its node {address} (Ray node " in msg and "left the Ray cluster" in msg, msg
+
+
+def test_worker_node_lost_while_serving(clean_cluster: FakeCluster, tmp_path: Path) -> None:  # noqa: F811
+    logs = tmp_path / "logs"
+    argv = [
+        sys.executable,
+        "-m",
+        "miles_sglang_plugin",
+        "launch",
+        f"--log-dir={logs}",
+        *ray_overrides(
+            "colocate=true", "sglang.actor.regular.num_gpus=16", "sglang.actor.num_gpus_per_engine=8"
+        ),
+    ]
+    out, err = tmp_path / "out", tmp_path / "err"
+    with out.open("wb") as o, err.open("wb") as e:
+        proc = subprocess.Popen(argv, cwd=tmp_path, env=subprocess_env(clean_cluster), stdout=o, stderr=e)
+    try:
+        deadline = time.monotonic() + 120
+        while "serving" not in err.read_text(errors="replace"):
+            assert proc.poll() is None and time.monotonic() < deadline, err.read_text()
+            time.sleep(0.2)
+        node = node_of_log(logs / "actor.regular.1.log", clean_cluster)
+        clean_cluster.remove_worker(node)
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    text = err.read_text()
+    assert code == 1, text
+    assert re.search(
+        rf"error: actor\.regular\.1 exited with code -9 \(pid \d+ on node {re.escape(address_of(node))} "
+        r"\(Ray node [0-9a-f]{8}\)\): its node .* left the Ray cluster",
+        " ".join(text.split()),
+    ), text
+
+
+DRIVER_SCRIPT = textwrap.dedent(
+    """
+    import json, signal, sys, time
+    from pathlib import Path
+    from miles_sglang_plugin.app.hydra_edge import launch_from_config
+    from miles_sglang_plugin.config.compose import compose_config
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C, even if started with SIGINT ignored
+    with launch_from_config(compose_config(json.loads(sys.argv[1])), log_dir=Path(sys.argv[2])) as d:
+        print(json.dumps({"ready": [p.pid for p in d.processes()]}), flush=True)
+        while True:
+            time.sleep(0.1)
+    """
+)
+
+
+def start_driver(cluster: FakeCluster, tmp_path: Path, *extra: str) -> subprocess.Popen[str]:
+    """DRIVER_SCRIPT launching two 8-GPU engines (two nodes) and one router, then serving until stopped."""
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER_SCRIPT)
+    two_nodes = ("colocate=true", "sglang.actor.regular.num_gpus=16", "sglang.actor.num_gpus_per_engine=8")
+    return subprocess.Popen(
+        [sys.executable, str(script), json.dumps(ray_overrides(*two_nodes, *extra)), str(tmp_path / "logs")],
+        env=subprocess_env(cluster),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_driver_sigkilled_leaves_nothing_on_any_node(clean_cluster: FakeCluster, tmp_path: Path) -> None:  # noqa: F811
+    proc = start_driver(clean_cluster, tmp_path)
+    try:
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read()
+        pids = json.loads(line)["ready"]
+        assert len(pids) == 3  # two engines, one router
+        assert (
+            len(clean_cluster.alive_engine_actors()) == 2 and len(clean_cluster.deployment_processes()) == 3
+        )
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    clean_cluster.assert_clean(wait_s=30)  # actors, their engines, the router and the placement group
+
+
+@pytest.mark.parametrize("when", ["ctrl-c during start-up", "sigterm while serving"])
+def test_driver_stopped_by_a_signal_leaves_nothing(
+    clean_cluster: FakeCluster,  # noqa: F811
+    tmp_path: Path,
+    when: str,
+) -> None:
+    during_start = when.startswith("ctrl-c")
+    proc = start_driver(
+        clean_cluster, tmp_path, *(["sglang_deploy.standin.start_delay_s=60"] if during_start else [])
+    )
+    try:
+        if during_start:
+            node_of_log(tmp_path / "logs" / "actor.regular.1.log", clean_cluster)  # both engines started
+            proc.send_signal(signal.SIGINT)
+        else:
+            assert proc.stdout.readline(), proc.stderr.read()
+            proc.send_signal(signal.SIGTERM)
+        code = proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # Everything stopped, the signal goes to the script's own handler: an uncaught KeyboardInterrupt ends Python by
+    # SIGINT itself (-2); SIGTERM's default action ends it by SIGTERM (-15, status 143 in a shell).
+    assert code == (-signal.SIGINT if during_start else -signal.SIGTERM), proc.stderr.read()[-3000:]
+    clean_cluster.assert_clean(wait_s=10)
+
+
+# ------------------------------------------------------------------------------------ multirun, one cluster
+HYDRA_APP = textwrap.dedent(
+    """
+    import json, os
+    from pathlib import Path
+
+    import httpx
+    import hydra
+    from hydra.core.config_store import ConfigStore
+
+    from miles_sglang_plugin.app.hydra_edge import launch_from_config
+
+    ConfigStore.instance().store(
+        name="app", node={"defaults": ["_self_", {"sglang": "default"}], "hf_checkpoint": "/c", "colocate": True}
+    )
+
+
+    @hydra.main(version_base=None, config_name="app")
+    def main(cfg):
+        from ray._private import state
+        from ray.util.placement_group import placement_group_table
+
+        record = Path(os.environ["LAUNCH_RECORD"])
+        earlier = [json.loads(line) for line in record.read_text().splitlines()] if record.exists() else []
+        with launch_from_config(cfg) as launcher:
+            url = launcher.registry.get_model_url("actor")
+            httpx.post(url, json={"text": "hi", "sampling_params": {"max_new_tokens": 2}}, timeout=30).raise_for_status()
+            actors = [p.actor._actor_id.hex() for p in launcher.processes() if hasattr(p, "actor")]
+            groups = [g.id.hex() for g in launcher.backend.placement_groups]
+            job = {
+                "actors": actors,
+                "groups": groups,
+                "gpus": {e.id: e.gpus for e in launcher.engines()},
+                "earlier_actor_states": sorted({state.actors(a)["State"] for j in earlier for a in j["actors"]}),
+                "earlier_group_states": sorted(
+                    {placement_group_table()[g]["state"] for j in earlier for g in j["groups"]}
+                ),
+            }
+        with record.open("a") as f:
+            f.write(json.dumps(job) + "\\n")
+
+
+    if __name__ == "__main__":
+        main()
+    """
+)
+
+
+def test_multirun_over_tp_sizes_job_after_job_on_one_cluster(
+    clean_cluster: FakeCluster,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    app = tmp_path / "app.py"
+    app.write_text(HYDRA_APP)
+    record = tmp_path / "jobs.jsonl"
+    argv = [
+        sys.executable,
+        str(app),
+        "-m",
+        *ray_overrides("sglang.actor.regular.num_gpus=4", "sglang.actor.num_gpus_per_engine=2,4"),
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+    ]
+    env = subprocess_env(clean_cluster, LAUNCH_RECORD=str(record))
+    proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    jobs = [json.loads(line) for line in record.read_text().splitlines()]
+    assert [job["gpus"] for job in jobs] == [
+        {"actor.regular.0": "0,1", "actor.regular.1": "2,3"},
+        {"actor.regular.0": "0,1,2,3"},
+    ]
+    assert [len(job["actors"]) for job in jobs] == [2, 1] and all(len(job["groups"]) == 1 for job in jobs)
+    # When job 1 ran, job 0's actors were dead and its placement group removed.
+    assert jobs[1]["earlier_actor_states"] == ["DEAD"] and jobs[1]["earlier_group_states"] == ["REMOVED"]
+
+
+# ------------------------------------------------------------------------------------------------ restart
+def test_a_stopped_engine_process_starts_again_on_its_node_and_gpus(
+    clean_cluster: FakeCluster,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    cfg = compose_config(
+        ray_overrides(
+            "colocate=true", "sglang.actor.regular.num_gpus=4", "sglang.actor.num_gpus_per_engine=2"
+        )
+    )
+    with launch_from_config(cfg, log_dir=tmp_path / "logs") as deployment:
+        first = deployment._engines[1].processes[0]
+        before = httpx.get(first.launch.url + "/server_info", timeout=10).json()
+        deployment.backend.stop([first], grace_s=3)
+        assert first.exit_code() == 0 and first.exit_reason() is None
+        again = deployment.backend.start(first.launch, log_path=tmp_path / "logs" / "again.log")
+        deployment._engines[1].processes[0] = again  # the deployment stops it at the end
+        deadline = time.monotonic() + 30
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                after = httpx.get(first.launch.url + "/server_info", timeout=2).json()
+                break
+            assert time.monotonic() < deadline and again.exit_code() is None, again.tail()
+            time.sleep(0.2)
+        assert after["pid"] == again.pid != before["pid"]
+        assert (after["node_id"], after["cuda_visible_devices"], after["port"]) == (
+            before["node_id"],
+            "2,3",
+            before["port"],
+        )
+        assert again.node == first.node and again.exit_code() is None
+
+
+# ------------------------------------------------------------------------------------------------ benchmark
+def test_benchmark_smoke_run_on_the_cluster(clean_cluster: FakeCluster) -> None:  # noqa: F811
+    """benchmarks/bench_ray.py --smoke, on this session's cluster, so that the script cannot rot."""
+    result = subprocess.run(
+        [sys.executable, "benchmarks/bench_ray.py", "--smoke", "--address", clean_cluster.address],
+        cwd=REPO,
+        env=subprocess_env(clean_cluster),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.count("ray/local time to ready:") == 2, result.stdout

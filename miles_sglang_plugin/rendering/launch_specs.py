@@ -72,7 +72,8 @@ PLAN_OWNED_DEFAULTS: Mapping[str, str] = {
 
 def server_args_to_argv(values: Mapping[str, Any]) -> list[str]:
     """ServerArgs field -> value as ``launch_server`` flags: ``True`` is a bare flag, ``False``/``None`` are
-    left out, lists become several values, mappings become JSON."""
+    left out, lists become several values, mappings become JSON. A single value that starts with ``-`` (an API
+    key ``--x``, a negative number) is written ``--flag=value``, the one form argparse never reads as a flag."""
     argv: list[str] = []
     for key, value in values.items():
         flag = "--" + key.replace("_", "-")
@@ -83,10 +84,9 @@ def server_args_to_argv(values: Mapping[str, Any]) -> list[str]:
         elif isinstance(value, list | tuple):
             argv.append(flag)
             argv.extend(str(v) for v in value)
-        elif isinstance(value, Mapping):
-            argv += [flag, json.dumps(thaw(value))]
         else:
-            argv += [flag, str(value)]
+            text = json.dumps(thaw(value)) if isinstance(value, Mapping) else str(value)
+            argv += [f"{flag}={text}"] if text.startswith("-") else [flag, text]
     return argv
 
 

@@ -41,6 +41,10 @@ class PortExhaustedError(RuntimeError):
     pass
 
 
+class HostNotUsableError(PortExhaustedError):
+    """No port can be bound on the host at all: a name that does not resolve, an address family it lacks."""
+
+
 @dataclass(frozen=True)
 class EnginePorts:
     """Ports of one engine process (``http`` serves only on node rank 0)."""
@@ -111,10 +115,14 @@ def port_is_free(host: str, port: int) -> bool:
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         try:
             sock.bind((host.strip("[]"), port))
+        except socket.gaierror as exc:
+            raise HostNotUsableError(
+                f"{host!r} does not resolve to an address here ({exc.strerror})"
+            ) from exc
         except OSError as exc:
             if exc.errno in (errno.EADDRINUSE, errno.EACCES, errno.EADDRNOTAVAIL):
                 return False
-            raise
+            raise HostNotUsableError(f"cannot bind to {host!r}: {exc.strerror or exc}") from exc
     return True
 
 

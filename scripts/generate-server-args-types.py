@@ -28,18 +28,29 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 TARGET = REPO / "miles_sglang_plugin" / "data" / "sglang_server_args_types.json"
 
-_KIND_OF_TYPE = {"int": "int", "float": "float", "loads": "json", "json_list_type": "json", "human_readable_int": "size"}
+_KIND_OF_TYPE = {
+    "int": "int",
+    "float": "float",
+    "loads": "json",
+    "json_list_type": "json",
+    "human_readable_int": "size",
+}
 
 
 def _entry(action: argparse.Action) -> dict[str, Any]:
     if action.nargs == 0:
         entry: dict[str, Any] = {"kind": "switch"}
     else:
-        entry = {"kind": _KIND_OF_TYPE.get(getattr(action.type, "__name__", ""), "str"), "nargs": action.nargs}
+        entry = {
+            "kind": _KIND_OF_TYPE.get(getattr(action.type, "__name__", ""), "str"),
+            "nargs": action.nargs,
+        }
     if action.choices is not None:
         choices = [c if isinstance(c, int | float | str) else str(c) for c in action.choices]
         # A set (SGLang builds some choices from one) has no stable order: sorted, so the file is reproducible.
-        entry["choices"] = sorted(choices, key=str) if isinstance(action.choices, set | frozenset) else choices
+        entry["choices"] = (
+            sorted(choices, key=str) if isinstance(action.choices, set | frozenset) else choices
+        )
     flag = "--" + action.dest.replace("_", "-")
     if flag not in action.option_strings:
         entry["flag"] = next(s for s in action.option_strings if s.startswith("--"))
@@ -48,7 +59,10 @@ def _entry(action: argparse.Action) -> dict[str, Any]:
 
 def build() -> dict[str, Any]:
     sys.path.insert(0, str(REPO))
-    from miles_sglang_plugin.rendering.sglang_server_args import load_sglang_server_args_module, sglang_version
+    from miles_sglang_plugin.rendering.sglang_server_args import (
+        load_sglang_server_args_module,
+        sglang_version,
+    )
 
     module = load_sglang_server_args_module()
     if module is None:

@@ -54,6 +54,20 @@ MILES_ENGINE_ENV: Mapping[str, str] = {
     "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "false",
 }
 
+#: Variables this package sets itself in an engine's environment (shown in a printed plan; every other value
+#: from ``sglang_deploy.env`` is masked there, see :func:`~miles_sglang_plugin.masking.mask_env`).
+PACKAGE_ENV_NAMES: frozenset[str] = frozenset(
+    {
+        *MILES_ENGINE_ENV,
+        "SGLANG_OPT_USE_CUSTOM_ALL_REDUCE_V2",
+        "CUDA_VISIBLE_DEVICES",
+        "MSP_STANDIN_START_DELAY_S",
+        "MSP_STANDIN_FAIL_AT_START",
+        "MSP_STANDIN_NEVER_HEALTHY",
+        "MSP_STANDIN_DIE_AFTER_S",
+    }
+)
+
 #: server_defaults may not set what the plan decides (beyond the keys a group override may not set either).
 PLAN_OWNED_DEFAULTS: Mapping[str, str] = {
     **PLAN_OWNED_OVERRIDES,
@@ -134,7 +148,7 @@ class EngineProcessLaunch:
             "url": self.url if self.serves_http else None,
             "bootstrap_port": self.bootstrap_port,
             "argv": mask_argv(self.argv),
-            "env": mask_env(self.env),
+            "env": mask_env(self.env, shown=PACKAGE_ENV_NAMES),
         }
 
 

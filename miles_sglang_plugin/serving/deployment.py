@@ -539,6 +539,7 @@ def _exited_message(
         f"  command: {command}",
         f"  last log lines of {log}:",
         *(f"    | {line}" for line in tail.splitlines()),
+        *([] if tail.strip() else ["    (none: it wrote nothing there)"]),
     ]
     return "\n".join(lines)
 

@@ -52,8 +52,11 @@ Run = Callable[..., tuple[int, str, str]]
 
 
 @pytest.fixture
-def run(capsys: pytest.CaptureFixture[str]) -> Run:
-    """``miles-sglang ARGS...`` in this process: (exit status, stdout, stderr)."""
+def run(capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Run:
+    """``miles-sglang ARGS...`` in this process, in the test's own directory: (exit status, stdout, stderr)."""
+    monkeypatch.chdir(
+        tmp_path
+    )  # whatever a launch writes by default (sglang_logs/) stays out of the checkout
 
     def run_cli(*argv: str) -> tuple[int, str, str]:
         code = cli.main(list(argv))
@@ -565,9 +568,11 @@ def test_sglangs_parser_takes_such_a_key_as_rendered() -> None:
 
 
 @pytest.mark.slow
-def test_such_a_key_stays_out_of_a_launch_error(run: Run, leak_check: LeakTracker) -> None:  # noqa: F811
+def test_such_a_key_stays_out_of_a_launch_error(run: Run, tmp_path: Path, leak_check: LeakTracker) -> None:  # noqa: F811
     code, out, err = run(
         "launch",
+        "--log-dir",
+        str(tmp_path / "logs"),
         *launch_overrides(
             f"sglang_deploy.api_key='{SECRET}'", "sglang_deploy.standin.fail_at_start=[actor.*]"
         ),

@@ -31,6 +31,7 @@ _HOST_NAME_RE = re.compile(
     r"^(?=.{1,253}\.?$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?$"
 )
 _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_ADAPTER_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
 #: The longest ``poll_interval_s``: start-up notices an engine that exits at the next poll.
 MAX_POLL_INTERVAL_S = 60.0
 
@@ -121,19 +122,18 @@ def _launch_problems(launch: LaunchConf) -> list[Problem]:
 
 
 def _lora_problems(lora: LoraConf) -> list[Problem]:
+    """The switches, adapter paths and module names (the numbers: :func:`~miles_sglang_plugin.rendering.lora.
+    lora_problems`, with Miles' multi-LoRA rules)."""
     key = "sglang_deploy.lora"
     out: list[Problem] = []
-    if not isinstance(lora.enabled, bool):
-        out.append(Problem(f"{key}.enabled", f"must be true or false, got {lora.enabled!r}"))
-    out += _number(
-        f"{key}.max_loras_per_batch", lora.max_loras_per_batch, minimum=1, inclusive=True, integer=True
-    )
-    out += _number(f"{key}.max_lora_rank", lora.max_lora_rank, minimum=1, inclusive=True, integer=True)
+    for name in ("enabled", "base_cpu_backup"):
+        if not isinstance(getattr(lora, name), bool):
+            out.append(Problem(f"{key}.{name}", f"must be true or false, got {getattr(lora, name)!r}"))
     paths = lora.paths if isinstance(lora.paths, Mapping) else None
     if paths is None:
         out.append(Problem(f"{key}.paths", f"must map adapter names to paths, got {lora.paths!r}"))
     for name, path in (paths or {}).items():
-        if not isinstance(name, str) or not _ENV_NAME_RE.match(name.replace("-", "_").replace(".", "_")):
+        if not isinstance(name, str) or not _ADAPTER_NAME_RE.match(name):
             out.append(
                 Problem(f"{key}.paths.{name}", "an adapter name holds letters, digits, '_', '-' or '.'")
             )

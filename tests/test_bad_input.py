@@ -85,7 +85,7 @@ def test_a_model_path_that_is_not_a_string_is_refused_where_it_was_set(run: Run)
 def test_the_plan_view_shows_any_value_as_plain_text() -> None:
     plan = resolve_deployment(
         spec(model("actor", group("regular", 2), path="[bold red]x[/] [/oops]")),
-        TrainerInputs(hf_checkpoint="/c", colocate=True),
+        TrainerInputs(hf_checkpoint="/c", debug_rollout_only=True),
     )
     console = Console(record=True, width=200, color_system=None)
     print_plan(plan, console)
@@ -264,13 +264,13 @@ def test_gpu_counts_against_the_cluster_when_its_size_is_known() -> None:
 def test_the_gpu_limit_itself_still_plans() -> None:
     plan = resolve_deployment(
         spec(model("actor", group("regular", MAX_DEPLOYMENT_GPUS, gpe=8))),
-        TrainerInputs(hf_checkpoint="/c", colocate=True),
+        TrainerInputs(hf_checkpoint="/c", debug_rollout_only=True),
     )
     assert plan.total_gpus == 65_536 and len(plan.engines) == 8_192
     with pytest.raises(DeploymentConfigError, match="more than the 65,536"):
         resolve_deployment(
             spec(model("actor", group("regular", MAX_DEPLOYMENT_GPUS, gpe=8), group("placeholder", 1))),
-            TrainerInputs(hf_checkpoint="/c", colocate=True),
+            TrainerInputs(hf_checkpoint="/c", debug_rollout_only=True),
         )
 
 
@@ -435,7 +435,7 @@ def test_the_shipped_type_table_is_what_the_generator_writes_from_the_installed_
 
 
 def _prepared(*overrides: str, probe: bool):
-    cfg = compose_config(["hf_checkpoint=/c", "colocate=true", "sglang.actor.regular.num_gpus=2", *overrides])
+    cfg = compose_config(["hf_checkpoint=/c", "debug_rollout_only=true", "sglang.actor.regular.num_gpus=2", *overrides])
     return prepare_deployment(resolve_config(cfg), deploy_settings_from_config(cfg), probe=probe)
 
 

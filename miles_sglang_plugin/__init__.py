@@ -74,6 +74,7 @@ _EXPORTS: dict[str, str] = {
     "DeploymentState": "miles_sglang_plugin.serving.supervision",
     "DeploymentFailedError": "miles_sglang_plugin.serving.supervision",
     "RouterInfo": "miles_sglang_plugin.serving.supervision",
+    "StartupInterrupted": "miles_sglang_plugin.serving.deployment",
     "RouterRegistry": "miles_sglang_plugin.serving.registry",
     "ModelRoute": "miles_sglang_plugin.serving.registry",
     "UnknownModelError": "miles_sglang_plugin.serving.registry",
@@ -126,6 +127,7 @@ __all__ = [
     "RouterRegistry",
     "SGLangCleanupCallback",
     "SGLangDeployConf",
+    "StartupInterrupted",
     "TrainerInputs",
     "UnknownModelError",
     "UnsupportedPlanError",
@@ -197,7 +199,7 @@ if TYPE_CHECKING:  # what static tools see; at run time the names load lazily th
         WeightUpdateGroup,
         WeightUpdateRank,
     )
-    from miles_sglang_plugin.serving.deployment import Deployment
+    from miles_sglang_plugin.serving.deployment import Deployment, StartupInterrupted
     from miles_sglang_plugin.serving.members import EngineInfo
     from miles_sglang_plugin.serving.registry import (
         ModelRoute,

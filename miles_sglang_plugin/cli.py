@@ -49,9 +49,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     print_plan(plan, console)
     if args.commands:
         print_commands(prepared.launch, console)
-    console.print(f"override keys checked against {known.source}")
+    console.print(f"override keys checked against {known.source}", markup=False)
     for note in prepared.launch.notes:
-        console.print(f"note: {note}")
+        console.print(f"note: {note}", markup=False)
     return 0
 
 
@@ -83,8 +83,14 @@ def _cmd_launch(args: argparse.Namespace) -> int:
             f"serving; logs in {deployment.log_dir}; Ctrl-C stops every engine and router", markup=False
         )
         supervised = deployment.settings.supervision.enabled
-        while deployment.failure is None and (supervised or not deployment.exited()):
+        while (
+            deployment.failure is None
+            and deployment.stop_signal is None
+            and (supervised or not deployment.exited())
+        ):
             time.sleep(0.5)
+        if deployment.stop_signal is not None:  # stopped by Ctrl-C/SIGTERM, which reaches this process next
+            return 128 + deployment.stop_signal
         if deployment.failure is None:
             console.print("[bold red]error:[/] " + escape("; ".join(deployment.exit_report())))
         return 1  # a failure raises DeploymentFailedError when the block ends

@@ -318,14 +318,24 @@ with launch_from_config(cfg, log_dir=Path(sys.argv[2])) as launcher:
 class ScriptRun:
     """:data:`LAUNCH_SCRIPT` running in a child process; stdout/stderr go to files in ``workdir``."""
 
-    def __init__(self, workdir: Path, overrides: Sequence[str], tracker: LeakTracker | None = None) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        overrides: Sequence[str],
+        tracker: LeakTracker | None = None,
+        *,
+        prelude: str = "",
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
+        """``prelude``: code run first, before the script imports anything; ``extra_env``: added variables."""
         workdir.mkdir(parents=True, exist_ok=True)
+        self.workdir = workdir
         script = workdir / "launch_script.py"
-        script.write_text(LAUNCH_SCRIPT)
+        script.write_text(prelude + LAUNCH_SCRIPT)
         self.stdout_path = workdir / "script.out"
         self.stderr_path = workdir / "script.err"
         self.tracker = tracker
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
         with self.stdout_path.open("wb") as out, self.stderr_path.open("wb") as err:
             self.popen = subprocess.Popen(

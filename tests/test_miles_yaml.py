@@ -849,9 +849,9 @@ def test_cli_import_writes_a_preset_hydra_finds(run_cli, tmp_path, monkeypatch):
 
 def test_cli_import_name_output_dir_and_print(run_cli, tmp_path):
     rc, _, _ = run_cli("import", str(fixture("sglang_pd")), "--name", "my_pd", "--output-dir", str(tmp_path))
-    assert rc == 0 and (tmp_path / "my_pd.yaml").is_file()
+    assert rc == 0 and (tmp_path / "sglang" / "my_pd.yaml").is_file()  # the group's folder in that directory
     rc, out, _ = run_cli("import", str(fixture("sglang_pd")), "--print")
-    assert rc == 0 and out == (tmp_path / "my_pd.yaml").read_text()
+    assert rc == 0 and out == (tmp_path / "sglang" / "my_pd.yaml").read_text()
     assert yaml.safe_load(out)["actor"]["decode"] == {"num_gpus": 12, "num_gpus_per_engine": 4}
 
 

@@ -200,7 +200,7 @@ def test_precedence_overrides_then_derived_then_server_defaults():
     )  # fmt: skip
     plan = resolve_deployment(s, TrainerInputs(hf_checkpoint="/c", debug_rollout_only=True))
     conf = SGLangDeployConf(server_defaults={"mem_fraction_static": 0.7, "enable_hierarchical_cache": True,
-                                             "load_balance_method": "shortest_queue"})  # fmt: skip
+                                             "load_balance_method": "total_requests"})  # fmt: skip
     prep = prepare_deployment(plan, conf, server_arg_fields=FIELDS)
     prefill, p2, decode = (
         prep.launch.for_engine(f"actor.{g}.0")[0].server_args for g in ("prefill", "p2", "decode")
@@ -209,7 +209,7 @@ def test_precedence_overrides_then_derived_then_server_defaults():
         prefill["load_balance_method"] == "round_robin"
     )  # Miles' prefill value beats the deployment default
     assert p2["load_balance_method"] == "follow_bootstrap_room"  # a group override beats both
-    assert decode["load_balance_method"] == "shortest_queue"  # nothing derived for decode: the default
+    assert decode["load_balance_method"] == "total_requests"  # nothing derived for decode: the default
     assert prefill["mem_fraction_static"] == 0.7 and decode["mem_fraction_static"] == 0.9
     assert prefill["enable_hierarchical_cache"] is True and "enable_hierarchical_cache" not in decode
     assert "prefill_round_robin_balance" not in decode  # not a field of SGLang 0.5.23

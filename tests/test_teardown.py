@@ -6,7 +6,8 @@ Each case runs in a child Python process with stand-in engines and real routers:
   returns; once Hydra has ended the job, still in the app's process, nothing of it may run;
 * the ``atexit`` handler: a script that does the same and exits normally; an ``atexit`` probe registered before
   the package's handler (handlers run last in, first out) sees the processes while the interpreter still runs;
-* Ctrl-C (SIGINT) to ``miles-sglang launch``: exit status 130, its message, every engine stopped by SIGTERM.
+* Ctrl-C (SIGINT) to ``miles-sglang launch``: exit status 130, its message, every engine stopped by SIGTERM;
+  SIGTERM to it: the same teardown, then SIGTERM's default action (status 143).
 
 Without the safety nets the processes would still die when the launcher exits (``PR_SET_PDEATHSIG``), so each
 case checks while the launcher is alive, or that the engines were stopped in order (their log says so). Every
@@ -227,7 +228,10 @@ def _cmdline_port(pid: int) -> int:
     return int(argv[argv.index("--port") + 1])
 
 
-def test_ctrl_c_stops_miles_sglang_launch(tmp_path: Path, tracker: LeakTracker) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_ctrl_c_or_sigterm_stops_miles_sglang_launch(
+    tmp_path: Path, tracker: LeakTracker, sig: signal.Signals
+) -> None:
     logs = tmp_path / "logs"
     out, err = tmp_path / "out.txt", tmp_path / "err.txt"
     command = [str(Path(sys.executable).parent / "miles-sglang"), "launch", "--log-dir", str(logs)]
@@ -258,11 +262,15 @@ def test_ctrl_c_stops_miles_sglang_launch(tmp_path: Path, tracker: LeakTracker) 
             )
         tracker.add_ports([int(router_url.rsplit(":", 1)[1])])
 
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         code = proc.wait(timeout=30)
-        assert code == 130, err.read_text()
         message = err.read_text()
-        assert "interrupted: every engine and router was stopped" in message
+        assert f"{sig.name} received: stopping every engine and router" in message, message
+        if sig == signal.SIGINT:
+            assert code == 130, message
+            assert "interrupted: every engine and router was stopped" in message
+        else:  # SIGTERM's default action once everything is stopped: a shell reports status 143
+            assert code == -signal.SIGTERM, message
         assert "Traceback" not in message
         assert not any(process_alive(pid) for pid in children)
         for name in ("actor.regular.0", "actor.regular.1"):  # stopped in order (SIGTERM), not by the kernel

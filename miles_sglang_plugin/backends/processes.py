@@ -21,12 +21,13 @@ import ctypes
 import functools
 import os
 import signal
+import stat
 import subprocess
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 _PR_SET_PDEATHSIG = 1
 
@@ -50,17 +51,41 @@ def _arm_parent_death_signal(parent_pid: int) -> None:  # runs in the child betw
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+#: The most a log tail reads: the end of the file, whatever its size (or a device that never ends).
+LOG_TAIL_BYTES = 64 * 1024
+
+
 def log_tail(path: Path, lines: int = 20, start: int = 0) -> str:
-    """The last ``lines`` lines of ``path`` written at or after byte offset ``start``."""
+    """The last ``lines`` lines of ``path`` written at or after byte offset ``start``, from at most
+    :data:`LOG_TAIL_BYTES` at its end; "" for anything but a regular file (a log on ``/dev/full``)."""
     try:
         with path.open("rb") as log_file:
-            log_file.seek(0, os.SEEK_END)
-            size = log_file.tell()
-            log_file.seek(max(start, size - 64 * 1024))
-            text = log_file.read().decode(errors="replace")
+            if not stat.S_ISREG(os.fstat(log_file.fileno()).st_mode):
+                return ""
+            size = log_file.seek(0, os.SEEK_END)
+            log_file.seek(max(start, size - LOG_TAIL_BYTES))
+            text = log_file.read(LOG_TAIL_BYTES).decode(errors="replace")
     except OSError:
         return ""
     return "\n".join(text.splitlines()[-lines:])
+
+
+class LogNotWritableError(OSError):
+    """The log file of a process cannot be written (a full disk): the process would fail without a word."""
+
+
+def _check_writable(log: BinaryIO, path: Path) -> None:
+    """Write a line marking the start of a run to the log now, so that a full disk is told before the process
+    starts (it would fail writing its first line, leaving an empty log)."""
+    try:
+        # Straight to the file (no buffer left to flush, and fail again, when the file is closed).
+        os.write(
+            log.fileno(), f"[miles_sglang_plugin] {time.strftime('%Y-%m-%d %H:%M:%S')} starting\n".encode()
+        )
+    except OSError as exc:
+        raise LogNotWritableError(
+            exc.errno, f"its log file {path} cannot be written ({exc.strerror})"
+        ) from exc
 
 
 @dataclass
@@ -81,7 +106,8 @@ class ManagedProcess:
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
-            self.log_offset = log.seek(0, os.SEEK_END)
+            _check_writable(log, self.log_path)
+            self.log_offset = log.seek(0, os.SEEK_END)  # what follows is this run's output
             self.popen = subprocess.Popen(
                 list(self.argv),
                 env={**os.environ, **self.env},

@@ -52,7 +52,9 @@ def register(subparsers: Any) -> None:
     where.add_argument(
         "--output-dir",
         metavar="DIR",
-        help="directory to write NAME.yaml into (default: conf/sglang under the current directory)",
+        help="where to write NAME.yaml: into DIR when DIR is a folder named sglang (the group's folder), else "
+        "into DIR/sglang (DIR is then a config directory Hydra can search); default: conf/sglang under the "
+        "current directory",
     )
     where.add_argument(
         "--print", dest="print_only", action="store_true", help="print the preset, write nothing"
@@ -170,11 +172,6 @@ def _import_report(spec: DeploymentSpec, name: str, target: Path, notes: tuple[s
         "the eval fleet).",
     ]
     lines += [f"note: {note}" for note in notes]
-    if out_dir.name != "sglang":
-        lines.append(
-            f"note: Hydra finds presets of the `sglang` group in a folder named `sglang` on its search path; "
-            f"{out_dir} is named {out_dir.name!r}, so sglang={name} will not find it there."
-        )
     return "\n".join(lines)
 
 
@@ -190,7 +187,7 @@ def cmd_import(args: argparse.Namespace) -> int:
             print(f"note: {note}", file=sys.stderr)
         return 0
 
-    out_dir = Path(args.output_dir) if args.output_dir else Path.cwd() / "conf" / "sglang"
+    out_dir = _group_folder(Path(args.output_dir)) if args.output_dir else Path.cwd() / "conf" / "sglang"
     target = out_dir / f"{name}.yaml"
     if target.exists() and not args.force:
         return _fail(f"{target} already exists; pass --force to overwrite it")
@@ -201,6 +198,12 @@ def cmd_import(args: argparse.Namespace) -> int:
         return _fail(f"cannot write {target}: {exc.strerror or exc}")
     print(_import_report(spec, name, target, dropped))
     return 0
+
+
+def _group_folder(directory: Path) -> Path:
+    """Where a preset goes for ``--output-dir``: Hydra finds options of the ``sglang`` group only in a folder
+    named ``sglang`` on its search path, so a directory of another name is taken as the config directory."""
+    return directory if directory.name == "sglang" else directory / "sglang"
 
 
 # ====================================================================================================== export
@@ -261,6 +264,11 @@ def deploy_notes(deploy: Any) -> list[str]:
         )
     if getattr(deploy, "env", None):
         notes.append("sglang_deploy.env is not part of the file; set those variables in Miles' environment")
+    if getattr(deploy, "api_key", None):
+        notes.append(
+            "an API key is set (sglang_deploy.api_key or SGLANG_API_KEY); a secret is never written to the file "
+            "or printed: give it to Miles' engines and router yourself"
+        )
     return notes
 
 

@@ -41,6 +41,13 @@ from miles_sglang_plugin.config.deployment_spec import (
 from miles_sglang_plugin.config.schema import GROUP_SLOTS
 from miles_sglang_plugin.config.trainer_inputs import TrainerInputs
 from miles_sglang_plugin.errors import DeploymentConfigError, ProblemCollector
+from miles_sglang_plugin.miles.bounded_yaml import (
+    MAX_CONFIG_BYTES,
+    ConfigSourceError,
+    parse_yaml,
+    read_bytes_bounded,
+    too_big_message,
+)
 from miles_sglang_plugin.planning.plan import DeploymentPlan, ModelPlan
 from miles_sglang_plugin.planning.resolution import legacy_spec, normalise_overrides
 
@@ -60,26 +67,6 @@ RESERVED_MODEL_NAMES = frozenset({"sglang_deploy", "defaults", "_self_", "_globa
 
 
 # ================================================================================================== loading
-class _StrictSafeLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that also records duplicate mapping keys (PyYAML silently keeps the last one)."""
-
-    def __init__(self, stream: str) -> None:
-        super().__init__(stream)
-        self.duplicates: list[tuple[str, int, int]] = []
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: set[Any] = set()
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
-                continue
-            key = self.construct_object(key_node, deep=deep)
-            if key in seen:
-                mark = key_node.start_mark
-                self.duplicates.append((str(key), mark.line + 1, mark.column + 1))
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
-
-
 def _type_name(value: Any) -> str:
     if value is None:
         return "null"
@@ -107,6 +94,9 @@ def _read_source(source: str | os.PathLike[str], problems: ProblemCollector) -> 
     """(label for keys, source for the error head, YAML text or None when unreadable)."""
     if isinstance(source, str) and source.startswith(BASE64_PREFIX):
         payload = source[len(BASE64_PREFIX) :].strip()
+        if len(payload) > (MAX_CONFIG_BYTES + 2) // 3 * 4:
+            problems.add(BASE64_LABEL, too_big_message())
+            return BASE64_LABEL, BASE64_LABEL, None
         try:
             raw = base64.b64decode(payload, validate=True)
         except (binascii.Error, ValueError) as exc:
@@ -123,39 +113,16 @@ def _read_source(source: str | os.PathLike[str], problems: ProblemCollector) -> 
     path = Path(os.fspath(source))
     label = path.name or str(path)
     try:
-        return label, str(path), path.read_text(encoding="utf-8")
+        return label, str(path), read_bytes_bounded(path).decode("utf-8")
     except FileNotFoundError:
         problems.add(label, f"no such file: {str(path)!r}")
-    except IsADirectoryError:
-        problems.add(label, f"{str(path)!r} is a directory, not a YAML file")
+    except ConfigSourceError as exc:
+        problems.add(label, f"{str(path)!r} {exc}")
     except UnicodeDecodeError as exc:
         problems.add(label, f"is not UTF-8 text ({exc})")
     except OSError as exc:
         problems.add(label, f"cannot be read: {exc.strerror or exc}")
     return label, str(path), None
-
-
-def _parse_yaml(text: str, label: str, problems: ProblemCollector) -> tuple[bool, Any]:
-    loader = _StrictSafeLoader(text)
-    try:
-        data = loader.get_single_data()
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        where = f"{label}: line {mark.line + 1}, column {mark.column + 1}" if mark else label
-        what = " ".join(x for x in (exc.context, exc.problem) if x)
-        problems.add(where, f"YAML syntax error: {what or exc}")
-        return False, None
-    except yaml.YAMLError as exc:
-        problems.add(label, f"YAML error: {exc}")
-        return False, None
-    finally:
-        loader.dispose()
-    for key, line, column in loader.duplicates:
-        problems.add(
-            f"{label}: line {line}, column {column}",
-            f"duplicate key {key!r}; YAML would silently keep only the last one. Give it once",
-        )
-    return True, data
 
 
 def _check_keys(
@@ -470,7 +437,7 @@ def load_miles_config(source: str | os.PathLike[str]) -> DeploymentSpec:
     if text is None:
         problems.raise_if_any()
     assert text is not None
-    parsed, data = _parse_yaml(text, label, problems)
+    parsed, data = parse_yaml(text, label, problems)
     if not parsed:
         problems.raise_if_any()
     top, raw_models = _top_level_models(data, label, problems)

@@ -360,6 +360,7 @@ class _Resolver:
         overrides = self.injected_overrides(model_level_path, needs_offload)
         for _, layer in layers:
             overrides.update(layer)
+        self.check_model_path(overrides.get("model_path"), layers, model)
 
         engines: tuple[EnginePlan, ...] = ()
         sizes = {"tp_size": gpus_per_engine, "pp_size": 1, "dp_size": 1}
@@ -449,6 +450,17 @@ class _Resolver:
         if self.trainer.offload_rollout and not needs_offload:
             overrides["enable_memory_saver"] = False
         return overrides
+
+    def check_model_path(self, path: Any, layers: list[OverrideLayer], model: ModelSpec) -> None:
+        """The path a group serves is a string (a checkpoint directory or a hub name), wherever it was set."""
+        if path is None or isinstance(path, str):
+            return
+        _value, where = _layered_value(layers, "model_path", None)
+        if not where:
+            where = (
+                f"{model.key or 'sglang.' + model.name}.model_path" if model.model_path else "hf_checkpoint"
+            )
+        self.problems.add(where, f"must be a string (a checkpoint path or hub name), got {thaw(path)!r}")
 
     def check_keys(self, where: str, values: Mapping[str, Any]) -> None:
         """Keys the plan owns, and keys that are not ServerArgs fields of the installed SGLang."""
@@ -706,6 +718,34 @@ def _check_total(
         problems.add("eval_num_gpus", f"{trainer.eval_num_gpus} exceeds the {total} GPUs of the deployment")
 
 
+#: The most GPUs a deployment may hold (65,536: 8,192 nodes of 8), whatever the cluster: resolution enumerates
+#: every engine and GPU slot, so a count is bounded before that (a typo of 1e9 GPUs would never finish).
+MAX_DEPLOYMENT_GPUS = 65_536
+
+
+def _check_gpu_bounds(spec: DeploymentSpec, trainer: TrainerInputs, problems: ProblemCollector) -> bool:
+    """Whether the spec's GPU counts fit the cluster (``num_nodes``, when given) and
+    :data:`MAX_DEPLOYMENT_GPUS`; checked before any engine is enumerated."""
+    counts = [
+        (group.key or f"sglang.{model.name}.{group.name}", group.num_gpus)
+        for model in spec.models
+        for group in model.groups
+        if is_int(group.num_gpus) and group.num_gpus > 0
+    ]
+    total = sum(count for _key, count in counts)
+    if total > MAX_DEPLOYMENT_GPUS:
+        largest_key, largest = max(counts, key=lambda item: item[1])
+        problems.add(
+            f"{largest_key}.num_gpus",
+            f"{largest} GPUs: the deployment would hold {total:,} GPUs, more than the {MAX_DEPLOYMENT_GPUS:,} a "
+            "deployment may hold",
+        )
+        return False
+    before = len(problems.problems)
+    _check_capacity(trainer, total, problems)
+    return len(problems.problems) == before
+
+
 def _check_capacity(trainer: TrainerInputs, total: int, problems: ProblemCollector) -> None:
     """The deployment fits the cluster of ``num_nodes`` (when given)."""
     if trainer.num_nodes is None:
@@ -751,6 +791,8 @@ def resolve_deployment(
         return _plan_without_engines(derivation, source, NO_ENGINES_ZERO_ROLLOUT)
 
     spec = _given_or_legacy_spec(spec, trainer, problems)
+    if not _check_gpu_bounds(spec, trainer, problems):  # before any engine is enumerated
+        problems.raise_if_any()
     dropped: tuple[str, ...] = ()
     if spec.drops_unknown_override_keys and server_arg_fields is not None:
         spec, dropped = without_unknown_override_keys(spec, server_arg_fields)

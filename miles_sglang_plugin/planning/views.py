@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Any
 
 from rich.console import Console, Group
 from rich.table import Table
+from rich.text import Text
 
 from miles_sglang_plugin.planning.plan import DeploymentPlan
+
+
+def _cells(*values: Any) -> list[Text]:
+    """Table cells that render any value as its text: never as rich markup, never refused for its type."""
+    return [value if isinstance(value, Text) else Text(str(value)) for value in values]
 
 
 def _gpu_ids_text(ids: tuple[int, ...]) -> str:
@@ -22,16 +29,18 @@ def models_table(plan: DeploymentPlan) -> Table:
         table.add_column(col)
     for model in plan.models:
         table.add_row(
-            model.name,
-            "pd" if model.is_pd else "regular",
-            str(model.update_weights),
-            str(model.num_gpus),
-            model.model_path,
-            ", ".join(
-                e.url + ("" if e.worker_type.value == "regular" else f" ({e.worker_type.value})")
-                for e in model.external
+            *_cells(
+                model.name,
+                "pd" if model.is_pd else "regular",
+                model.update_weights,
+                model.num_gpus,
+                model.model_path,
+                ", ".join(
+                    e.url + ("" if e.worker_type.value == "regular" else f" ({e.worker_type.value})")
+                    for e in model.external
+                )
+                or "-",
             )
-            or "-",
         )
     return table
 
@@ -42,14 +51,16 @@ def groups_table(plan: DeploymentPlan) -> Table:
         table.add_column(col)
     for model, group in plan.groups():
         table.add_row(
-            model.name,
-            group.name,
-            group.worker_type.value,
-            str(group.num_gpus),
-            str(group.num_gpus_per_engine),
-            str(len(group.engines)),
-            str(group.gpu_offset),
-            "yes" if group.needs_offload else "no",
+            *_cells(
+                model.name,
+                group.name,
+                group.worker_type.value,
+                group.num_gpus,
+                group.num_gpus_per_engine,
+                len(group.engines),
+                group.gpu_offset,
+                "yes" if group.needs_offload else "no",
+            )
         )
     return table
 
@@ -103,7 +114,7 @@ def node_tables(plan: DeploymentPlan) -> list[Table]:
         for col in ("local GPUs", "model", "group", "type", "engine", "offload", "node rank"):
             table.add_column(col)
         for _, row in sorted(rows[node], key=lambda entry: entry[0]):
-            table.add_row(*row)
+            table.add_row(*_cells(*row))
         tables.append(table)
     return tables
 
@@ -115,6 +126,6 @@ def print_plan(plan: DeploymentPlan, console: Console | None = None) -> None:
         f"rollout_offset={plan.rollout_offset}, megatron GPUs={plan.megatron_num_gpus}, "
         f"num_gpus_per_node={plan.num_gpus_per_node}, offload_rollout={plan.trainer.offload_rollout}"
     )
-    console.print(Group(summary, models_table(plan), groups_table(plan), *node_tables(plan)))
+    console.print(Group(Text(summary), models_table(plan), groups_table(plan), *node_tables(plan)))
     for note in plan.notes:
-        console.print(f"note: {note}")
+        console.print(f"note: {note}", markup=False)

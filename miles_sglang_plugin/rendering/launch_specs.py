@@ -36,6 +36,7 @@ from miles_sglang_plugin.planning.plan import (
     ModelPlan,
 )
 from miles_sglang_plugin.planning.resolution import PLAN_OWNED_OVERRIDES, suggest
+from miles_sglang_plugin.rendering.deploy_checks import launch_setting_problems
 from miles_sglang_plugin.rendering.lora import lora_server_args
 from miles_sglang_plugin.rendering.ports import EnginePorts, PortAssignment
 from miles_sglang_plugin.rendering.router_specs import RouterLaunchSpec, RouterSettings, WorkerRegistration
@@ -53,6 +54,20 @@ MILES_ENGINE_ENV: Mapping[str, str] = {
     "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false",
     "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "false",
 }
+
+#: Variables this package sets itself in an engine's environment (shown in a printed plan; every other value
+#: from ``sglang_deploy.env`` is masked there, see :func:`~miles_sglang_plugin.masking.mask_env`).
+PACKAGE_ENV_NAMES: frozenset[str] = frozenset(
+    {
+        *MILES_ENGINE_ENV,
+        "SGLANG_OPT_USE_CUSTOM_ALL_REDUCE_V2",
+        "CUDA_VISIBLE_DEVICES",
+        "MSP_STANDIN_START_DELAY_S",
+        "MSP_STANDIN_FAIL_AT_START",
+        "MSP_STANDIN_NEVER_HEALTHY",
+        "MSP_STANDIN_DIE_AFTER_S",
+    }
+)
 
 #: server_defaults may not set what the plan decides (beyond the keys a group override may not set either).
 PLAN_OWNED_DEFAULTS: Mapping[str, str] = {
@@ -72,7 +87,8 @@ PLAN_OWNED_DEFAULTS: Mapping[str, str] = {
 
 def server_args_to_argv(values: Mapping[str, Any]) -> list[str]:
     """ServerArgs field -> value as ``launch_server`` flags: ``True`` is a bare flag, ``False``/``None`` are
-    left out, lists become several values, mappings become JSON."""
+    left out, lists become several values, mappings become JSON. A single value that starts with ``-`` (an API
+    key ``--x``, a negative number) is written ``--flag=value``, the one form argparse never reads as a flag."""
     argv: list[str] = []
     for key, value in values.items():
         flag = "--" + key.replace("_", "-")
@@ -83,10 +99,9 @@ def server_args_to_argv(values: Mapping[str, Any]) -> list[str]:
         elif isinstance(value, list | tuple):
             argv.append(flag)
             argv.extend(str(v) for v in value)
-        elif isinstance(value, Mapping):
-            argv += [flag, json.dumps(thaw(value))]
         else:
-            argv += [flag, str(value)]
+            text = json.dumps(thaw(value)) if isinstance(value, Mapping) else str(value)
+            argv += [f"{flag}={text}"] if text.startswith("-") else [flag, text]
     return argv
 
 
@@ -134,7 +149,7 @@ class EngineProcessLaunch:
             "url": self.url if self.serves_http else None,
             "bootstrap_port": self.bootstrap_port,
             "argv": mask_argv(self.argv),
-            "env": mask_env(self.env),
+            "env": mask_env(self.env, shown=PACKAGE_ENV_NAMES),
         }
 
 
@@ -175,7 +190,8 @@ class LaunchSpecs:
 
 
 def check_deploy_settings(settings: SGLangDeployConf, fields: Collection[str] | None) -> list[Problem]:
-    """Problems with ``sglang_deploy`` (server defaults, router settings); empty when fine."""
+    """Problems with ``sglang_deploy`` (server defaults, router settings, every launch setting); empty when
+    fine."""
     from miles_sglang_plugin.rendering.router_specs import validate_router_settings
     from miles_sglang_plugin.rendering.runtime_settings import runtime_settings_problems
 
@@ -196,14 +212,7 @@ def check_deploy_settings(settings: SGLangDeployConf, fields: Collection[str] | 
     else:
         out += [Problem("sglang_deploy.router", msg) for msg in validate_router_settings(router)]
     out += list(runtime_settings_problems(settings))
-    if settings.launch.port_base < 1024 or settings.launch.port_base >= settings.launch.port_max:
-        out.append(
-            Problem(
-                "sglang_deploy.launch.port_base",
-                f"{settings.launch.port_base} must be >= 1024 and below port_max={settings.launch.port_max}",
-            )
-        )
-    return out
+    return out + launch_setting_problems(settings)
 
 
 def _placement_args(

@@ -6,12 +6,19 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
-from miles_sglang_plugin.config.schema import SGLangDeployConf
+from miles_sglang_plugin.config.schema import EngineKind, SGLangDeployConf
 from miles_sglang_plugin.errors import DeploymentConfigError, ProblemCollector
 from miles_sglang_plugin.planning.plan import DeploymentPlan
 from miles_sglang_plugin.rendering.launch_specs import LaunchSpecs, check_deploy_settings, render_launch
 from miles_sglang_plugin.rendering.lora import lora_problems
-from miles_sglang_plugin.rendering.ports import NodePortFinder, PortClaims, PortExhaustedError, assign_ports
+from miles_sglang_plugin.rendering.ports import (
+    HostNotUsableError,
+    NodePortFinder,
+    PortClaims,
+    PortExhaustedError,
+    assign_ports,
+)
+from miles_sglang_plugin.rendering.server_arg_checks import server_arg_value_problems
 
 
 @dataclass(frozen=True)
@@ -72,6 +79,9 @@ def prepare_deployment(
             claims=claims,
             find_node_ports=find_node_ports,
         )
+    except HostNotUsableError as exc:
+        problems.add("sglang_deploy.launch.host", str(exc))
+        problems.raise_if_any()
     except PortExhaustedError as exc:
         problems.add("sglang_deploy.launch.port_base", str(exc))
         problems.raise_if_any()
@@ -83,6 +93,11 @@ def prepare_deployment(
         router_host=routers_on,
         server_arg_fields=server_arg_fields,
     )
+    real_launch = probe and launch.engine_kind is EngineKind.sglang
+    problems.extend(
+        server_arg_value_problems(plan, settings, launch.engines, launching_real_engines=real_launch)
+    )
+    problems.raise_if_any()
     return PreparedDeployment(plan=plan, settings=settings, launch=launch)
 
 

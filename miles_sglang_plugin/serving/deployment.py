@@ -18,22 +18,27 @@ driven by the trainer through its control handle (:mod:`.control`: ``deployment.
 Stopping (normal exit, exception, Ctrl-C, SIGTERM, interpreter exit, Hydra job end): routers and engines get
 SIGTERM at once, SIGKILL after the grace period, and the backend gives back what it took (port claims). If
 the launcher itself is SIGKILLed, its children receive SIGKILL from the kernel (``PR_SET_PDEATHSIG``).
+
+Signals (:mod:`miles_sglang_plugin.serving.signals`): from start-up to the end of teardown, SIGINT and SIGTERM
+are recorded, never raised into whatever code runs. A signal during start-up stops everything at the next
+check (after each process started, at each poll); one after start-up stops everything at once from a watcher
+thread; then the program's own handler gets the signal (Python's defaults: ``KeyboardInterrupt``; SIGTERM
+ends the process with status 143), so the ``with`` block sees it only once nothing is left running.
 """
 
 from __future__ import annotations
 
 import atexit
-import contextlib
 import signal
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_for_futures
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType, TracebackType
-from typing import Any
+from types import TracebackType
+from typing import TypeVar
 
 import httpx
 
@@ -43,6 +48,7 @@ from miles_sglang_plugin.backends.status_view import StatusView, SummaryRow
 from miles_sglang_plugin.masking import mask_argv
 from miles_sglang_plugin.rendering.launch_specs import EngineProcessLaunch, RouterLaunch
 from miles_sglang_plugin.rendering.prepared import PreparedDeployment
+from miles_sglang_plugin.serving import signals
 from miles_sglang_plugin.serving.control import AsyncDeploymentControl, DeploymentControl
 from miles_sglang_plugin.serving.members import EngineInfo, EngineMember, build_members
 from miles_sglang_plugin.serving.registry import ModelRoute, RouterRegistry
@@ -62,6 +68,16 @@ from miles_sglang_plugin.serving.supervision import (
 
 #: Engine health endpoint polled during start-up (as Miles: a real generation, not just a live socket).
 HEALTH_ENDPOINT = "/health_generate"
+#: How often start-up looks for a stop signal while it waits for concurrent requests.
+_SIGNAL_CHECK_S = 0.05
+
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+
+
+class StartupInterrupted(LaunchError):
+    """SIGINT or SIGTERM arrived during start-up and the program's own handler for it returned (under Python's
+    defaults it raises ``KeyboardInterrupt`` or ends the process instead); everything started was stopped."""
 
 
 @dataclass
@@ -122,7 +138,7 @@ class Deployment:
         self._ready = False
         self._control = DeploymentControl(AsyncDeploymentControl(self))
         self.supervisor = Supervisor(self)
-        self._previous_sigterm: Any = None
+        self._watch: signals.SignalWatch | None = None
         self._lock = threading.Lock()
 
     # ---------------------------------------------------------------------------------------------- API
@@ -237,14 +253,13 @@ class Deployment:
                 lines.append(f"{process.name} exited with code {code} (pid {process.pid} on this machine)")
         return lines
 
+    @property
+    def stop_signal(self) -> int | None:
+        """The SIGINT/SIGTERM that stops (or stopped) this deployment; None while none arrived."""
+        return self._watch.received if self._watch is not None else None
+
     def __enter__(self) -> Deployment:
-        if self.install_signal_handlers and threading.current_thread() is threading.main_thread():
-            self._previous_sigterm = signal.signal(signal.SIGTERM, _raise_on_sigterm)
-        try:
-            self.start()
-        except BaseException:
-            self._restore_signals()
-            raise
+        self.start()
         return self
 
     def __exit__(
@@ -253,10 +268,8 @@ class Deployment:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        try:
-            self.stop()
-        finally:
-            self._restore_signals()
+        self.stop()
+        signals.hand_on()  # a signal that came during the block or the teardown reaches the program now
         if exc_type is None:
             self.check()  # a deployment that failed while the block ran fails the block
 
@@ -266,22 +279,64 @@ class Deployment:
             raise RuntimeError("a Deployment starts once")
         self._started = True
         _ACTIVE.add(self)
+        self._watch = signals.watch() if self.install_signal_handlers else None
         for note in self.notes:
             self.status.note(note)
         try:
             self._spawn()
             self._wait_ready()
+        except signals.Interrupted as exc:
+            self._abandon_start(f"start-up interrupted by {exc}")
+            signum = exc.signum
+        except BaseException as exc:
+            self._abandon_start(
+                "start-up interrupted" if isinstance(exc, KeyboardInterrupt | SystemExit) else ""
+            )
+            raise
+        else:
             self._ready = True
             self.supervisor.start()
-        except BaseException as exc:
-            interrupted = isinstance(exc, KeyboardInterrupt | SystemExit)
             self.status.finish()
-            self.stop()
-            if interrupted:
-                self.status.note("start-up interrupted: every engine and router was stopped")
-            raise
+            self.status.summary(self._summary_rows())
+            if self._watch is not None:
+                self._watch.serve_in_background(self._stop_on_signal, name=f"signals of {self!r}")
+            return
+        signals.hand_on()  # outside the except block: the program's handler raises without a chained context
+        raise StartupInterrupted(
+            f"start-up interrupted by {signals.signal_name(signum)}: every engine and router was stopped"
+        )
+
+    def _abandon_start(self, note: str) -> None:
         self.status.finish()
-        self.status.summary(self._summary_rows())
+        self.stop()
+        if note:
+            self.status.note(f"{note}: every engine and router was stopped")
+
+    def _stop_on_signal(self, signum: int) -> None:
+        self.status.note(f"{signals.signal_name(signum)} received: stopping every engine and router")
+        self.stop()
+
+    def _check_signal(self) -> None:
+        if self._watch is not None:
+            self._watch.check()
+
+    def _pause(self, seconds: float) -> None:
+        """Sleep, waking at once for a stop signal (then raising :class:`signals.Interrupted`)."""
+        if self._watch is not None:
+            self._watch.wait(seconds)
+        else:
+            time.sleep(seconds)
+        self._check_signal()
+
+    def _gather(
+        self, pool: ThreadPoolExecutor, function: Callable[[_T], _R], items: Iterable[_T]
+    ) -> list[_R]:
+        """``pool.map``, looking for a stop signal while it waits."""
+        futures = [pool.submit(function, item) for item in items]
+        while wait_for_futures(futures, timeout=_SIGNAL_CHECK_S).not_done:
+            self._check_signal()
+        self._check_signal()
+        return [future.result() for future in futures]
 
     def _spawn(self) -> None:
         launch = self.prepared.launch
@@ -306,6 +361,7 @@ class Deployment:
                 self._start_engine_process(engine, process_launch)
 
     def _start_router(self, router: RouterMember) -> None:
+        self._check_signal()
         try:
             router.process.start()
         except OSError as exc:
@@ -316,6 +372,7 @@ class Deployment:
             ) from exc
 
     def _start_engine_process(self, engine: EngineMember, process_launch: EngineProcessLaunch) -> None:
+        self._check_signal()
         try:
             engine.processes.append(
                 self.backend.start(process_launch, log_path=self.log_dir / f"{process_launch.name}.log")
@@ -367,19 +424,20 @@ class Deployment:
         # Health polls and registrations go out concurrently: one slow or hanging engine must not delay the
         # others, and registration time must not grow with the number of engines.
         workers = min(32, max(4, len(self._engines) + len(self._routers)))
-        with (
-            httpx.Client(timeout=2.0, headers=self.auth_headers()) as client,
-            ThreadPoolExecutor(workers) as pool,
-        ):
-            while True:
-                self._fail_if_exited()
-                self._poll_health(client, pool)
-                self._register_healthy(pool)
-                if all(e.registered for e in self._engines) and self._routers_ready():
-                    return
-                if time.monotonic() > deadline:
-                    raise LaunchError(self._timeout_message(launch_conf.startup_timeout_s))
-                time.sleep(launch_conf.poll_interval_s)
+        pool = ThreadPoolExecutor(workers)
+        try:
+            with httpx.Client(timeout=2.0, headers=self.auth_headers()) as client:
+                while True:
+                    self._fail_if_exited()
+                    self._poll_health(client, pool)
+                    self._register_healthy(pool)
+                    if all(e.registered for e in self._engines) and self._routers_ready(pool):
+                        return
+                    if time.monotonic() > deadline:
+                        raise LaunchError(self._timeout_message(launch_conf.startup_timeout_s))
+                    self._pause(launch_conf.poll_interval_s)
+        finally:  # requests still in flight after a failure end on their own (their timeout); nobody waits
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def _poll_health(self, client: httpx.Client, pool: ThreadPoolExecutor) -> None:
         routers = [router for router in self._routers if router.state == "starting"]
@@ -387,7 +445,7 @@ class Deployment:
         urls = [router.launch.spec.url + "/liveness" for router in routers] + [
             engine.url + HEALTH_ENDPOINT for engine in engines
         ]
-        answered = list(pool.map(lambda url: _get_ok(client, url), urls))
+        answered = self._gather(pool, lambda url: _get_ok(client, url), urls)
         for router, live in zip(routers, answered[: len(routers)], strict=True):
             if live:
                 router.state = "live"
@@ -418,27 +476,26 @@ class Deployment:
                 return f"router of model {engine.model!r} refused engine {engine.id}: {exc}"
             return None
 
-        for (engine, _router), error in zip(due, pool.map(register, due), strict=True):
+        for (engine, _router), error in zip(due, self._gather(pool, register, due), strict=True):
             if error is not None:
                 raise LaunchError(error)
             engine.registered = True
             engine.state = "registered"
             self.status.update(engine.id, "registered")
 
-    def _routers_ready(self) -> bool:
-        ready = True
-        for router in self._routers:
-            if router.state == "ready":
-                continue
-            ok, _detail = router_ready(
-                router.launch.spec.url, router.launch.workers, api_key=self.settings.api_key
-            )
+    def _routers_ready(self, pool: ThreadPoolExecutor) -> bool:
+        waiting = [router for router in self._routers if router.state != "ready"]
+
+        def ready(router: RouterMember) -> bool:
+            return router_ready(router.launch.spec.url, router.launch.workers, api_key=self.settings.api_key)[
+                0
+            ]
+
+        for router, ok in zip(waiting, self._gather(pool, ready, waiting), strict=True):
             if ok:
                 router.state = "ready"
                 self.status.update(router.process.name, "ready")
-            else:
-                ready = False
-        return ready
+        return all(router.state == "ready" for router in self._routers)
 
     def _timeout_message(self, timeout_s: float) -> str:
         lines = [
@@ -489,8 +546,8 @@ class Deployment:
         with self._lock:
             if self._stopped:
                 return
-            # A second Ctrl-C or SIGTERM must not cut the teardown short: hold them off while stopping.
-            with _signals_held():
+            # A second Ctrl-C or SIGTERM must not cut the teardown short: recorded, handed on afterwards.
+            with signals.recorded():
                 grace = self.settings.launch.shutdown_grace_s
                 routers = [router.process for router in self._routers]
                 for process in routers:  # routers stop while the engines are given their grace period
@@ -505,6 +562,7 @@ class Deployment:
                     self.backend.close()
                     self._stopped = True
                     _ACTIVE.discard(self)
+                    signals.unwatch(self._watch)
                     self._after_stop()
 
     def _after_stop(self) -> None:
@@ -514,31 +572,6 @@ class Deployment:
             router.state = "stopped"
         self.supervisor.close()
         self._control.close()
-
-    def _restore_signals(self) -> None:
-        if self._previous_sigterm is not None:
-            with contextlib.suppress(ValueError):
-                signal.signal(signal.SIGTERM, self._previous_sigterm)
-            self._previous_sigterm = None
-
-
-@contextlib.contextmanager
-def _signals_held() -> Iterator[None]:
-    """Ignore SIGINT and SIGTERM in the block (main thread only; elsewhere signals do not reach Python code)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-def _raise_on_sigterm(signum: int, frame: FrameType | None) -> None:
-    print("SIGTERM received: stopping every engine and router", file=sys.stderr, flush=True)
-    raise SystemExit(128 + signum)
 
 
 def _learn_external(client: httpx.Client, engine: EngineMember) -> None:
@@ -562,7 +595,7 @@ def _learn_external(client: httpx.Client, engine: EngineMember) -> None:
 def _get_ok(client: httpx.Client, url: str) -> bool:
     try:
         return client.get(url).status_code == 200
-    except httpx.HTTPError:
+    except (httpx.HTTPError, RuntimeError):  # RuntimeError: the client was closed (start-up given up)
         return False
 
 
@@ -583,8 +616,9 @@ def _exited_message(
         f"  command: {command}",
         f"  last log lines of {log}:",
         *(f"    | {line}" for line in tail.splitlines()),
+        *([] if tail.strip() else ["    (none: it wrote nothing there)"]),
     ]
     return "\n".join(lines)
 
 
-__all__: Sequence[str] = ["Deployment", "EngineInfo", "RouterMember", "stop_all_active"]
+__all__: Sequence[str] = ["Deployment", "EngineInfo", "RouterMember", "StartupInterrupted", "stop_all_active"]

@@ -1,0 +1,397 @@
+"""SIGINT and SIGTERM to a launcher: recorded by the handler, acted on by the deployment, handed on afterwards
+(``miles_sglang_plugin/serving/signals.py``), so that a signal at any point of start-up ends the launch with
+nothing left within the grace period, and never hangs it.
+
+* The handlers themselves, in this process: recorded and not raised while watched; handed on once, to the
+  handler the program had before; a signal the program ignores left alone.
+* The hang of issue 12, reproduced exactly: a signal whose handler runs inside ``logging``'s after-fork hook
+  (while logging's module lock is held) on the k-th process a launch spawns. With a handler that raised, the
+  lock stayed held, the health-poll threads blocked on it and the launcher never ended.
+* Many trials: one launcher process runs launch after launch, and a thread of it sends SIGINT or SIGTERM to
+  it at a different delay each time, measured from the start of the launch (resolution, ports, spawning,
+  health polls, registration, serving) and from the start of spawning (the first process, each following
+  one). Every trial must end within the grace period after its signal with none of its processes left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from miles_sglang_plugin.serving import signals
+from tests.conftest_launch import leak_check  # noqa: F401  (fixture)
+from tests.launch_helpers import REPO, LeakTracker, ScriptRun, launch_overrides
+
+TWO_ENGINES = "sglang.actor.regular.num_gpus=2"
+GRACE_S = 3.0
+
+
+# ---------------------------------------------------------------------------------- the handlers themselves
+class _Recorder:
+    """A program's own handler: remembers what it was given."""
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.calls.append(signum)
+
+
+@pytest.fixture
+def own_handlers() -> Iterator[dict[int, _Recorder]]:
+    """The program's handlers for SIGINT and SIGTERM during a test (the originals put back after it)."""
+    before = {sig: signal.getsignal(sig) for sig in signals.STOP_SIGNALS}
+    handlers = {sig: _Recorder() for sig in signals.STOP_SIGNALS}
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
+    yield handlers
+    for sig, handler in before.items():
+        signal.signal(sig, handler)
+
+
+def test_a_signal_while_watched_is_recorded_then_handed_on_once(own_handlers: dict[int, _Recorder]) -> None:
+    watch = signals.watch()
+    assert watch is not None
+    signal.raise_signal(signal.SIGTERM)  # the handler runs here, synchronously: it must not raise
+    signal.raise_signal(signal.SIGINT)
+    assert watch.received == signal.SIGTERM  # the first one counts
+    assert own_handlers[signal.SIGTERM].calls == [] and own_handlers[signal.SIGINT].calls == []
+    with pytest.raises(signals.Interrupted) as info:
+        watch.check()
+    assert info.value.signum == signal.SIGTERM and str(info.value) == "SIGTERM"
+    signals.unwatch(watch)
+    signals.hand_on()
+    signals.hand_on()  # once only
+    assert own_handlers[signal.SIGTERM].calls == [signal.SIGTERM]
+    assert own_handlers[signal.SIGINT].calls == []
+    assert signal.getsignal(signal.SIGTERM) is own_handlers[signal.SIGTERM]  # the program's, back in place
+    assert signal.getsignal(signal.SIGINT) is own_handlers[signal.SIGINT]
+
+
+def test_python_default_sigint_handler_gets_it_as_keyboard_interrupt() -> None:
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with signals.recorded() as watch:
+            signal.raise_signal(signal.SIGINT)
+            assert watch is not None and watch.received == signal.SIGINT
+        with pytest.raises(KeyboardInterrupt):
+            signals.hand_on()
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_nothing_to_hand_on_puts_the_handlers_back_at_once(own_handlers: dict[int, _Recorder]) -> None:
+    with signals.recorded():
+        assert signal.getsignal(signal.SIGINT) is not own_handlers[signal.SIGINT]
+    assert signal.getsignal(signal.SIGINT) is own_handlers[signal.SIGINT]
+    signals.hand_on()
+    assert own_handlers[signal.SIGINT].calls == []
+
+
+def test_wait_wakes_for_a_signal_sent_from_elsewhere(own_handlers: dict[int, _Recorder]) -> None:
+    with signals.recorded() as watch:
+        assert watch is not None
+        sender = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))
+        t0 = time.monotonic()
+        sender.start()
+        assert watch.wait(10.0) == signal.SIGINT
+        assert 0.15 < time.monotonic() - t0 < 2.0
+        sender.join()
+        assert watch.wait(0.0) == signal.SIGINT  # stays received
+    assert own_handlers[signal.SIGINT].calls == []
+    signals.hand_on()
+    assert own_handlers[signal.SIGINT].calls == [signal.SIGINT]
+
+
+def test_a_signal_the_program_ignores_stays_ignored(own_handlers: dict[int, _Recorder]) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with signals.recorded():
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) is not own_handlers[signal.SIGTERM]
+    assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+
+
+def test_no_watch_off_the_main_thread() -> None:
+    found: list[object] = []
+    thread = threading.Thread(target=lambda: found.append(signals.watch()))
+    thread.start()
+    thread.join()
+    assert found == [None]
+
+
+def test_handed_on_from_another_thread_it_reaches_the_main_thread(own_handlers: dict[int, _Recorder]) -> None:
+    """As after start-up: the watcher thread stops the deployment, closes the watch and hands the signal on;
+    the program's handler runs in the main thread."""
+    watch = signals.watch()
+    assert watch is not None
+    signal.raise_signal(signal.SIGTERM)
+
+    def watcher() -> None:
+        signals.unwatch(watch)  # off the main thread: the handlers cannot be put back from here
+        signals.hand_on()
+
+    thread = threading.Thread(target=watcher)
+    thread.start()
+    thread.join()
+    deadline = time.monotonic() + 5
+    while not own_handlers[signal.SIGTERM].calls and time.monotonic() < deadline:
+        time.sleep(0.01)  # the main thread runs the handler between two bytecodes
+    assert own_handlers[signal.SIGTERM].calls == [signal.SIGTERM]
+    assert signal.getsignal(signal.SIGTERM) is own_handlers[signal.SIGTERM]
+
+
+def test_a_signal_after_the_last_watch_closed_elsewhere_goes_to_the_program(
+    own_handlers: dict[int, _Recorder],
+) -> None:
+    watch = signals.watch()
+    thread = threading.Thread(target=signals.unwatch, args=(watch,))
+    thread.start()
+    thread.join()
+    signal.raise_signal(signal.SIGINT)  # our handler is still installed; nobody watches: straight through
+    assert own_handlers[signal.SIGINT].calls == [signal.SIGINT]
+    assert signal.getsignal(signal.SIGINT) is own_handlers[signal.SIGINT]
+
+
+# --------------------------------------------------------------------------- the hang of issue 12, exactly
+#: Run before the launch script imports anything. A C-level at-fork hook (no Python bytecode runs in it),
+#: registered before logging registers its own, leaves the signal pending on the k-th fork of this process;
+#: Python then runs the handler on entering logging's after-fork hook, before it releases logging's lock.
+AT_FORK_PRELUDE = textwrap.dedent(
+    """
+    import itertools as _it, os as _os, signal as _signal, sys as _sys
+    assert "logging" not in _sys.modules
+    _SIGNAL = _signal.Signals[_os.environ["MSP_TEST_SIGNAL"]]
+    _FORK = int(_os.environ["MSP_TEST_FORK"])
+    _SIGNALS = _it.chain(_it.repeat(0, _FORK - 1), [_SIGNAL], _it.repeat(0))  # 0: no signal, just a check
+    # killpg, not kill: os.kill would run the handler itself, at once. The script leads its own process group.
+    _os.register_at_fork(after_in_parent=map(_os.killpg, _it.repeat(_os.getpid()), _SIGNALS).__next__)
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fork", [1, 2, 3])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_signal_inside_loggings_fork_hook_while_spawning(
+    tmp_path: Path,
+    leak_check: LeakTracker,  # noqa: F811
+    sig: signal.Signals,
+    fork: int,
+) -> None:
+    """Forks 1, 2 and 3 of the launcher are the router and the two engines, in that order."""
+    run = ScriptRun(
+        tmp_path,
+        launch_overrides(TWO_ENGINES, shutdown_grace_s=GRACE_S),
+        tracker=leak_check,
+        prelude=AT_FORK_PRELUDE,
+        extra_env={"MSP_TEST_SIGNAL": sig.name, "MSP_TEST_FORK": str(fork)},
+    )
+    try:
+        code = run.wait_exit(timeout_s=60)  # the old handler hung here for good
+    finally:
+        run.close()
+    spawned = [event for event in run.events() if event["event"] == "spawned"]
+    assert len(spawned) == 1 and len(spawned[0]["processes"]) == fork, (
+        run.stderr()
+    )  # stopped at the next check
+    assert not any(event["event"] == "ready" for event in run.events())
+    err = run.stderr()
+    assert f"start-up interrupted by {sig.name}: every engine and router was stopped" in err, err
+    if sig == signal.SIGINT:  # the script's handler is Python's: KeyboardInterrupt, raised after the teardown
+        assert code == -signal.SIGINT and err.rstrip().endswith("KeyboardInterrupt"), err
+    else:  # no handler of its own: SIGTERM's default action, after the teardown
+        assert code == -signal.SIGTERM, err
+    leak_check.assert_nothing_left(wait_s=0.5)
+
+
+# ------------------------------------------------------------------------------------------- many trials
+#: argv[1]: JSON overrides; argv[2]: log dir; argv[3]: JSON list of trials [signal name, anchor, delay s].
+#: Prints one JSON line per trial: when the signal was sent and when the launch had ended (monotonic), how it
+#: ended, the processes it started and its ports, and which of its processes were still alive at its end.
+TRIALS_SCRIPT = textwrap.dedent(
+    r"""
+    import json, os, signal, sys, threading, time
+    from pathlib import Path
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C: KeyboardInterrupt, as in a terminal
+    terminated = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: terminated.append(signum))  # a program's own handler
+
+    from miles_sglang_plugin.app.hydra_edge import launch_from_config
+    from miles_sglang_plugin.backends.base import LaunchError
+    from miles_sglang_plugin.config.compose import compose_config
+    from miles_sglang_plugin.serving.deployment import Deployment
+
+    overrides, log_dir, trials = json.loads(sys.argv[1]), Path(sys.argv[2]), json.loads(sys.argv[3])
+    cfg = compose_config(overrides)
+    current = {}
+    _spawn = Deployment._spawn
+
+
+    def spawn(self):
+        current["deployment"] = self
+        current["spawn_started"].set()
+        _spawn(self)
+
+
+    Deployment._spawn = spawn
+
+
+    def alive(pid):
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return False
+        return state not in ("Z", "X")
+
+
+    def send_later(sig, anchor, delay, sent):
+        if anchor == "spawn":
+            current["spawn_started"].wait(30)
+        time.sleep(delay)
+        sent.append(time.monotonic())
+        deployment = current.get("deployment")
+        sent.append(len(deployment.processes()) if deployment else 0)  # how far start-up had got
+        os.kill(os.getpid(), sig)  # from this thread; the handler runs in the main thread, as for any signal
+
+
+    def trial(name, anchor, delay):
+        sig = signal.Signals[name]
+        current.clear()
+        current["spawn_started"] = threading.Event()
+        terminated.clear()
+        sent = []
+        sender = threading.Thread(target=send_later, args=(sig, anchor, delay, sent))
+        sender.start()
+        outcome = "starting"
+        try:
+            with launch_from_config(cfg, log_dir=log_dir) as deployment:
+                outcome = "ready"
+                while not terminated:  # SIGINT raises KeyboardInterrupt in here instead
+                    time.sleep(0.01)
+        except KeyboardInterrupt:
+            outcome += "+KeyboardInterrupt"
+        except LaunchError as exc:
+            outcome += "+" + type(exc).__name__
+        ended = time.monotonic()
+        sender.join()
+        deployment = current.get("deployment")
+        processes = [{"pid": p.pid, "name": p.name, "marker": p.argv[2]} for p in deployment.processes()] if deployment else []
+        ports = []
+        if deployment:
+            launch = deployment.prepared.launch
+            ports = [e.port for e in launch.engines] + [p for r in launch.routers for p in (r.spec.port, r.spec.prometheus_port)]
+        print(json.dumps({
+            "trial": [name, anchor, delay], "sent": sent[0], "started_when_sent": sent[1], "ended": ended,
+            "outcome": outcome,
+            "handled_by_program": bool(terminated), "processes": processes, "ports": ports,
+            "alive": [p["name"] for p in processes if alive(p["pid"])],
+        }), flush=True)
+
+
+    for name, anchor, delay in trials:
+        trial(name, anchor, delay)
+    """
+)
+
+#: Delays from the start of a launch, across resolution, ports, spawning, polls, registration and serving (a
+#: launch of two stand-ins is ready after about 0.6 s here), and from the start of spawning (a process is
+#: started every few ms).
+LAUNCH_DELAYS_S = [round(0.07 * i, 3) for i in range(16)]
+SPAWN_DELAYS_S = [round(0.003 * i, 3) for i in range(12)]
+TRIALS = [
+    [sig, anchor, delay]
+    for sig in ("SIGINT", "SIGTERM")
+    for anchor, delays in (("launch", LAUNCH_DELAYS_S), ("spawn", SPAWN_DELAYS_S))
+    for delay in delays
+]
+
+
+def _env() -> dict[str, str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
+
+
+def _start_trials(tmp_path: Path) -> subprocess.Popen[bytes]:
+    script = tmp_path / "trials.py"
+    script.write_text(TRIALS_SCRIPT)
+    argv = [
+        sys.executable,
+        str(script),
+        json.dumps(launch_overrides(TWO_ENGINES, shutdown_grace_s=GRACE_S)),
+        str(tmp_path / "logs"),
+        json.dumps(TRIALS),
+    ]
+    with (tmp_path / "out.txt").open("wb") as out, (tmp_path / "err.txt").open("wb") as err:
+        return subprocess.Popen(
+            argv,
+            cwd=tmp_path,
+            env=_env(),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=err,
+            start_new_session=True,
+        )
+
+
+def _results(tmp_path: Path, tracker: LeakTracker) -> list[dict[str, Any]]:
+    results = []
+    for line in (tmp_path / "out.txt").read_text().splitlines():
+        if line.startswith('{"trial"'):
+            result = json.loads(line)
+            results.append(result)
+            for process in result["processes"]:
+                tracker.add_process(process["pid"], process["name"], process["marker"])
+            tracker.add_ports(result["ports"])
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_many_signals_at_every_point_of_start_up(tmp_path: Path, leak_check: LeakTracker) -> None:  # noqa: F811
+    """56 trials (about 30 s here): each ends within the grace period after its signal, nothing left."""
+    proc = _start_trials(tmp_path)
+    try:
+        proc.wait(timeout=360)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+    results = _results(tmp_path, leak_check)
+    err = (tmp_path / "err.txt").read_text()
+    assert proc.returncode == 0, f"after {len(results)} trials: {err[-4000:]}"
+    assert [result["trial"] for result in results] == TRIALS
+    slow = [
+        (r["trial"], round(r["ended"] - r["sent"], 2))
+        for r in results
+        if r["ended"] - r["sent"] > GRACE_S + 1
+    ]
+    left = [(r["trial"], r["alive"]) for r in results if r["alive"]]
+    assert not slow and not left, f"too slow: {slow}; left running: {left}"
+    outcomes = {r["outcome"] for r in results}
+    # During start-up: KeyboardInterrupt (SIGINT, Python's handler) or StartupInterrupted (SIGTERM, whose handler
+    # returns); in the with block: KeyboardInterrupt, or the block ends on the handler's flag. Every one was hit.
+    expected = {
+        "starting+KeyboardInterrupt",
+        "starting+StartupInterrupted",
+        "ready+KeyboardInterrupt",
+        "ready",
+    }
+    assert outcomes == expected, outcomes
+    print("processes started when the signal was sent:", sorted(r["started_when_sent"] for r in results))
+    print("signal to end, s: max", round(max(r["ended"] - r["sent"] for r in results), 2))
+    for r in results:
+        if r["trial"][0] == "SIGTERM":  # the program's own SIGTERM handler got it, always after the teardown
+            assert r["handled_by_program"], r

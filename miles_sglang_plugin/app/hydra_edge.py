@@ -12,16 +12,12 @@ import time
 from collections.abc import Collection, Iterator
 from pathlib import Path
 
+from hydra.errors import CompactHydraException
 from omegaconf import DictConfig
-from omegaconf.errors import OmegaConfBaseException
 
 from miles_sglang_plugin.backends import get_backend
-from miles_sglang_plugin.config.reading import (
-    deploy_settings_from_config,
-    spec_from_config,
-    trainer_from_config,
-)
-from miles_sglang_plugin.errors import DeploymentConfigError, ProblemCollector, first_line
+from miles_sglang_plugin.config.reading import read_config
+from miles_sglang_plugin.errors import DeploymentConfigError
 from miles_sglang_plugin.planning.plan import DeploymentPlan
 from miles_sglang_plugin.planning.resolution import resolve_deployment
 from miles_sglang_plugin.rendering.prepared import PreparedDeployment, prepare_deployment
@@ -29,43 +25,55 @@ from miles_sglang_plugin.rendering.server_arg_fields import known_server_arg_fie
 from miles_sglang_plugin.serving.deployment import Deployment
 
 
-def resolve_config(cfg: DictConfig, *, server_arg_fields: Collection[str] | None = None) -> DeploymentPlan:
-    """Compose-time config → frozen plan: the one call a Hydra app needs. Raises
-    :class:`~miles_sglang_plugin.errors.DeploymentConfigError` listing every problem."""
-    problems = ProblemCollector("the Hydra config")
-    try:
-        trainer = trainer_from_config(cfg)
-        server_defaults = deploy_settings_from_config(cfg).server_defaults
-    except (OmegaConfBaseException, TypeError, ValueError) as exc:
-        problems.add("", f"the trainer's arguments or sglang_deploy do not read: {first_line(exc)}")
-        problems.raise_if_any()
-    spec = spec_from_config(cfg, problems)
-    problems.raise_if_any()
-    return resolve_deployment(
-        spec, trainer, server_arg_fields=server_arg_fields, server_defaults=server_defaults
+class SweepJobConfigError(DeploymentConfigError, CompactHydraException):
+    """A job's :class:`DeploymentConfigError` in a multirun: Hydra reports it at the end of the sweep as its
+    message alone (a compact Hydra error), not as a chained traceback."""
+
+
+def prepare_from_config(
+    cfg: DictConfig, *, sglang_key: str | None = None, server_arg_fields: Collection[str] | None = None
+) -> PreparedDeployment:
+    """The one check of a composed config, shared by ``resolve_config``, ``miles-sglang plan`` and
+    ``launch_from_config``: read it (unknown keys, helper groups, values), resolve it (override keys against
+    the installed SGLang's fields, or ``server_arg_fields``), render every engine's command line and the
+    deployment-wide settings (router policies, ports: the plain sequence from ``port_base``). Raises
+    :class:`~miles_sglang_plugin.errors.DeploymentConfigError` listing every problem.
+
+    ``sglang_key``: where the group is (default: where Hydra placed it, else ``sglang``); the trainer's inputs
+    are found next to it, then outwards up to the root."""
+    fields = server_arg_fields if server_arg_fields is not None else known_server_arg_fields().fields
+    reading = read_config(cfg, sglang_key=sglang_key)
+    plan = resolve_deployment(
+        reading.spec,
+        reading.trainer,
+        server_arg_fields=fields,
+        server_defaults=reading.settings.server_defaults,
     )
+    return prepare_deployment(plan, reading.settings, server_arg_fields=fields)
 
 
-def prepare_from_config(cfg: DictConfig) -> PreparedDeployment:
-    """Resolve and render ``cfg`` as ``miles-sglang plan`` shows it: every check on (override keys against the
-    installed SGLang's fields, the deployment-wide settings), ports the plain sequence from ``port_base``."""
-    fields = known_server_arg_fields().fields
-    plan = resolve_config(cfg, server_arg_fields=fields)
-    return prepare_deployment(plan, deploy_settings_from_config(cfg), server_arg_fields=fields)
+def resolve_config(
+    cfg: DictConfig, *, sglang_key: str | None = None, server_arg_fields: Collection[str] | None = None
+) -> DeploymentPlan:
+    """Compose-time config → frozen plan: the one call a Hydra app needs. It makes every check a launch makes
+    before starting anything (:func:`prepare_from_config`). Raises
+    :class:`~miles_sglang_plugin.errors.DeploymentConfigError` listing every problem."""
+    return prepare_from_config(cfg, sglang_key=sglang_key, server_arg_fields=server_arg_fields).plan
 
 
 def resolve_config_or_exit(
-    cfg: DictConfig, *, server_arg_fields: Collection[str] | None = None
+    cfg: DictConfig, *, sglang_key: str | None = None, server_arg_fields: Collection[str] | None = None
 ) -> DeploymentPlan:
     """:func:`resolve_config` for an app's entry point: a user error is printed (every problem, no traceback)
-    and the process exits with status 2 before anything starts. In a multirun the error is re-raised instead,
-    so that Hydra goes on with the other jobs and the sweep still ends with a non-zero status."""
+    and the process exits with status 2 before anything starts. In a multirun the error is raised instead (as
+    a compact Hydra error: its message, no traceback), so that Hydra goes on with the other jobs and the sweep
+    still ends with a non-zero status."""
     try:
-        return resolve_config(cfg, server_arg_fields=server_arg_fields)
+        return resolve_config(cfg, sglang_key=sglang_key, server_arg_fields=server_arg_fields)
     except DeploymentConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         if _in_multirun():
-            raise
+            raise SweepJobConfigError(exc.problems, source=exc.source) from None
         raise SystemExit(2) from None
 
 
@@ -85,19 +93,21 @@ def _default_log_dir() -> Path:
 
 
 @contextlib.contextmanager
-def launch_from_config(cfg: DictConfig, *, log_dir: Path | None = None) -> Iterator[Deployment]:
+def launch_from_config(
+    cfg: DictConfig, *, log_dir: Path | None = None, sglang_key: str | None = None
+) -> Iterator[Deployment]:
     """Resolve, render and start the deployment of ``cfg``; stop everything when the block ends.
 
-    Every check (deployment, overrides against the installed SGLang's fields, deployment-wide settings, what
-    the backend supports) runs before the first process starts. Engine and router logs go to
+    Every check (:func:`prepare_from_config`, then what the backend supports and the ports free on the
+    machine) runs before the first process starts. Engine and router logs go to ``log_dir``, else
     ``sglang_deploy.launch.log_dir``, else ``sglang_logs/`` in the Hydra run directory."""
     fields = known_server_arg_fields().fields
-    plan = resolve_config(cfg, server_arg_fields=fields)
-    settings = deploy_settings_from_config(cfg)
+    checked = prepare_from_config(cfg, sglang_key=sglang_key, server_arg_fields=fields)
+    settings = checked.settings
     target = Path(log_dir or settings.launch.log_dir or _default_log_dir())
     backend = get_backend(settings.launch.backend)
     try:
-        prepared = backend.prepare(plan, settings, server_arg_fields=fields)
+        prepared = backend.prepare(checked.plan, settings, server_arg_fields=fields)
         deployment = Deployment(prepared, backend, log_dir=target)
     except BaseException:
         backend.close()

@@ -17,6 +17,10 @@ Layout of a composed app config::
 
 Groups are always present (``num_gpus: 0`` means off) so that ``sglang.actor.decode.num_gpus=12`` works for
 every model without ``+``; None- or MISSING-valued group nodes break dotted overrides in OmegaConf 2.3.
+
+Every field carries a docstring (the string under it: what it is and its unit; the default is the field's own),
+printed by ``miles-sglang fields [PATH]`` (:mod:`miles_sglang_plugin.config.field_docs`); a test checks that no
+field lacks one.
 """
 
 from __future__ import annotations
@@ -35,10 +39,12 @@ from miles_sglang_plugin.config.trainer_inputs import TrainerInputs
 GROUP_SLOTS: tuple[str, ...] = ("prefill", "decode", "regular", "placeholder")
 
 #: Default interpolations; an untouched default means "inherit" (the resolver applies Miles' fallback chain).
+#: ``msp.trainer`` finds the trainer's input next to the group's node, then outwards up to the root
+#: (:mod:`miles_sglang_plugin.config.locating`).
 GROUP_GPUS_PER_ENGINE_DEFAULT = "${..num_gpus_per_engine}"
 EXTRA_GROUP_GPUS_PER_ENGINE_DEFAULT = "${...num_gpus_per_engine}"
-MODEL_GPUS_PER_ENGINE_DEFAULT = "${oc.select:rollout_num_gpus_per_engine,1}"
-MODEL_PATH_DEFAULT = "${oc.select:hf_checkpoint,null}"
+MODEL_GPUS_PER_ENGINE_DEFAULT = "${msp.trainer:rollout_num_gpus_per_engine,1}"
+MODEL_PATH_DEFAULT = "${msp.trainer:hf_checkpoint,null}"
 
 
 @dataclass
@@ -46,8 +52,11 @@ class ServerGroupConf:
     """A server group in one of a model's fixed slots; its worker type is the slot's name."""
 
     num_gpus: int = 0
+    """GPUs of the group, in GPUs; 0 turns the group off."""
     num_gpus_per_engine: int = II("..num_gpus_per_engine")
+    """GPUs per engine (TP x PP) of this group, in GPUs; default: the model's."""
     overrides: dict[str, Any] = field(default_factory=dict)
+    """SGLang ServerArgs values for this group's engines (field -> value), applied last; add keys with ``+``."""
 
 
 @dataclass
@@ -55,24 +64,37 @@ class ExtraServerGroupConf:
     """A further group of a model (``sglang.<model>.extra_groups.<name>``), e.g. a second decode group."""
 
     worker_type: WorkerType = WorkerType.regular
+    """What the group runs: regular, prefill, decode or placeholder (GPUs reserved, no engines)."""
     num_gpus: int = 0
+    """GPUs of the group, in GPUs; 0 turns the group off."""
     num_gpus_per_engine: int = II("...num_gpus_per_engine")
+    """GPUs per engine (TP x PP) of this group, in GPUs; default: the model's."""
     overrides: dict[str, Any] = field(default_factory=dict)
+    """SGLang ServerArgs values for this group's engines (field -> value), applied last; add keys with ``+``."""
 
 
 @dataclass
 class ModelConf:
     """One model behind one router."""
 
-    model_path: str | None = II("oc.select:hf_checkpoint,null")
+    model_path: str | None = II("msp.trainer:hf_checkpoint,null")
+    """Checkpoint the model's engines serve (a path or hub name); default: the trainer's hf_checkpoint."""
     update_weights: bool | None = None
-    num_gpus_per_engine: int = II("oc.select:rollout_num_gpus_per_engine,1")
+    """Whether training pushes weights to this model; null: true iff its path is the trainer's hf_checkpoint."""
+    num_gpus_per_engine: int = II("msp.trainer:rollout_num_gpus_per_engine,1")
+    """GPUs per engine (TP x PP) of the model's groups, in GPUs; default: the trainer's rollout_num_gpus_per_engine."""
     prefill: ServerGroupConf = field(default_factory=ServerGroupConf)
+    """The prefill group of a PD-disaggregated model (needs a decode group)."""
     decode: ServerGroupConf = field(default_factory=ServerGroupConf)
+    """The decode group of a PD-disaggregated model (needs a prefill group)."""
     regular: ServerGroupConf = field(default_factory=ServerGroupConf)
+    """The group of regular (not disaggregated) engines."""
     placeholder: ServerGroupConf = field(default_factory=ServerGroupConf)
-    extra_groups: dict[str, ExtraServerGroupConf] = field(default_factory=dict)
+    """GPUs reserved in the layout without engines (e.g. kept for training)."""
+    extra_groups: dict[str, Any] = field(default_factory=dict)
+    """Further groups by name (each an ExtraServerGroupConf: ``+sglang_group@...=decode`` or a plain mapping)."""
     group_order: list[str] = field(default_factory=list)
+    """Order of the groups on the GPUs (names); empty: prefill, decode, regular, placeholder, then extra groups."""
 
 
 class EngineKind(StrEnum):
@@ -93,22 +115,37 @@ class RouterConf:
     """sglang-router (SGLang Model Gateway) settings, one router per model."""
 
     policy: str = "cache_aware"
+    """Load-balancing policy: cache_aware, round_robin, power_of_two, random, manual or consistent_hashing."""
     prefill_policy: str | None = None
+    """Policy among a PD model's prefill engines (bucket allowed here); null: ``policy``."""
     decode_policy: str | None = None
+    """Policy among a PD model's decode engines; null: ``policy``."""
     request_timeout_secs: int = 14400
+    """Longest a request may take through the router, in seconds."""
     health_check_interval_secs: int = 60
+    """Time between the router's health checks of a worker, in seconds."""
     health_failure_threshold: int = 3
+    """Failed health checks in a row after which the router takes a worker out."""
     health_success_threshold: int = 2
+    """Passed health checks in a row after which the router takes a worker back."""
     health_check_timeout_secs: int = 5
+    """Time a health check may take, in seconds."""
     disable_health_check: bool = False
+    """Turn the router's health checks off."""
     retry_max_retries: int = 5
+    """Retries of a failed request on another worker."""
     disable_retries: bool = False
+    """Turn request retries off."""
     cb_failure_threshold: int = 10
+    """Failures in a row that open a worker's circuit breaker."""
     cb_timeout_duration_secs: int = 60
+    """Time a worker's circuit breaker stays open, in seconds."""
     disable_circuit_breaker: bool = False
+    """Turn the circuit breaker off."""
     log_level: str = "warn"
-    #: Any other ``RouterArgs`` field, by name.
+    """Router log level: debug, info, warn or error."""
     extra: dict[str, Any] = field(default_factory=dict)
+    """Any other sglang-router ``RouterArgs`` field, by name (field -> value)."""
 
 
 @dataclass
@@ -116,23 +153,28 @@ class LaunchConf:
     """How engines are started and stopped."""
 
     engine: EngineKind = EngineKind.sglang
-    #: Which backend places and runs the engines (see the README's backends section).
+    """What runs as an engine: sglang (real SGLang) or simulated (the HTTP stand-in, for machines without GPUs)."""
     backend: BackendKind = BackendKind.local
-    #: Command prefix of an engine; ``{python}`` is this interpreter. ``[sglang, serve]`` also works. Not in
-    #: repr: it may hold a secret flag (``--admin-api-key``), which is masked wherever a command is shown.
+    """Where engines run: local (subprocesses of this machine; see the README's backends section)."""
     command: list[str] = field(default_factory=lambda: ["{python}", "-m", "sglang.launch_server"], repr=False)
-    #: Address engines and routers bind to on a single machine.
+    """Command prefix of an engine (``{python}``: this interpreter; ``[sglang, serve]`` works too)."""
+    # Not in repr: it may hold a secret flag (--admin-api-key), masked wherever a command is shown.
     host: str = "127.0.0.1"
+    """Address engines and routers bind to on a single machine."""
     startup_timeout_s: float = 600.0
+    """Longest the whole deployment may take to become ready, in seconds."""
     poll_interval_s: float = 0.25
+    """Time between health polls during start-up, in seconds."""
     shutdown_grace_s: float = 10.0
-    #: Ports are searched upward from here, below the ephemeral range (Miles starts at 15000).
+    """Time between SIGTERM and SIGKILL when stopping, in seconds."""
     port_base: int = 15000
+    """First port tried for engines and routers (searched upward, below the ephemeral range; Miles: 15000)."""
     port_max: int = 32767
-    #: Log directory (default: ``sglang_logs`` under the Hydra run directory).
+    """Last port that may be used."""
     log_dir: str | None = None
-    #: Live status display: auto (a terminal), always, never.
+    """Directory of the engine and router logs; null: ``sglang_logs`` in the Hydra run directory."""
     live: str = "auto"
+    """Start-up display: auto (a live table on a terminal, plain lines otherwise), always, never (no progress lines)."""
 
 
 @dataclass
@@ -140,12 +182,15 @@ class LoraConf:
     """LoRA serving on every engine (Miles' ``--lora-*`` / multi-LoRA arguments)."""
 
     enabled: bool = False
-    #: adapter name -> path, rendered as ``--lora-paths name=path``.
+    """Serve LoRA adapters on every engine."""
     paths: dict[str, str] = field(default_factory=dict)
+    """Adapters to load at start (name -> path), rendered as ``--lora-paths name=path``."""
     max_loras_per_batch: int = 1
+    """Most adapters in one batch."""
     max_lora_rank: int = 8
-    #: HF module names; empty: SGLang's default.
+    """Largest adapter rank served."""
     target_modules: list[str] = field(default_factory=list)
+    """HF module names the adapters apply to; empty: SGLang's default."""
 
 
 @dataclass
@@ -154,10 +199,13 @@ class StandInFaultsConf:
     ids such as ``actor.decode.1`` (shell-style wildcards: ``actor.*``)."""
 
     start_delay_s: float = 0.0
+    """Delay before each stand-in engine starts answering, in seconds."""
     fail_at_start: list[str] = field(default_factory=list)
+    """Engine patterns whose stand-in exits at start."""
     never_healthy: list[str] = field(default_factory=list)
-    #: pattern -> seconds after which the engine exits
+    """Engine patterns whose stand-in never reports healthy."""
     die_after_s: dict[str, float] = field(default_factory=dict)
+    """Engine pattern -> time after which that stand-in exits, in seconds."""
 
 
 @dataclass
@@ -165,17 +213,20 @@ class SGLangDeployConf:
     """Deployment-wide settings (not per model)."""
 
     launch: LaunchConf = field(default_factory=LaunchConf)
+    """How engines are started and stopped."""
     router: RouterConf = field(default_factory=RouterConf)
-    #: Deployment-wide ServerArgs values (Miles' ``--sglang-*`` flags): lowest precedence.
+    """Settings of every model's router."""
     server_defaults: dict[str, Any] = field(default_factory=dict)
-    #: Extra environment variables for every engine (above Miles' defaults, below CUDA_VISIBLE_DEVICES).
+    """Deployment-wide ServerArgs values (Miles' ``--sglang-*``; field -> value): the lowest precedence."""
     env: dict[str, str] = field(default_factory=dict, repr=False)  # may hold tokens: kept out of repr
+    """Extra environment variables of every engine (above Miles' defaults, below CUDA_VISIBLE_DEVICES)."""
     lora: LoraConf = field(default_factory=LoraConf)
+    """LoRA serving on every engine."""
     standin: StandInFaultsConf = field(default_factory=StandInFaultsConf)
-    #: API key of engines and routers. A secret: never printed, logged or written to a plan. Prefer the
-    #: environment variable SGLANG_API_KEY (read when this is null): a value given here is part of the
-    #: config that Hydra saves in the run directory.
+    """Fault injection for the stand-in engines (``launch.engine=simulated`` only)."""
     api_key: str | None = field(default=None, repr=False)
+    """API key of engines and routers (a secret: never printed or logged); null: env SGLANG_API_KEY (preferred)."""
+    # A value given here is part of the config that Hydra saves in the run directory; the environment is not.
 
 
 @dataclass
@@ -183,9 +234,10 @@ class SGLangDeployConf:
 class MilesTrainerArgs:
     """Trainer inputs under Miles' argument names, as a typed root schema a Hydra trainer can extend.
 
-    Its first fields are those of :class:`TrainerInputs` (names, types, defaults; each one's meaning is
-    documented there), copied from it, followed by the group's own nodes."""
+    Its first fields are those of :class:`TrainerInputs` (names, types, defaults and docstrings), copied from
+    it, followed by the group's own nodes."""
 
-    #: Filled by the ``sglang`` group (models by name) and its presets (deployment settings).
     sglang: dict[str, ModelConf] = field(default_factory=dict)
+    """The deployment's models by name, in GPU order (one router each); filled by the ``sglang`` group."""
     sglang_deploy: SGLangDeployConf = field(default_factory=SGLangDeployConf)
+    """Deployment-wide settings: launcher, router, SGLang defaults, LoRA, API key, stand-in faults."""

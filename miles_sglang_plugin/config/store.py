@@ -18,6 +18,7 @@ from __future__ import annotations
 from hydra.core.config_store import ConfigStore
 
 from miles_sglang_plugin.config.deployment_spec import WorkerType
+from miles_sglang_plugin.config.locating import register_resolvers
 from miles_sglang_plugin.config.schema import (
     EngineKind,
     ExtraServerGroupConf,
@@ -34,11 +35,13 @@ _registered = False
 
 
 def register_configs() -> None:
-    """Store the schemas (once per process; Hydra's plugin scan and the CLI both call this)."""
+    """Store the schemas and register the ``msp.trainer`` resolver their defaults use (once per process;
+    Hydra's plugin scan and the CLI both call this)."""
     global _registered
     if _registered:
         return
     _registered = True
+    register_resolvers()
     config_store = ConfigStore.instance()
     config_store.store(group="sglang_model", name="base", node=ModelConf, provider=PROVIDER)
     for worker_type in WorkerType:

@@ -1,0 +1,106 @@
+"""Where the ``sglang`` group and the trainer's inputs are in a composed config.
+
+The group may sit at the root key ``sglang`` (``- sglang: pd`` in the defaults list) or under any other package
+(``- sglang@actor_rollout_ref.rollout.engines: pd``). Its key is taken from the caller, else from Hydra's
+record of the choices it made (``hydra.runtime.choices``: ``sglang@<package>``), else it is ``sglang``.
+
+The trainer's inputs (Miles' argument names: ``hf_checkpoint``, ``rollout_num_gpus_per_engine``, ...) are
+looked up from the group outwards: next to the group's node, then in each enclosing node up to the root; the
+first node that holds the name wins. For the root placement that is the root. The schema's defaults use the
+same lookup (the ``msp.trainer`` resolver), so ``--cfg job --resolve`` shows what resolution reads.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from omegaconf import Container, DictConfig, OmegaConf
+
+#: The group's node when nothing says otherwise.
+DEFAULT_SGLANG_KEY = "sglang"
+#: ``${msp.trainer:NAME,DEFAULT}``: the trainer's input NAME as found from the group outwards (DEFAULT when no
+#: enclosing node holds it, or it is null).
+TRAINER_RESOLVER = "msp.trainer"
+
+
+def _parent(node: Container) -> Container | None:
+    return node._get_parent()  # OmegaConf keeps no public accessor for a node's parent
+
+
+def _ancestors(node: Container | None) -> Iterator[Container]:
+    while node is not None:
+        yield node
+        node = _parent(node)
+
+
+def _is_model_node(node: Container) -> bool:
+    from miles_sglang_plugin.config.schema import ModelConf
+
+    object_type = OmegaConf.get_type(node) if isinstance(node, DictConfig) else None
+    return isinstance(object_type, type) and issubclass(object_type, ModelConf)
+
+
+def enclosing_nodes(group_node: Container | None) -> Iterator[Container]:
+    """The nodes around the group's node (its parent first, the root last), where trainer inputs are found."""
+    yield from _ancestors(_parent(group_node) if group_node is not None else None)
+
+
+def find_trainer_value(nodes: Iterator[Container], name: str) -> tuple[bool, Any]:
+    """(found, value) of ``name`` in the first of ``nodes`` that holds it (interpolations resolved in place)."""
+    for node in nodes:
+        if isinstance(node, DictConfig) and name in node:
+            return True, node[name]
+    return False, None
+
+
+def _trainer_resolver(name: str, default: Any = None, *, _parent_: Container) -> Any:
+    """``${msp.trainer:NAME,DEFAULT}`` written anywhere inside a model of the group (a model's or a group's
+    field): NAME from the group outwards, DEFAULT when absent or null."""
+    model = next((node for node in _ancestors(_parent_) if _is_model_node(node)), None)
+    group_node = _parent(model) if model is not None else _parent_
+    found, value = find_trainer_value(enclosing_nodes(group_node), name)
+    return default if not found or value is None else value
+
+
+def register_resolvers() -> None:
+    """Register ``msp.trainer`` once (OmegaConf 2.3's ``register_new_resolver``; 2.4's ``register_resolver``,
+    whose older spelling warns, which Hydra's plugin scan would re-print in every app)."""
+    if OmegaConf.has_resolver(TRAINER_RESOLVER):
+        return
+    register = OmegaConf.register_resolver
+    if "replace" in inspect.signature(register).parameters:  # OmegaConf >= 2.4
+        register(TRAINER_RESOLVER, _trainer_resolver, use_cache=False)  # type: ignore[call-arg]
+    else:
+        OmegaConf.register_new_resolver(TRAINER_RESOLVER, _trainer_resolver, use_cache=False)
+
+
+def keys_from_choices(choices: Mapping[str, Any]) -> list[str]:
+    """The keys the ``sglang`` group was placed at, from Hydra's ``runtime.choices`` (``sglang@<package>``)."""
+    keys = []
+    for choice_key in choices:
+        group, _, package = str(choice_key).partition("@")
+        if group == DEFAULT_SGLANG_KEY:
+            keys.append(package.removeprefix("_global_.") or DEFAULT_SGLANG_KEY)
+    return keys
+
+
+def hydra_choices(cfg: DictConfig) -> Mapping[str, Any]:
+    """Hydra's record of the group choices: the ``hydra`` node of ``cfg`` (a config composed with
+    ``return_hydra_config=True``, or a callback's), else the running job's; empty when neither is there."""
+    from hydra.core.hydra_config import HydraConfig
+
+    node = OmegaConf.select(cfg, "hydra.runtime.choices", default=None)
+    if isinstance(node, DictConfig):
+        return node
+    if HydraConfig.initialized():
+        return HydraConfig.get().runtime.choices
+    return {}
+
+
+def sglang_keys(cfg: DictConfig, sglang_key: str | None) -> list[str]:
+    """Where the group is: the key given, else where Hydra placed it (possibly several keys), else ``sglang``."""
+    if sglang_key is not None:
+        return [sglang_key]
+    return keys_from_choices(hydra_choices(cfg)) or [DEFAULT_SGLANG_KEY]

@@ -58,7 +58,9 @@ def _docstrings_in_source(cls: type) -> dict[str, str]:
             and isinstance(following.value, ast.Constant)
             and isinstance(following.value.value, str)
         ):
-            docs[statement.target.id] = " ".join(inspect.cleandoc(following.value.value).split())
+            docs[statement.target.id] = " ".join(inspect.cleandoc(following.value.value).split()).replace(
+                "``", "`"
+            )
     return docs
 
 

@@ -36,6 +36,7 @@ from miles_sglang_plugin.config.locating import (
     register_resolvers,
     sglang_keys,
 )
+from miles_sglang_plugin.config.overrides import HELPER_GROUPS
 from miles_sglang_plugin.config.schema import (
     EXTRA_GROUP_GPUS_PER_ENGINE_DEFAULT,
     GROUP_GPUS_PER_ENGINE_DEFAULT,
@@ -56,11 +57,6 @@ API_KEY_ENV = "SGLANG_API_KEY"
 DEPLOY_KEY = "sglang_deploy"
 #: Longest model or group name: names become engine ids and log file names (``<model>.<group>.<i>.log``).
 MAX_NAME_LENGTH = 64
-#: Schema groups that only make sense at their ``@`` package: a model, an extra group.
-HELPER_GROUPS = {
-    "sglang_model": "add a model with +sglang_model@{key}.<name>=base",
-    "sglang_group": "add a group with +sglang_group@{key}.<model>.extra_groups.<name>=decode",
-}
 
 
 @dataclass(frozen=True)

@@ -81,8 +81,10 @@ def test_agentic_namespace_equals_the_hydra_preset():
     )
     plan = resolve_namespace(ns)
     cfg = compose_config(
-        ["sglang=agentic_32gpu", "rollout_num_gpus=32", "hf_checkpoint=/data/models/Qwen3-8B"]
-    )
+        ["sglang=agentic_32gpu", "rollout_num_gpus=32", "hf_checkpoint=/data/models/Qwen3-8B",
+         # slime's example pins the actor's TP per group; the preset leaves it to the trainer
+         "sglang.actor.prefill.num_gpus_per_engine=2", "sglang.actor.decode.num_gpus_per_engine=4"]
+    )  # fmt: skip
     assert comparable(plan) == comparable(resolve_config(cfg))
     assert plan.source == str(FIXTURES / "sglang_agent.yaml")
     assert [g.gpu_offset for _, g in plan.groups()] == [0, 4, 16, 24]

@@ -892,7 +892,10 @@ def test_cli_export_to_stdout_is_valid_yaml_with_the_miles_args(run_cli):
 
 def test_cli_export_to_a_file(run_cli, tmp_path):
     target = tmp_path / "miles.yaml"
-    rc, out, err = run_cli("export", "--output", str(target), "sglang=pd", "hf_checkpoint=/ckpt")
+    rc, out, err = run_cli(
+        "export", "--output", str(target), "sglang=pd", "hf_checkpoint=/ckpt",
+        "sglang.actor.prefill.num_gpus_per_engine=2", "sglang.actor.decode.num_gpus_per_engine=4",
+    )  # fmt: skip
     assert (rc, out) == (0, "")
     assert f"--sglang-config {target} --rollout-num-gpus 16 --rollout-num-gpus-per-engine 1" in err
     data = yaml.safe_load(target.read_text())

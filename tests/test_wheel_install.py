@@ -263,6 +263,7 @@ def test_hydra_app_uses_presets_from_the_wheel(fresh_venv: Path, tmp_path: Path)
             "app.py",
             "sglang=pd_actor_ref",
             "sglang.actor.decode.num_gpus=12",
+            "sglang.actor.num_gpus_per_engine=4",
             "hf_checkpoint=/ckpt",
             f"hydra.run.dir={tmp_path / 'run'}",
         ],
@@ -278,7 +279,8 @@ def test_hydra_app_uses_presets_from_the_wheel(fresh_venv: Path, tmp_path: Path)
     assert sg["ref"]["regular"]["num_gpus"] == 4
     assert sg["actor"]["model_path"] == "/ckpt"
     assert sg["ref"]["model_path"] == "/ckpt"
-    # ${..num_gpus_per_engine} of the group resolved against the preset's model-level value.
+    # ${..num_gpus_per_engine} of the group resolved against the model-level value given on the command line,
+    # the reference model's against the trainer's rollout_num_gpus_per_engine (msp.trainer).
     assert sg["actor"]["decode"]["num_gpus_per_engine"] == 4
     assert sg["ref"]["regular"]["num_gpus_per_engine"] == 1
     assert cfg["sglang_deploy"]["launch"]["engine"] == "sglang"
@@ -303,6 +305,7 @@ def test_cli_plan_from_the_wheel(fresh_venv: Path, tmp_path: Path) -> None:
             "plan",
             "--json",
             "sglang=pd_actor_ref",
+            "sglang.actor.num_gpus_per_engine=4",
             "hf_checkpoint=/ckpt",
         ],
         cwd=tmp_path,
@@ -330,6 +333,7 @@ def test_cli_plan_from_the_wheel(fresh_venv: Path, tmp_path: Path) -> None:
             "--json",
             "sglang=pd_actor_ref",
             "sglang.actor.decode.num_gpus=12",
+            "sglang.actor.num_gpus_per_engine=4",
             "hf_checkpoint=/ckpt",
         ],
         cwd=tmp_path,

@@ -15,6 +15,7 @@ from pathlib import Path
 from hydra.errors import CompactHydraException
 from omegaconf import DictConfig
 
+from miles_sglang_plugin.app import quiet_http
 from miles_sglang_plugin.backends import get_backend
 from miles_sglang_plugin.config.reading import read_config
 from miles_sglang_plugin.errors import DeploymentConfigError
@@ -23,6 +24,8 @@ from miles_sglang_plugin.planning.resolution import resolve_deployment
 from miles_sglang_plugin.rendering.prepared import PreparedDeployment, prepare_deployment
 from miles_sglang_plugin.rendering.server_arg_fields import known_server_arg_fields
 from miles_sglang_plugin.serving.deployment import Deployment
+
+quiet_http.install()  # the launcher's health polls and registrations stay out of the app's log
 
 
 class SweepJobConfigError(DeploymentConfigError, CompactHydraException):

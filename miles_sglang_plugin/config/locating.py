@@ -2,7 +2,8 @@
 
 The group may sit at the root key ``sglang`` (``- sglang: pd`` in the defaults list) or under any other package
 (``- sglang@actor_rollout_ref.rollout.engines: pd``). Its key is taken from the caller, else from Hydra's
-record of the choices it made (``hydra.runtime.choices``: ``sglang@<package>``), else it is ``sglang``.
+record of the choices it made (``hydra.runtime.choices``: ``sglang@<package>``), else it is ``sglang`` if the
+config has that key, else the node that holds typed models (``ModelConf``), else ``sglang``.
 
 The trainer's inputs (Miles' argument names: ``hf_checkpoint``, ``rollout_num_gpus_per_engine``, ...) are
 looked up from the group outwards: next to the group's node, then in each enclosing node up to the root; the
@@ -99,8 +100,34 @@ def hydra_choices(cfg: DictConfig) -> Mapping[str, Any]:
     return {}
 
 
+#: How deep :func:`nodes_holding_models` looks for the group's node.
+MAX_SEARCH_DEPTH = 8
+
+
+def nodes_holding_models(node: DictConfig, key: str = "", depth: int = 0) -> list[str]:
+    """Keys of the nodes that hold typed models (the group's node, wherever it is), without resolving
+    anything; ``hydra`` is skipped."""
+    found: list[str] = []
+    children = [(k, node._get_node(k)) for k in node if not (depth == 0 and k == "hydra")]
+    if any(isinstance(child, DictConfig) and _is_model_node(child) for _, child in children):
+        found.append(key or DEFAULT_SGLANG_KEY)
+    elif depth < MAX_SEARCH_DEPTH:
+        for child_key, child in children:
+            if isinstance(child, DictConfig) and not child._is_none() and not child._is_interpolation():
+                found += nodes_holding_models(
+                    child, f"{key}.{child_key}" if key else str(child_key), depth + 1
+                )
+    return found
+
+
 def sglang_keys(cfg: DictConfig, sglang_key: str | None) -> list[str]:
-    """Where the group is: the key given, else where Hydra placed it (possibly several keys), else ``sglang``."""
+    """Where the group is: the key given; else where Hydra placed it (possibly several keys); else ``sglang``
+    when the config has that key; else the nodes holding typed models; else ``sglang``."""
     if sglang_key is not None:
         return [sglang_key]
-    return keys_from_choices(hydra_choices(cfg)) or [DEFAULT_SGLANG_KEY]
+    placed = keys_from_choices(hydra_choices(cfg))
+    if placed:
+        return placed
+    if OmegaConf.select(cfg, DEFAULT_SGLANG_KEY, default=None, throw_on_resolution_failure=False) is not None:
+        return [DEFAULT_SGLANG_KEY]
+    return nodes_holding_models(cfg) or [DEFAULT_SGLANG_KEY]

@@ -211,7 +211,8 @@ def _run(argv: Sequence[str] | None) -> int:
         _print_error(str(exc))
         return 1
     except KeyboardInterrupt:
-        _err_console().print("interrupted: every engine and router was stopped")
+        started = args.command == "launch"  # only a launch has anything to stop
+        sys.stderr.write("interrupted: every engine and router was stopped\n" if started else "interrupted\n")
         return EXIT_INTERRUPTED
 
 

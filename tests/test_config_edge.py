@@ -202,6 +202,26 @@ def test_an_interpolation_to_a_key_that_is_not_there_names_both(capsys):
     assert "sglang_deploy.router.prefill_policy: Interpolation key 'policy' not found" in err
 
 
+FOUND_BY_THE_FUZZER = {
+    ("sglang.actor=${..policy}",): "sglang.actor: Interpolation key 'policy' not found",
+    ("sglang=pd_actor_ref", "++sglang.ref.regular.overrides=${.policy}"): "sglang.ref.regular.overrides: "
+    "Interpolation key 'policy' not found",
+    (
+        "+sglang=${oc.select:missing,3}",
+    ): "Hydra could not compose these overrides (an internal check of Hydra failed: default_element.py:",
+    (
+        "sglang.actor.regular.overrides=${msp.trainer:hf_checkpoint,null}",
+    ): "sglang.actor.regular.overrides: must map ServerArgs fields to values, got '/c'",
+}
+
+
+@pytest.mark.parametrize("overrides", sorted(FOUND_BY_THE_FUZZER))
+def test_interpolations_that_do_not_resolve_where_the_group_is_read(capsys, overrides: tuple[str, ...]):
+    rc, _, err = plan_cli(capsys, "hf_checkpoint=/c", *overrides)
+    assert rc == 2 and "Traceback" not in err
+    assert FOUND_BY_THE_FUZZER[overrides] in err
+
+
 # ------------------------------------------------------------------------------- (d) one validation path
 ONLY_AT_LAUNCH_BEFORE = {
     "+sglang.actor.regular.overrides.mem_fraction_statc=0.8": "sglang.actor.regular.overrides.mem_fraction_statc: "

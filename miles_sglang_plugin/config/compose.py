@@ -35,6 +35,13 @@ def _describe(exc: BaseException) -> str:
     return "\n".join(parts)
 
 
+def _where_asserted(exc: AssertionError) -> str:
+    import traceback
+
+    frame = traceback.extract_tb(exc.__traceback__)[-1]
+    return f"an internal check of Hydra failed: {Path(frame.filename).name}:{frame.lineno} {frame.line}"
+
+
 def _search_path_override(search_dirs: Sequence[str | Path]) -> list[str]:
     if not search_dirs:
         return []
@@ -76,5 +83,7 @@ def compose_config(
             )
     except (HydraException, OmegaConfBaseException, OSError, ValueError) as exc:
         raise CompositionError(_describe(exc)) from None
+    except AssertionError as exc:  # Hydra asserts on some inputs (a group choice interpolated to a number)
+        raise CompositionError(f"Hydra could not compose these overrides ({_where_asserted(exc)})") from None
     finally:
         GlobalHydra.instance().clear()

@@ -45,6 +45,7 @@ from miles_sglang_plugin.config.schema import (
     MODEL_PATH_DEFAULT,
     ExtraServerGroupConf,
     ModelConf,
+    ServerGroupConf,
     SGLangDeployConf,
 )
 from miles_sglang_plugin.config.trainer_inputs import TrainerInputs
@@ -87,8 +88,23 @@ def _value(
         return None
 
 
+#: What :func:`_child` gives for a value whose interpolation does not resolve (reported already).
+_UNREADABLE = object()
+
+
+def _child(node: DictConfig, name: Any, key: str, problems: ProblemCollector) -> Any:
+    """``node[name]`` (None when absent), or :data:`_UNREADABLE`, reported, when it does not resolve."""
+    try:
+        return node.get(name)
+    except OmegaConfBaseException as exc:
+        problems.add(key, first_line(exc))
+        return _UNREADABLE
+
+
 def _resolved(node: Any, key: str, problems: ProblemCollector) -> Any:
     """``node`` as plain containers, interpolations resolved where it is; None (reported) when one fails."""
+    if node is _UNREADABLE:
+        return None
     if not OmegaConf.is_config(node):
         return node
     try:
@@ -102,6 +118,8 @@ def _resolved(node: Any, key: str, problems: ProblemCollector) -> Any:
 def _typed(node: Any, schema: type, key: str, problems: ProblemCollector) -> DictConfig | None:
     """``node`` checked against ``schema``: models and groups written without their schema (``+sglang.x={...}``)
     are validated here instead of at composition."""
+    if node is _UNREADABLE:
+        return None
     if not isinstance(node, DictConfig):
         problems.add(key, f"must be a mapping (a {schema.__name__}), got {node!r}")
         return None
@@ -183,12 +201,18 @@ def _group(
     key: str,
     problems: ProblemCollector,
 ) -> GroupSpec:
+    overrides = _resolved(
+        _child(node, "overrides", f"{key}.overrides", problems), f"{key}.overrides", problems
+    )
+    if overrides is not None and not isinstance(overrides, dict):
+        problems.add(f"{key}.overrides", f"must map ServerArgs fields to values, got {overrides!r}")
+        overrides = None
     return GroupSpec(
         name=name,
         worker_type=worker_type,
         num_gpus=_value(node, "num_gpus", "", key, problems),
         num_gpus_per_engine=_value(node, "num_gpus_per_engine", default_gpus_per_engine, key, problems),
-        overrides=_resolved(node.get("overrides"), f"{key}.overrides", problems) or {},
+        overrides=overrides or {},
         key=key,
     )
 
@@ -209,7 +233,8 @@ def _extra_groups(
 ) -> dict[str, GroupSpec]:
     """The enabled groups under ``extra_groups`` by name; appends every extra group's name to ``known``."""
     enabled: dict[str, GroupSpec] = {}
-    extras = node.get("extra_groups") or {}
+    extras = _child(node, "extra_groups", f"{key}.extra_groups", problems)
+    extras = extras if isinstance(extras, DictConfig) else {}
     for extra_name in extras:
         group_key = f"{key}.extra_groups.{extra_name}"
         if extra_name in GROUP_SLOTS:
@@ -220,7 +245,9 @@ def _extra_groups(
             continue
         if not _name_ok(str(extra_name), f"{key}.extra_groups", "group", problems):
             continue
-        extra = _typed(extras[extra_name], ExtraServerGroupConf, group_key, problems)
+        extra = _typed(
+            _child(extras, extra_name, group_key, problems), ExtraServerGroupConf, group_key, problems
+        )
         if extra is None:
             continue
         known.append(str(extra_name))
@@ -242,7 +269,8 @@ def _ordered_groups(
 ) -> list[GroupSpec]:
     """The enabled groups in ``group_order`` (checked: known names, every enabled group, once each), or in
     their default order when it is empty or wrong."""
-    order = [str(x) for x in (node.get("group_order") or [])]
+    given = _child(node, "group_order", f"{key}.group_order", problems)
+    order = [str(x) for x in given] if OmegaConf.is_list(given) else []
     if not order:
         return list(enabled.values())
     unknown = [name for name in order if name not in known]
@@ -266,8 +294,13 @@ def _model(name: str, node: DictConfig, key: str, problems: ProblemCollector) ->
     enabled: dict[str, GroupSpec] = {}
     known: list[str] = list(GROUP_SLOTS)
     for slot in GROUP_SLOTS:
+        slot_node = _typed(
+            _child(node, slot, f"{key}.{slot}", problems), ServerGroupConf, f"{key}.{slot}", problems
+        )
+        if slot_node is None:
+            continue
         group = _group(
-            slot, WorkerType(slot), node[slot], GROUP_GPUS_PER_ENGINE_DEFAULT, f"{key}.{slot}", problems
+            slot, WorkerType(slot), slot_node, GROUP_GPUS_PER_ENGINE_DEFAULT, f"{key}.{slot}", problems
         )
         if group.num_gpus != 0:
             enabled[slot] = group
@@ -293,7 +326,7 @@ def _spec(node: Any, key: str, problems: ProblemCollector) -> DeploymentSpec | N
         model_key = f"{key}.{name}"
         if not _name_ok(str(name), key, "model", problems):
             continue
-        typed = _typed(node[name], ModelConf, model_key, problems)
+        typed = _typed(_child(node, name, model_key, problems), ModelConf, model_key, problems)
         if typed is not None:
             models.append(_model(str(name), typed, model_key, problems))
     return DeploymentSpec(models=tuple(models), source="the Hydra config")

@@ -15,6 +15,7 @@ directory).
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import shutil
@@ -270,15 +271,66 @@ def readme_commands() -> list[str]:
     return [line[2:] for block in blocks for line in block.splitlines() if line.startswith("$ ")]
 
 
+def _argv(command: str) -> list[str]:
+    argv = shlex.split(command)
+    if argv[0] == "python":
+        argv[0] = sys.executable
+    elif argv[0] == "miles-sglang":
+        argv[:1] = [sys.executable, "-m", "miles_sglang_plugin"]
+    return argv
+
+
+def _launches(command: str) -> bool:
+    return "trainer.rollout_steps=1" in command
+
+
 def test_readme_trainer_section_commands_run_as_written(app_dir: Path):
-    commands = readme_commands()
+    commands = [c for c in readme_commands() if not _launches(c)]
     assert len(commands) >= 5, commands
     for command in commands:
-        argv = shlex.split(command)
-        if argv[0] == "python":
-            argv[0] = sys.executable
-        elif argv[0] == "miles-sglang":
-            argv[:1] = [sys.executable, "-m", "miles_sglang_plugin"]
-        proc = subprocess.run(argv, cwd=app_dir, capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(_argv(command), cwd=app_dir, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, f"{command}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
         assert "Traceback" not in proc.stderr, command
+
+
+def _processes_in(directory: Path) -> list[int]:
+    """PIDs of the processes whose working directory is ``directory`` (the app's engines and routers)."""
+    pids = []
+    for proc_dir in Path("/proc").iterdir():
+        if proc_dir.name.isdigit():
+            try:
+                if Path(os.readlink(proc_dir / "cwd")) == directory:
+                    pids.append(int(proc_dir.name))
+            except OSError:
+                continue
+    return pids
+
+
+STATUS_LINE = re.compile(r"^\[\s*\d+\.\d+s\] (engine|router) ", re.M)
+
+
+@pytest.mark.slow
+def test_readme_launch_command_runs_with_the_launchers_requests_out_of_the_apps_log(app_dir: Path):
+    (command,) = [c for c in readme_commands() if _launches(c)]
+    proc = subprocess.run(_argv(command), cwd=app_dir, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "GENERATED " in proc.stdout
+    assert STATUS_LINE.search(proc.stderr)  # auto, off a terminal: plain start-up lines
+    (log,) = app_dir.glob("outputs/*/*/train.log")  # Hydra's job log of the app, at INFO
+    text = log.read_text()
+    assert re.search(r"HTTP Request: POST http://127\.0\.0\.1:\d+/generate", text), text  # the app's own
+    assert "/health_generate" not in text and "/workers" not in text, text  # the launcher's: filtered
+    assert _processes_in(app_dir.resolve()) == []
+
+
+@pytest.mark.slow
+def test_live_never_prints_no_start_up_lines(app_dir: Path):
+    proc = run_app(
+        app_dir, "trainer.rollout_steps=1", f"sglang@{ENGINES}=small", "sglang_deploy=simulated",
+        "sglang_deploy.launch.live=never", timeout=180,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "GENERATED " in proc.stdout
+    assert not STATUS_LINE.search(proc.stderr), proc.stderr
+    assert "SGLang deployment ready in" in proc.stderr  # the summary stays
+    assert _processes_in(app_dir.resolve()) == []

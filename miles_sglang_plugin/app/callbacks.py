@@ -39,6 +39,7 @@ def print_plan_of(config: DictConfig, *, commands: bool = False) -> bool:
     from miles_sglang_plugin.app.hydra_edge import prepare_from_config
     from miles_sglang_plugin.errors import DeploymentConfigError
     from miles_sglang_plugin.planning.views import print_plan
+    from miles_sglang_plugin.rendering.server_arg_fields import known_server_arg_fields
     from miles_sglang_plugin.rendering.views import print_commands
 
     try:
@@ -50,6 +51,7 @@ def print_plan_of(config: DictConfig, *, commands: bool = False) -> bool:
     print_plan(prepared.plan, console)
     if commands:
         print_commands(prepared.launch, console)
+    console.print(f"override keys checked against {known_server_arg_fields().source}", markup=False)
     for note in prepared.launch.notes:
         console.print(f"note: {note}", markup=False)
     return True

@@ -194,6 +194,10 @@ def test_plan_reads_the_apps_config_with_cp_cn(capsys):
     assert json.loads(capsys.readouterr().out)["total_gpus"] == 2
     assert main(["plan", "-cp", str(APP / "config")]) == 2
     assert "-cp/--config-path needs -cn/--config-name" in capsys.readouterr().err
+    assert main(["plan", "-cp", str(APP / "config"), "-cn", "ppo_trainer", "--sglang-key", ENGINES]) == 0
+    assert "32 GPUs in 1 model(s), 16 engine(s)" in capsys.readouterr().out
+    assert main(["plan", "-cp", str(APP / "config"), "-cn", "ppo_trainer", "--sglang-key", "engines"]) == 2
+    assert "engines: no sglang group here" in " ".join(capsys.readouterr().err.split())
 
 
 # ------------------------------------------------------------------------------------ item 5: field docs

@@ -85,6 +85,7 @@ _EXPORTS: dict[str, str] = {
     "prepare_from_config": "miles_sglang_plugin.app.hydra_edge",
     "launch_from_config": "miles_sglang_plugin.app.hydra_edge",
     "SGLangCleanupCallback": "miles_sglang_plugin.app.callbacks",
+    "SGLangPlanCallback": "miles_sglang_plugin.app.callbacks",
     # Miles / slime formats
     "load_miles_config": "miles_sglang_plugin.miles.sglang_config",
     "resolve_namespace": "miles_sglang_plugin.miles.argparse_bridge",
@@ -127,6 +128,7 @@ __all__ = [
     "RouterRegistry",
     "SGLangCleanupCallback",
     "SGLangDeployConf",
+    "SGLangPlanCallback",
     "StartupInterrupted",
     "TrainerInputs",
     "UnknownModelError",
@@ -166,7 +168,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what static tools see; at run time the names load lazily through __getattr__
-    from miles_sglang_plugin.app.callbacks import SGLangCleanupCallback
+    from miles_sglang_plugin.app.callbacks import SGLangCleanupCallback, SGLangPlanCallback
     from miles_sglang_plugin.app.hydra_edge import (
         launch_from_config,
         prepare_from_config,

@@ -1,6 +1,12 @@
 """``miles-sglang``: look at, convert and launch SGLang deployments described with the ``sglang`` group.
 
-miles-sglang plan [--json] [HYDRA OVERRIDES...]
+miles-sglang plan [--json] [--commands] [-cp DIR -cn NAME] [-cd DIR] [--sglang-key KEY] [HYDRA OVERRIDES...]
+miles-sglang fields [PATH]
+miles-sglang launch [--log-dir DIR] [HYDRA OVERRIDES...]
+miles-sglang import / export (see miles_sglang_plugin.miles.commands)
+
+Only the standard library is imported at module level: everything else loads inside :func:`main`, so that a
+Ctrl-C while the command starts up ends it with one line and status 130, not a traceback.
 """
 
 from __future__ import annotations
@@ -8,25 +14,42 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-
-from rich.console import Console
-from rich.markup import escape
-
-from miles_sglang_plugin.backends.base import LaunchError
-from miles_sglang_plugin.config.compose import CompositionError, compose_config
-from miles_sglang_plugin.errors import DeploymentConfigError
-from miles_sglang_plugin.miles import commands as miles_commands
+from typing import Any
 
 EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130
 
 
-def _out_console() -> Console:
+def _out_console() -> Any:
+    from rich.console import Console
+
     # Not a terminal (a pipe, a file, a test): wide enough that engine ids are never cut.
     return Console(highlight=False, width=None if sys.stdout.isatty() else 160)
 
 
-def _err_console() -> Console:
+def _err_console() -> Any:
+    from rich.console import Console
+
     return Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def _print_error(message: str) -> None:
+    from rich.markup import escape
+
+    _err_console().print(f"[bold red]error:[/] {escape(message)}", markup=True)
+
+
+def _composed(args: argparse.Namespace) -> Any:
+    """The config ``plan`` shows: the command's own primary config, or the app's (``-cp`` / ``-cn``)."""
+    from miles_sglang_plugin.config.compose import PRIMARY_CONFIG, compose_config
+
+    return compose_config(
+        args.overrides,
+        args.config_name or PRIMARY_CONFIG,
+        config_dir=args.config_path,
+        search_dirs=[args.config_dir] if args.config_dir else [],
+        return_hydra_config=True,  # Hydra's record of where the group was placed
+    )
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -38,20 +61,41 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from miles_sglang_plugin.rendering.views import print_commands
 
     known = known_server_arg_fields()
-    prepared = prepare_from_config(compose_config(args.overrides))
-    plan = prepared.plan
+    prepared = prepare_from_config(_composed(args), sglang_key=args.sglang_key)
     if args.json:
         data = prepared.to_dict()
         data["server_args_checked_against"] = known.source
         sys.stdout.write(json.dumps(data, indent=2) + "\n")
         return 0
     console = _out_console()
-    print_plan(plan, console)
+    print_plan(prepared.plan, console)
     if args.commands:
         print_commands(prepared.launch, console)
     console.print(f"override keys checked against {known.source}", markup=False)
     for note in prepared.launch.notes:
         console.print(f"note: {note}", markup=False)
+    return 0
+
+
+def _cmd_fields(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    from miles_sglang_plugin.config.field_docs import close_keys, schema_fields, select_fields
+    from miles_sglang_plugin.config.schema import MilesTrainerArgs
+
+    rows = schema_fields(MilesTrainerArgs)
+    selected = select_fields(rows, args.path) if args.path else rows
+    if not selected:
+        close = close_keys(rows, args.path)
+        hint = f"; did you mean {', '.join(close)}?" if close else "; miles-sglang fields lists every key"
+        _print_error(f"no config key {args.path!r}{hint}")
+        return EXIT_USER_ERROR
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for column in ("key", "type", "default", "what (unit)"):
+        table.add_column(column, overflow="fold")
+    for row in selected:
+        table.add_row(row.key, row.type, row.default, row.doc)
+    _out_console().print(table, markup=False)
     return 0
 
 
@@ -65,7 +109,10 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     import time
     from pathlib import Path
 
+    from rich.markup import escape
+
     from miles_sglang_plugin.app.hydra_edge import launch_from_config
+    from miles_sglang_plugin.config.compose import compose_config
 
     cfg = compose_config(args.overrides)
     console = _err_console()
@@ -96,24 +143,45 @@ def _cmd_launch(args: argparse.Namespace) -> int:
         return 1  # a failure raises DeploymentFailedError when the block ends
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="miles-sglang",
-        description="Describe, check and launch the SGLang engines and routers of an RL trainer.",
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
+def _add_plan(sub: Any) -> None:
     p_plan = sub.add_parser(
         "plan",
         help="resolve a deployment and print it (GPUs per node, engines, offload, update_weights)",
         description="Resolve the deployment composed from the `sglang` group and Hydra overrides, e.g. "
-        "`miles-sglang plan sglang=pd_actor_ref sglang.actor.decode.num_gpus=12 hf_checkpoint=/ckpt`.",
+        "`miles-sglang plan sglang=pd_actor_ref sglang.actor.decode.num_gpus=12 hf_checkpoint=/ckpt`; with "
+        "-cp/-cn, an app's own primary config (YAML; configs an app stores from its own code are not "
+        "there: use the app's dry run, hydra/callbacks=sglang_plan).",
     )
     p_plan.add_argument("--json", action="store_true", help="print the plan as JSON (fields: see README)")
     p_plan.add_argument(
         "--commands", action="store_true", help="also print each engine's command line and GPU pinning"
     )
+    p_plan.add_argument(
+        "-cp", "--config-path", metavar="DIR", help="the app's primary config directory (relative to here)"
+    )
+    p_plan.add_argument("-cn", "--config-name", metavar="NAME", help="the app's primary config name")
+    p_plan.add_argument("-cd", "--config-dir", metavar="DIR", help="a further config directory to search")
+    p_plan.add_argument(
+        "--sglang-key", metavar="KEY", help="where the group is (default: where Hydra placed it, else sglang)"
+    )
     p_plan.add_argument("overrides", nargs="*", help="Hydra overrides")
     p_plan.set_defaults(func=_cmd_plan)
+
+
+def _add_fields(sub: Any) -> None:
+    p_fields = sub.add_parser(
+        "fields",
+        help="document the config keys: type, default, what and unit",
+        description="Print every config key of the group (or those at and under PATH, e.g. sglang.actor.decode "
+        "or sglang_deploy.launch) with its type, default and docstring, read from the schema itself.",
+    )
+    p_fields.add_argument(
+        "path", nargs="?", metavar="PATH", help="a dotted key (model and group names as used)"
+    )
+    p_fields.set_defaults(func=_cmd_fields)
+
+
+def _add_launch(sub: Any) -> None:
     p_launch = sub.add_parser(
         "launch",
         help="start the deployment's engines and routers and serve until Ctrl-C",
@@ -123,24 +191,52 @@ def build_parser() -> argparse.ArgumentParser:
     p_launch.add_argument("--log-dir", help="engine and router logs (default: ./sglang_logs/<time>)")
     p_launch.add_argument("overrides", nargs="*", help="Hydra overrides")
     p_launch.set_defaults(func=_cmd_launch)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from miles_sglang_plugin.miles import commands as miles_commands
+
+    parser = argparse.ArgumentParser(
+        prog="miles-sglang",
+        description="Describe, check and launch the SGLang engines and routers of an RL trainer.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_plan(sub)
+    _add_fields(sub)
+    _add_launch(sub)
     miles_commands.register(sub)
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def _run(argv: Sequence[str] | None) -> int:
+    from miles_sglang_plugin.backends.base import LaunchError
+    from miles_sglang_plugin.config.compose import CompositionError
+    from miles_sglang_plugin.errors import DeploymentConfigError
+
+    args = build_parser().parse_args(argv)
+    if args.command == "plan" and args.config_path and not args.config_name:
+        _print_error("-cp/--config-path needs -cn/--config-name (the primary config in that directory)")
+        return EXIT_USER_ERROR
     try:
         return int(args.func(args))
     except (CompositionError, DeploymentConfigError) as exc:
-        _err_console().print(f"[bold red]error:[/] {escape(str(exc))}", markup=True)
+        _print_error(str(exc))
         return EXIT_USER_ERROR
     except LaunchError as exc:
-        _err_console().print(f"[bold red]error:[/] {escape(str(exc))}", markup=True)
+        _print_error(str(exc))
         return 1
     except KeyboardInterrupt:
-        _err_console().print("interrupted: every engine and router was stopped")
-        return 130
+        started = args.command == "launch"  # only a launch has anything to stop
+        sys.stderr.write("interrupted: every engine and router was stopped\n" if started else "interrupted\n")
+        return EXIT_INTERRUPTED
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _run(argv)
+    except KeyboardInterrupt:  # while the command's modules load, before anything started
+        sys.stderr.write("interrupted\n")
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -40,8 +40,15 @@ from miles_sglang_plugin.rendering.ports import EnginePorts, assign_ports
 from tests.conftest_launch import leak_check  # noqa: F401 - fixture
 from tests.launch_helpers import REPO, LeakTracker, launch_overrides
 from tests.ray_helpers import skip_or_fail
+from tests.test_rendering import PD_TP_2_4
 
-CARD = ("sglang=pd_actor_ref", "sglang.actor.decode.num_gpus=12", "hf_checkpoint=/c")
+#: The card command, with the actor at TP 4 (the Miles guide's example; the preset leaves TP to the trainer).
+CARD = (
+    "sglang=pd_actor_ref",
+    "sglang.actor.decode.num_gpus=12",
+    "hf_checkpoint=/c",
+    "sglang.actor.num_gpus_per_engine=4",
+)
 
 
 def plan_of(*overrides: str):
@@ -145,7 +152,7 @@ def test_a_trainer_group_is_indexed_by_slot() -> None:
 def test_engine_ports_are_found_per_node_by_the_finder() -> None:
     # actor prefill 4 GPUs in TP 2 (slots 0-3, node 0) and decode 12 in TP 4 (slots 4-15): decode.0 on node 0,
     # decode.1-2 on node 1. dp_size 1: a dist-init run is 31 ports.
-    plan = plan_of("sglang=pd", "hf_checkpoint=/c", "debug_rollout_only=true")
+    plan = plan_of(*PD_TP_2_4, "hf_checkpoint=/c", "debug_rollout_only=true")
     asked = {}
 
     def finder(requests):

@@ -41,18 +41,19 @@ def test_the_demo_loop(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     # pd_actor_ref colocated with a 3 x 8-GPU actor (colocate: rollout_num_gpus = the actor's 24 GPUs, offload
-    # on): actor prefill 8 GPUs TP 4 at slot 0, actor decode 8 GPUs TP 4 at slot 8, ref 8 GPUs TP 2 (the
-    # example's rollout_num_gpus_per_engine) at slot 16: every group starts below Megatron's 24 GPUs, so every group
-    # needs offload; only the actor (its path is hf_checkpoint) receives weights.
+    # on), every group at TP 2 (the preset leaves TP to the trainer: the example's rollout_num_gpus_per_engine):
+    # actor prefill 8 GPUs at slot 0 (4 engines), decode 8 at slot 8 (4), ref 8 at slot 16 (4): every group
+    # starts below Megatron's 24 GPUs, so every group needs offload; only the actor (its path is
+    # hf_checkpoint) receives weights. The engine killed is the actor's last one.
     step0 = rows(out, 0)
-    actor = ["actor.prefill.0", "actor.prefill.1", "actor.decode.0", "actor.decode.1"]
-    ref = ["ref.regular.0", "ref.regular.1", "ref.regular.2", "ref.regular.3"]
+    actor = [f"actor.{group}.{i}" for group in ("prefill", "decode") for i in range(4)]
+    ref = [f"ref.regular.{i}" for i in range(4)]
     assert list(step0) == [*actor, *ref]
     did = {engine: [cell.split()[0] for cell in cells] for engine, cells in step0.items()}
     # columns: pause, offload, onload weights, update weights, onload kv, continue, weight version
     assert all(did[e] == ["ok", "ok", "ok", "ok", "ok", "ok", "1"] for e in actor), did
     assert all(did[e] == ["ok", "ok", "ok", "-", "ok", "ok", "default"] for e in ref), did
-    assert "killed engine actor.decode.1" in out
-    assert re.search(r"healed: engine actor\.decode\.1 serves again after [\d.]+ s", out)
-    assert [rows(out, 1)[e][6] for e in step0] == ["2"] * 4 + ["default"] * 4
+    assert "killed engine actor.decode.3" in out
+    assert re.search(r"healed: engine actor\.decode\.3 serves again after [\d.]+ s", out)
+    assert [rows(out, 1)[e][6] for e in step0] == ["2"] * 8 + ["default"] * 4
     assert "rollout 1: 4 samples" in out and "deployment stopped" in out

@@ -36,7 +36,12 @@ def test_presets_are_all_there_and_resolve():
 
 
 def test_pd_actor_ref_with_twelve_decode_gpus():
-    plan = plan_for("sglang=pd_actor_ref", "sglang.actor.decode.num_gpus=12", "hf_checkpoint=/ckpt")
+    plan = plan_for(
+        "sglang=pd_actor_ref",
+        "sglang.actor.decode.num_gpus=12",
+        "hf_checkpoint=/ckpt",
+        "rollout_num_gpus_per_engine=4",
+    )
     actor, ref = plan.models
     assert (actor.name, actor.is_pd, actor.update_weights, actor.model_path) == ("actor", True, True, "/ckpt")
     assert [
@@ -45,9 +50,9 @@ def test_pd_actor_ref_with_twelve_decode_gpus():
         ("prefill", 8, 4, 0, 2),
         ("decode", 12, 4, 8, 3),
     ]
-    # ref: 4 GPUs at offset 20, TP from the trainer's rollout_num_gpus_per_engine (default 1).
+    # ref: 4 GPUs at offset 20; every TP from the trainer's rollout_num_gpus_per_engine (the preset pins none).
     assert [(g.num_gpus, g.num_gpus_per_engine, g.gpu_offset, len(g.engines)) for g in ref.groups] == [
-        (4, 1, 20, 4)
+        (4, 4, 20, 1)
     ]
     assert (ref.update_weights, ref.model_path) == (False, "/ckpt")
     assert plan.rollout_num_gpus == 24 and plan.rollout_offset == 8  # after 1 node x 8 actor GPUs
@@ -58,7 +63,9 @@ def test_num_gpus_per_engine_interpolates_group_then_model_then_trainer():
     cfg = compose_config(["sglang=pd_actor_ref", "rollout_num_gpus_per_engine=2"])
     assert cfg.sglang.ref.num_gpus_per_engine == 2  # model <- trainer
     assert cfg.sglang.ref.regular.num_gpus_per_engine == 2  # group <- model
-    assert cfg.sglang.actor.decode.num_gpus_per_engine == 4  # group <- model (set in the preset)
+    assert (
+        cfg.sglang.actor.decode.num_gpus_per_engine == 2
+    )  # group <- model <- trainer (the preset pins none)
     cfg = compose_config(["sglang=pd_actor_ref", "sglang.ref.num_gpus_per_engine=4"])
     assert cfg.sglang.ref.regular.num_gpus_per_engine == 4
     cfg = compose_config(
@@ -113,6 +120,7 @@ def test_add_a_model_a_group_and_an_extra_group_from_the_command_line():
     plan = plan_for(
         "sglang=pd_actor_ref",
         "hf_checkpoint=/ckpt",
+        "sglang.actor.num_gpus_per_engine=4",
         "+sglang_model@sglang.reward=base",
         "sglang.reward.model_path=/rm",
         "sglang.reward.update_weights=false",
@@ -186,7 +194,17 @@ def test_plan_json_fields(capsys):
     # needs it and each gets the memory saver off. prefill 8 (TP 4) at slots 8-15, decode 8 at 16-23, ref 4
     # (TP 1) at 24-27. Ranks: prefill 0, 1; decode 2, 3; ref 4..7.
     assert (
-        cli_main(["plan", "--json", "sglang=pd_actor_ref", "hf_checkpoint=/c", "offload_rollout=true"]) == 0
+        cli_main(
+            [
+                "plan",
+                "--json",
+                "sglang=pd_actor_ref",
+                "hf_checkpoint=/c",
+                "sglang.actor.num_gpus_per_engine=4",
+                "offload_rollout=true",
+            ]
+        )
+        == 0
     )
     data = json.loads(capsys.readouterr().out)
     assert data["rollout_offset"] == 8 and data["megatron_num_gpus"] == 8 and data["total_gpus"] == 20
@@ -280,9 +298,12 @@ def test_plan_table_shows_nodes(capsys):
 
 def test_plan_user_errors_exit_2_without_traceback():
     cases = {
-        ("sglang=pd", "sglang.actor.decode.num_gpus=10", "hf_checkpoint=/c"): (
-            "sglang.actor.decode.num_gpus: 10 GPUs do not split into engines of num_gpus_per_engine=4"
-        ),
+        (
+            "sglang=pd",
+            "sglang.actor.decode.num_gpus=10",
+            "hf_checkpoint=/c",
+            "rollout_num_gpus_per_engine=4",
+        ): ("sglang.actor.decode.num_gpus: 10 GPUs do not split into engines of num_gpus_per_engine=4"),
         ("sglang=pd", "sglang.actor.decode.tp=2"): "Key 'tp' not in 'ServerGroupConf'",
     }
     for args, expected in cases.items():
@@ -300,6 +321,7 @@ def test_plan_user_errors_exit_2_without_traceback():
 def test_plan_error_message_lists_all_problems():
     proc = subprocess.run(
         [sys.executable, "-m", "miles_sglang_plugin", "plan", "sglang=pd", "sglang.actor.decode.num_gpus=10",
+         "sglang.actor.decode.num_gpus_per_engine=4",
          "+sglang.actor.prefill.overrides.port=3000", "sglang.actor.regular.num_gpus=2", "hf_checkpoint=/c"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
@@ -325,7 +347,8 @@ def test_example_app_first_command_plan(tmp_path):
         "sglang=pd_actor_ref", "sglang.actor.decode.num_gpus=12", "plan_only=true", tmp_path=tmp_path
     )
     assert proc.returncode == 0, proc.stderr
-    assert "24 GPUs in 2 model(s), 7 engine(s)" in proc.stdout
+    # TP 2 everywhere: the example app's rollout_num_gpus_per_engine (prefill 4, decode 6, ref 2 engines)
+    assert "24 GPUs in 2 model(s), 12 engine(s)" in proc.stdout
 
 
 @pytest.mark.slow
@@ -338,11 +361,12 @@ def test_example_app_first_command_end_to_end_with_stand_ins(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "rollout 0: 4 samples" in proc.stdout
     assert "deployment stopped" in proc.stdout
-    # 7 engines over 3 planned nodes (rollout starts after the actor's 8 GPUs): run side by side, said so.
+    # 12 engines of TP 2 (the app's rollout_num_gpus_per_engine) over 3 planned nodes (rollout starts after
+    # the actor's 8 GPUs): run side by side, said so.
     assert "they run side by side on this machine" in " ".join(proc.stderr.split())
     logs = sorted(p.name for p in (tmp_path / "run" / "sglang_logs").iterdir())
     assert logs == sorted(
-        [f"actor.prefill.{i}.log" for i in range(2)] + [f"actor.decode.{i}.log" for i in range(3)]
+        [f"actor.prefill.{i}.log" for i in range(4)] + [f"actor.decode.{i}.log" for i in range(6)]
         + [f"ref.regular.{i}.log" for i in range(2)] + ["router.actor.log", "router.ref.log"]
     )  # fmt: skip
 
@@ -356,8 +380,8 @@ def test_example_app_multirun_over_tp_sizes(tmp_path):
         tmp_path=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr
-    # prefill 2 engines + decode 8/gpe + ref 4 engines (TP 2 from the example's trainer config)
-    for engines in (2 + 4 + 2, 2 + 2 + 2, 2 + 1 + 2):
+    # prefill 4 engines + decode 8/gpe + ref 2 engines (TP 2 from the example's trainer config)
+    for engines in (4 + 4 + 2, 4 + 2 + 2, 4 + 1 + 2):
         assert f"20 GPUs in 2 model(s), {engines} engine(s)" in proc.stdout
 
 
@@ -370,7 +394,10 @@ def test_example_app_cfg_job_resolve_shows_resolved_defaults(tmp_path):
 
 
 def test_example_app_user_error_exits_2_cleanly(tmp_path):
-    proc = run_example("sglang=pd", "sglang.actor.decode.num_gpus=10", tmp_path=tmp_path)
+    proc = run_example("sglang=pd", "sglang.actor.decode.num_gpus=11", tmp_path=tmp_path)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
-    assert "sglang.actor.decode.num_gpus: 10 GPUs do not split" in " ".join(proc.stderr.split())
+    assert (
+        "sglang.actor.decode.num_gpus: 11 GPUs do not split into engines of num_gpus_per_engine=2"
+        in " ".join(proc.stderr.split())
+    )

@@ -38,12 +38,17 @@ pytestmark = pytest.mark.slow
 
 # A PD actor and a regular reference model, worked out by hand (debug_rollout_only=true: rollout from slot 0,
 # 8 GPUs per node, groups placed one after the other: actor prefill, actor decode, ref regular):
-#   actor.prefill  4 GPUs, TP 4 (the model's num_gpus_per_engine) -> slots 0-3   = node 0, GPUs 0-3
+#   actor.prefill  4 GPUs, TP 4 (the actor's num_gpus_per_engine) -> slots 0-3  = node 0, GPUs 0-3
 #   actor.decode   8 GPUs, TP 4                                   -> slots 4-7   = node 0, GPUs 4-7
 #                                                                    slots 8-11  = node 1, GPUs 0-3
 #   ref.regular    4 GPUs, TP 2 (rollout_num_gpus_per_engine)     -> slots 12-13 = node 1, GPUs 4,5
 #                                                                    slots 14-15 = node 1, GPUs 6,7
-PD_REF = ["sglang=pd_actor_ref", "rollout_num_gpus_per_engine=2", "sglang.actor.prefill.num_gpus=4"]
+PD_REF = [
+    "sglang=pd_actor_ref",
+    "rollout_num_gpus_per_engine=2",
+    "sglang.actor.num_gpus_per_engine=4",
+    "sglang.actor.prefill.num_gpus=4",
+]
 EXPECTED_GPUS = {
     "actor.prefill.0": (0, [0, 1, 2, 3]),
     "actor.decode.0": (0, [4, 5, 6, 7]),

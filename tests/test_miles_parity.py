@@ -217,7 +217,7 @@ def test_the_colocated_prefill_cuda_graph_default_reaches_every_engine_below_the
 def test_argparse_and_hydra_paths_read_the_same_colocate_inputs():
     # The namespace's --sglang-cuda-graph-backend-prefill is what sglang_deploy.server_defaults holds on the
     # Hydra path: set, it stops the colocate default on both.
-    for backend, expected in ((None, {"cuda_graph_backend_prefill": "disabled"}), ("piecewise", {})):
+    for backend, expected in ((None, {"cuda_graph_backend_prefill": "disabled"}), ("breakable", {})):
         ns = miles_namespace(
             colocate=True, rollout_num_gpus_per_engine=2, sglang_cuda_graph_backend_prefill=backend
         )

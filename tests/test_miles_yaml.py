@@ -34,6 +34,9 @@ from miles_sglang_plugin.miles.sglang_config import (
 )
 from miles_sglang_plugin.planning.plan import DeploymentPlan
 from miles_sglang_plugin.planning.resolution import resolve_deployment
+from miles_sglang_plugin.rendering.server_arg_fields import shipped_server_arg_fields
+
+NEWER_SGLANG_FIELDS = shipped_server_arg_fields() | {"prefill_round_robin_balance"}
 
 FIXTURES = Path(__file__).parent / "fixtures" / "miles"
 REPO = Path(__file__).resolve().parent.parent
@@ -340,7 +343,9 @@ def test_import_preset_compose_resolve_equals_direct(name, tmp_path):
     cfg = compose_config(
         [f"sglang=imported_{name}", f"hydra.searchpath=[file://{tmp_path}]", *hydra_overrides(TRAINER[name])]
     )
-    via_hydra = resolve_config(cfg)
+    # resolve_config checks override keys as a launch does; the Miles guide's decode override
+    # prefill_round_robin_balance is a field of SGLang releases newer than 0.5.23.
+    via_hydra = resolve_config(cfg, server_arg_fields=NEWER_SGLANG_FIELDS)
     direct = resolve_deployment(spec, TrainerInputs(**TRAINER[name]))
     assert comparable(via_hydra) == comparable(direct)
 
@@ -494,7 +499,7 @@ def test_preset_keeps_strings_hydra_would_otherwise_reinterpret(tmp_path):
         "      - worker_type: regular\n"
         "        num_gpus: 2\n"
         "        overrides:\n"
-        "          tool_call_parser: 1e3\n"  # a string to PyYAML (Miles), a float to Hydra unless quoted
+        "          served_model_name: 1e3\n"  # a string to PyYAML (Miles), a float to Hydra unless quoted
         '          chat_template: "${oc.env:HOME}"\n'
         "          json_model_override_args: '{\"a\": 1}'\n"
     )
@@ -507,7 +512,7 @@ def test_preset_keeps_strings_hydra_would_otherwise_reinterpret(tmp_path):
     )
     plan = resolve_config(cfg)
     g = plan.model("actor").group("regular")
-    assert g.overrides["tool_call_parser"] == "1e3"
+    assert g.overrides["served_model_name"] == "1e3"
     assert g.overrides["chat_template"] == "${oc.env:HOME}"
     assert g.overrides["json_model_override_args"] == '{"a": 1}'
     assert plan.model("actor").model_path == "/ckpt/${USER}/actor"
@@ -912,7 +917,10 @@ def test_cli_export_to_stdout_is_valid_yaml_with_the_miles_args(run_cli):
 
 def test_cli_export_to_a_file(run_cli, tmp_path):
     target = tmp_path / "miles.yaml"
-    rc, out, err = run_cli("export", "--output", str(target), "sglang=pd", "hf_checkpoint=/ckpt")
+    rc, out, err = run_cli(
+        "export", "--output", str(target), "sglang=pd", "hf_checkpoint=/ckpt",
+        "sglang.actor.prefill.num_gpus_per_engine=2", "sglang.actor.decode.num_gpus_per_engine=4",
+    )  # fmt: skip
     assert (rc, out) == (0, "")
     assert f"--sglang-config {target} --rollout-num-gpus 16 --rollout-num-gpus-per-engine 1" in err
     data = yaml.safe_load(target.read_text())

@@ -80,13 +80,19 @@ def node_of_log(log: Path, cluster: FakeCluster, timeout_s: float = 60.0) -> int
 
 # ------------------------------------------------------------------------------------ the card command
 CARD_EXPECTED = {
-    # rollout_offset 8 (the trainer's 8 GPUs are node 0's): actor prefill 8 (TP 4) on node 1, decode 12 (TP 4)
-    # on node 2 and the first half of node 3, ref 4 (TP 2: rollout_num_gpus_per_engine of examples/conf) after.
-    "actor.prefill.0": (1, "0,1,2,3"),
-    "actor.prefill.1": (1, "4,5,6,7"),
-    "actor.decode.0": (2, "0,1,2,3"),
-    "actor.decode.1": (2, "4,5,6,7"),
-    "actor.decode.2": (3, "0,1,2,3"),
+    # rollout_offset 8 (the trainer's 8 GPUs are node 0's); every group at TP 2 (the preset leaves TP to the
+    # trainer: rollout_num_gpus_per_engine=2 of examples/conf): actor prefill 8 on node 1, decode 12 on node 2
+    # and the first half of node 3, ref 4 after it.
+    "actor.prefill.0": (1, "0,1"),
+    "actor.prefill.1": (1, "2,3"),
+    "actor.prefill.2": (1, "4,5"),
+    "actor.prefill.3": (1, "6,7"),
+    "actor.decode.0": (2, "0,1"),
+    "actor.decode.1": (2, "2,3"),
+    "actor.decode.2": (2, "4,5"),
+    "actor.decode.3": (2, "6,7"),
+    "actor.decode.4": (3, "0,1"),
+    "actor.decode.5": (3, "2,3"),
     "ref.regular.0": (3, "4,5"),
     "ref.regular.1": (3, "6,7"),
 }

@@ -41,6 +41,12 @@ from tests.test_resolution_properties import aligned_deployments
 HAVE_SGLANG = sglang_parser.server_args_fields() is not None
 FIELDS = known_server_arg_fields().fields
 PRESETS = ["default", "pd", "actor_ref", "pd_actor_ref", "multi_model", "placeholder", "agentic_32gpu"]
+#: The ``pd`` preset with the TP sizes pinned per group (presets leave them to the trainer).
+PD_TP_2_4 = (
+    "sglang=pd",
+    "sglang.actor.prefill.num_gpus_per_engine=2",
+    "sglang.actor.decode.num_gpus_per_engine=4",
+)
 
 
 def prepared_for(*overrides: str):
@@ -296,7 +302,7 @@ def test_admin_api_key_is_masked_in_printed_commands_plan_json_and_errors(capsys
 
 def test_typo_and_forbidden_overrides_fail_before_launch_with_reasons():
     with pytest.raises(DeploymentConfigError) as exc:
-        prepared_for("sglang=pd", "hf_checkpoint=/c", "+sglang.actor.decode.overrides.mem_fraction_statc=0.8",
+        prepared_for(*PD_TP_2_4, "hf_checkpoint=/c", "+sglang.actor.decode.overrides.mem_fraction_statc=0.8",
                      "+sglang.actor.prefill.overrides.base_gpu_id=2", "+sglang.actor.prefill.overrides.tp_size=4",
                      "+sglang_deploy.server_defaults.nnodes=2", "+sglang_deploy.server_defaults.chunk_prefill_size=1")  # fmt: skip
     text = " ".join(str(exc.value).split())
@@ -319,7 +325,7 @@ def test_typo_and_forbidden_overrides_fail_before_launch_with_reasons():
 
 
 def test_bootstrap_ports_are_distinct_per_prefill_engine():
-    prep = prepared_for("sglang=pd", "hf_checkpoint=/c")
+    prep = prepared_for(*PD_TP_2_4, "hf_checkpoint=/c")
     boots = [e.bootstrap_port for e in prep.launch.engines if e.worker_type.value == "prefill"]
     assert len(boots) == 2 and len(set(boots)) == 2
     workers = prep.launch.router("actor").workers
@@ -405,9 +411,11 @@ def test_launches_share_port_claims_only_through_one_lock_dir(tmp_path, monkeypa
         second = launch_in(dir_a)  # the same directory: it keeps off the first launch's ports
         assert not set(backends[1].claims.fds) & claimed
         assert not launch_ports(second) & launch_ports(first)
-        elsewhere = launch_in(dir_b)  # another directory: the first launch's claims are not seen there
-        assert launch_ports(elsewhere) == launch_ports(first)
-        assert _lock_files(dir_b) == set(backends[2].claims.fds) == claimed
+        elsewhere = launch_in(dir_b)  # another directory: the first launch's claims are not seen there, so it
+        # takes the same ports (all of them, unless another program took one meanwhile: then it skips that one)
+        reused = set(backends[2].claims.fds)
+        assert reused & claimed and len(reused & claimed) >= len(claimed) - 2
+        assert launch_ports(elsewhere) <= reused <= _lock_files(dir_b)
     finally:
         for backend in backends:
             backend.close()
@@ -493,7 +501,7 @@ def test_lora_replay_fp16_and_command_prefix_render_for_real_sglang():
 
 
 def test_standin_choice_and_fault_env_are_explicit():
-    prep = prepared_for("sglang=pd", "hf_checkpoint=/c", "debug_rollout_only=true", "sglang_deploy=simulated",
+    prep = prepared_for(*PD_TP_2_4, "hf_checkpoint=/c", "debug_rollout_only=true", "sglang_deploy=simulated",
                         "sglang_deploy.standin.fail_at_start=[actor.decode.*]", "+sglang_deploy.standin.die_after_s={actor.prefill.1: 2.5}")  # fmt: skip
     assert all(e.argv[1:3] == ("-m", "miles_sglang_plugin.standin") for e in prep.launch.engines)
     env = {e.engine_id: e.env for e in prep.launch.engines}

@@ -74,7 +74,7 @@ def test_live_table_shows_each_state_transition() -> None:
 
 
 def test_plain_lines_without_live_view() -> None:
-    for mode in ("never", "auto"):  # auto: the recording console is not a terminal
+    for mode in ("auto",):  # auto: the recording console is not a terminal
         console = recording_console()
         view = StatusView(mode=mode, console=console)
         assert not view.live_mode
@@ -95,6 +95,19 @@ def test_plain_lines_without_live_view() -> None:
         ], (mode, lines)
         assert all(re.match(r"^\[ *\d+\.\d+s\] ", line) for line in lines[:4])
         assert view._live is None
+
+
+def test_never_prints_no_start_up_lines_only_notes() -> None:
+    """live=never (issue 13): no live table and no plain lines of state changes; notes still print."""
+    console = recording_console()
+    view = StatusView(mode="never", console=console)
+    track_all(view)
+    for name, state in TRANSITIONS:
+        view.update(name, state)
+    view.note("stand-in engines run side by side")
+    view.finish()
+    assert console.export_text().splitlines() == ["note: stand-in engines run side by side"]
+    assert view.rows[ENGINE].state == "registered" and view._live is None  # states are still tracked
 
 
 def test_summary_prints_one_row_per_model() -> None:

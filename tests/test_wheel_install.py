@@ -213,6 +213,44 @@ def fresh_venv(built_wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     return venv
 
 
+def _without_sglang(site_dirs: list[str], shadow: Path) -> Path:
+    """A directory of links to every entry of ``site_dirs`` but SGLang's (its package and its metadata), so that
+    a venv seeing it has every dependency of the wheel and no SGLang: ``import sglang`` fails and
+    ``importlib.metadata`` finds no distribution (sglang-router stays: it is another distribution)."""
+    shadow.mkdir()
+    for site_dir in site_dirs:
+        for entry in Path(site_dir).iterdir():
+            hidden = entry.name == "sglang" or (
+                entry.name.startswith("sglang-") and entry.suffix == ".dist-info"
+            )
+            if not hidden and not (shadow / entry.name).exists():
+                (shadow / entry.name).symlink_to(entry)
+    return shadow
+
+
+@pytest.fixture(scope="module")
+def venv_without_sglang(built_wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Like :func:`fresh_venv`, with SGLang hidden: the wheel installed on a machine that only plans."""
+    if importlib.util.find_spec("pip") is None:
+        pytest.skip("pip is not installed in the test interpreter (needed to install the wheel)")
+    root = tmp_path_factory.mktemp("venv-no-sglang")
+    venv = root / "venv"
+    _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], cwd=root)
+    python = venv / "bin" / "python"
+    _run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index",
+         "--disable-pip-version-check", "--no-cache-dir", str(built_wheel)],
+        cwd=root, timeout=120,
+    )  # fmt: skip
+    purelib = _run(
+        [str(python), "-I", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=root
+    ).stdout.strip()
+    outer = list(dict.fromkeys(sysconfig.get_paths()[k] for k in ("purelib", "platlib")))
+    shadow = _without_sglang(outer, root / "site-packages-without-sglang")
+    (Path(purelib) / "_outer_site_packages.pth").write_text(f"{shadow}\n")
+    return venv
+
+
 def test_wheel_contents(built_wheel: Path) -> None:
     with zipfile.ZipFile(built_wheel) as zf:
         names = set(zf.namelist())
@@ -263,6 +301,7 @@ def test_hydra_app_uses_presets_from_the_wheel(fresh_venv: Path, tmp_path: Path)
             "app.py",
             "sglang=pd_actor_ref",
             "sglang.actor.decode.num_gpus=12",
+            "sglang.actor.num_gpus_per_engine=4",
             "hf_checkpoint=/ckpt",
             f"hydra.run.dir={tmp_path / 'run'}",
         ],
@@ -278,7 +317,8 @@ def test_hydra_app_uses_presets_from_the_wheel(fresh_venv: Path, tmp_path: Path)
     assert sg["ref"]["regular"]["num_gpus"] == 4
     assert sg["actor"]["model_path"] == "/ckpt"
     assert sg["ref"]["model_path"] == "/ckpt"
-    # ${..num_gpus_per_engine} of the group resolved against the preset's model-level value.
+    # ${..num_gpus_per_engine} of the group resolved against the model-level value given on the command line,
+    # the reference model's against the trainer's rollout_num_gpus_per_engine (msp.trainer).
     assert sg["actor"]["decode"]["num_gpus_per_engine"] == 4
     assert sg["ref"]["regular"]["num_gpus_per_engine"] == 1
     assert cfg["sglang_deploy"]["launch"]["engine"] == "sglang"
@@ -303,6 +343,7 @@ def test_cli_plan_from_the_wheel(fresh_venv: Path, tmp_path: Path) -> None:
             "plan",
             "--json",
             "sglang=pd_actor_ref",
+            "sglang.actor.num_gpus_per_engine=4",
             "hf_checkpoint=/ckpt",
         ],
         cwd=tmp_path,
@@ -330,6 +371,7 @@ def test_cli_plan_from_the_wheel(fresh_venv: Path, tmp_path: Path) -> None:
             "--json",
             "sglang=pd_actor_ref",
             "sglang.actor.decode.num_gpus=12",
+            "sglang.actor.num_gpus_per_engine=4",
             "hf_checkpoint=/ckpt",
         ],
         cwd=tmp_path,
@@ -339,3 +381,37 @@ def test_cli_plan_from_the_wheel(fresh_venv: Path, tmp_path: Path) -> None:
     assert (decode["gpu_offset"], _engines(decode)) == (8, 3)
     assert (regular["gpu_offset"], _engines(regular)) == (20, 4)
     assert plan["total_gpus"] == 24
+
+
+def test_a_trainer_app_with_the_wheel_and_no_sglang(venv_without_sglang: Path, tmp_path: Path) -> None:
+    """Issue 13: the wheel installed without SGLang; the trainer app of tests/trainer_app (nested group, its
+    own presets and names) plans through its dry run and through ``miles-sglang plan -cp/-cn``, override keys
+    checked against the field list shipped with the package, said so."""
+    python = str(venv_without_sglang / "bin" / "python")
+    probe = _run(
+        [python, "-I", "-c", "import importlib.util as u; print(u.find_spec('sglang'))"], cwd=tmp_path
+    )
+    assert probe.stdout.strip() == "None"
+    app = tmp_path / "trainer_app"
+    shutil.copytree(REPO / "tests" / "trainer_app", app, ignore=shutil.ignore_patterns("__pycache__"))
+    proc = _run([python, "-I", "train.py", "hydra/callbacks=sglang_plan"], cwd=app)
+    assert "32 GPUs in 1 model(s), 16 engine(s); rollout_offset=0" in proc.stdout
+    assert (
+        "override keys checked against SGLang 0.5.23 (field list shipped with miles_sglang_plugin)"
+        in proc.stdout
+    )
+    out = _run(
+        [python, "-I", "-m", "miles_sglang_plugin", "plan", "--json", "-cp", "config", "-cn", "ppo_trainer",
+         "actor_rollout_ref.rollout.tensor_model_parallel_size=4"],
+        cwd=app,
+    ).stdout  # fmt: skip
+    plan = json.loads(out)
+    assert (
+        plan["server_args_checked_against"] == "SGLang 0.5.23 (field list shipped with miles_sglang_plugin)"
+    )
+    assert plan["models"]["actor"]["groups"]["decode"]["num_gpus_per_engine"] == 4
+    typo = subprocess.run(
+        [python, "-I", "train.py", "+actor_rollout_ref.rollout.engines.actor.decode.overrides.mem_fraction_statc=1"],
+        cwd=app, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert typo.returncode == 2 and "did you mean mem_fraction_static?" in typo.stderr

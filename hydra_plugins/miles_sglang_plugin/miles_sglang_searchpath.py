@@ -1,11 +1,15 @@
 """Hydra plugin of miles_sglang_plugin: puts the ``sglang`` config group on every Hydra app's search path.
 
 Hydra imports every module here at start-up of every app, so this stays tiny: no heavy imports, no warnings.
+Its hook also checks the app's overrides before Hydra composes them (``sglang=null``, names too long for
+Hydra's file lookups, helper groups without their package), so that those are one clean error with exit
+status 2 instead of Hydra's traceback.
 """
 
 from hydra.core.config_search_path import ConfigSearchPath
 from hydra.plugins.search_path_plugin import SearchPathPlugin
 
+from miles_sglang_plugin.config.overrides import check_app_overrides
 from miles_sglang_plugin.config.store import config_search_path, register_configs
 
 register_configs()
@@ -14,3 +18,4 @@ register_configs()
 class MilesSGLangSearchPathPlugin(SearchPathPlugin):
     def manipulate_search_path(self, search_path: ConfigSearchPath) -> None:
         search_path.append(provider="miles_sglang_plugin", path=config_search_path())
+        check_app_overrides()

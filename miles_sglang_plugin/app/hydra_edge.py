@@ -13,63 +13,62 @@ from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from hydra.errors import CompactHydraException
 from omegaconf import DictConfig
-from omegaconf.errors import OmegaConfBaseException
 
+from miles_sglang_plugin.app import quiet_http
 from miles_sglang_plugin.backends import Backend, get_backend
-from miles_sglang_plugin.config.reading import (
-    deploy_settings_from_config,
-    spec_from_config,
-    trainer_from_config,
-)
+from miles_sglang_plugin.config.reading import read_config
 from miles_sglang_plugin.config.schema import BackendKind, EngineKind, SGLangDeployConf
-from miles_sglang_plugin.errors import DeploymentConfigError, Problem, ProblemCollector, first_line
+from miles_sglang_plugin.errors import DeploymentConfigError, Problem
 from miles_sglang_plugin.planning.plan import DeploymentPlan
 from miles_sglang_plugin.planning.resolution import resolve_deployment
 from miles_sglang_plugin.rendering.prepared import PreparedDeployment, prepare_deployment
 from miles_sglang_plugin.rendering.server_arg_fields import known_server_arg_fields
 from miles_sglang_plugin.serving.deployment import Deployment
 
-
-def resolve_config(cfg: DictConfig, *, server_arg_fields: Collection[str] | None = None) -> DeploymentPlan:
-    """Compose-time config → frozen plan: the one call a Hydra app needs. Raises
-    :class:`~miles_sglang_plugin.errors.DeploymentConfigError` listing every problem."""
-    problems = ProblemCollector("the Hydra config")
-    try:
-        trainer = trainer_from_config(cfg)
-        server_defaults = deploy_settings_from_config(cfg).server_defaults
-    except (OmegaConfBaseException, TypeError, ValueError) as exc:
-        problems.add("", f"the trainer's arguments or sglang_deploy do not read: {first_line(exc)}")
-        problems.raise_if_any()
-    spec = spec_from_config(cfg, problems)
-    problems.raise_if_any()
-    return resolve_deployment(
-        spec, trainer, server_arg_fields=server_arg_fields, server_defaults=server_defaults
-    )
-
-
-def prepare_from_config(cfg: DictConfig) -> PreparedDeployment:
-    """Resolve and render ``cfg`` as ``miles-sglang plan`` shows it: every check on (override keys against the
-    installed SGLang's fields, the deployment-wide settings), ports the plain sequence from ``port_base``
-    (per node). Where the addresses are only known at launch (the ray backend, or real engines on several
-    nodes), they are shown as ``<node N address>`` and ``<driver address>`` (:data:`NODE_ADDRESS`)."""
-    fields = known_server_arg_fields().fields
-    plan = resolve_config(cfg, server_arg_fields=fields)
-    settings = deploy_settings_from_config(cfg)
-    if not addresses_known_before_launch(plan, settings):
-        return prepare_deployment(
-            plan,
-            settings,
-            server_arg_fields=fields,
-            host_of_node=NODE_ADDRESS.format,
-            router_host=DRIVER_ADDRESS,
-        )
-    return prepare_deployment(plan, settings, server_arg_fields=fields)
-
+quiet_http.install()  # the launcher's health polls and registrations stay out of the app's log
 
 #: How a printed plan shows an address that the launch decides (each node's, the routers' node).
 NODE_ADDRESS = "<node {} address>"
 DRIVER_ADDRESS = "<driver address>"
+
+
+class SweepJobConfigError(DeploymentConfigError, CompactHydraException):
+    """A job's :class:`DeploymentConfigError` in a multirun: Hydra reports it at the end of the sweep as its
+    message alone (a compact Hydra error), not as a chained traceback."""
+
+
+def prepare_from_config(
+    cfg: DictConfig, *, sglang_key: str | None = None, server_arg_fields: Collection[str] | None = None
+) -> PreparedDeployment:
+    """The one check of a composed config, shared by ``resolve_config``, ``miles-sglang plan`` and
+    ``launch_from_config``: read it (unknown keys, helper groups, values), resolve it (override keys against
+    the installed SGLang's fields, or ``server_arg_fields``), render every engine's command line and the
+    deployment-wide settings (router policies, ports: the plain sequence from ``port_base``, per node). Raises
+    :class:`~miles_sglang_plugin.errors.DeploymentConfigError` listing every problem.
+
+    ``sglang_key``: where the group is (default: where Hydra placed it, else ``sglang``); the trainer's inputs
+    are found next to it, then outwards up to the root. Where the addresses are only known at launch (the ray
+    backend, or real engines on several nodes), they are shown as ``<node N address>`` and
+    ``<driver address>`` (:data:`NODE_ADDRESS`)."""
+    fields = server_arg_fields if server_arg_fields is not None else known_server_arg_fields().fields
+    reading = read_config(cfg, sglang_key=sglang_key)
+    plan = resolve_deployment(
+        reading.spec,
+        reading.trainer,
+        server_arg_fields=fields,
+        server_defaults=reading.settings.server_defaults,
+    )
+    if not addresses_known_before_launch(plan, reading.settings):
+        return prepare_deployment(
+            plan,
+            reading.settings,
+            server_arg_fields=fields,
+            host_of_node=NODE_ADDRESS.format,
+            router_host=DRIVER_ADDRESS,
+        )
+    return prepare_deployment(plan, reading.settings, server_arg_fields=fields)
 
 
 def addresses_known_before_launch(plan: DeploymentPlan, settings: SGLangDeployConf) -> bool:
@@ -81,18 +80,28 @@ def addresses_known_before_launch(plan: DeploymentPlan, settings: SGLangDeployCo
     return not (spread and EngineKind(settings.launch.engine) is not EngineKind.simulated)
 
 
+def resolve_config(
+    cfg: DictConfig, *, sglang_key: str | None = None, server_arg_fields: Collection[str] | None = None
+) -> DeploymentPlan:
+    """Compose-time config → frozen plan: the one call a Hydra app needs. It makes every check a launch makes
+    before starting anything (:func:`prepare_from_config`). Raises
+    :class:`~miles_sglang_plugin.errors.DeploymentConfigError` listing every problem."""
+    return prepare_from_config(cfg, sglang_key=sglang_key, server_arg_fields=server_arg_fields).plan
+
+
 def resolve_config_or_exit(
-    cfg: DictConfig, *, server_arg_fields: Collection[str] | None = None
+    cfg: DictConfig, *, sglang_key: str | None = None, server_arg_fields: Collection[str] | None = None
 ) -> DeploymentPlan:
     """:func:`resolve_config` for an app's entry point: a user error is printed (every problem, no traceback)
-    and the process exits with status 2 before anything starts. In a multirun the error is re-raised instead,
-    so that Hydra goes on with the other jobs and the sweep still ends with a non-zero status."""
+    and the process exits with status 2 before anything starts. In a multirun the error is raised instead (as
+    a compact Hydra error: its message, no traceback), so that Hydra goes on with the other jobs and the sweep
+    still ends with a non-zero status."""
     try:
-        return resolve_config(cfg, server_arg_fields=server_arg_fields)
+        return resolve_config(cfg, sglang_key=sglang_key, server_arg_fields=server_arg_fields)
     except DeploymentConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         if _in_multirun():
-            raise
+            raise SweepJobConfigError(exc.problems, source=exc.source) from None
         raise SystemExit(2) from None
 
 
@@ -136,29 +145,30 @@ def launch_from_config(
     cfg: DictConfig,
     *,
     log_dir: Path | None = None,
+    sglang_key: str | None = None,
     placement_group: Any = None,
     bundle_indices: Sequence[int] | None = None,
     backend: Backend | None = None,
 ) -> Iterator[Deployment]:
     """Resolve, render and start the deployment of ``cfg``; stop everything when the block ends.
 
-    Every check (deployment, overrides against the installed SGLang's fields, deployment-wide settings, what
-    the backend supports and what its machines can give) runs before the first engine starts. Engine and
-    router logs go to ``sglang_deploy.launch.log_dir``, else ``sglang_logs/`` in the Hydra run directory.
+    Every check (:func:`prepare_from_config`, then what the backend supports and what its machines can give:
+    ports, GPUs, placement) runs before the first engine starts. Engine and router logs go to ``log_dir``,
+    else ``sglang_deploy.launch.log_dir``, else ``sglang_logs/`` in the Hydra run directory.
 
     ``placement_group`` (and ``bundle_indices``, GPU slot -> bundle): the trainer's Ray placement group to
     place the engines in, for ``sglang_deploy.launch.backend=ray`` (Miles: its placement group and
     ``reordered_bundle_indices``). ``backend``: a backend instance to use instead of the configured one."""
     fields = known_server_arg_fields().fields
-    plan = resolve_config(cfg, server_arg_fields=fields)
-    settings = deploy_settings_from_config(cfg)
+    checked = prepare_from_config(cfg, sglang_key=sglang_key, server_arg_fields=fields)
+    settings = checked.settings
     target = Path(log_dir or settings.launch.log_dir or _default_log_dir())
     if backend is None:
         backend = get_backend(
             settings.launch.backend, **_placement_options(settings, placement_group, bundle_indices)
         )
     try:
-        prepared = backend.prepare(plan, settings, server_arg_fields=fields)
+        prepared = backend.prepare(checked.plan, settings, server_arg_fields=fields)
         deployment = Deployment(prepared, backend, log_dir=target)
     except BaseException:
         backend.close()

@@ -36,11 +36,13 @@ class _Row:
 
 
 class StatusView:
-    """``mode``: ``auto`` (live table on a terminal), ``always`` or ``never`` (plain lines)."""
+    """``mode``: ``auto`` (a live table on a terminal, plain lines of state changes otherwise), ``always`` (the
+    live table) or ``never`` (no start-up display: only notes and the summary once ready)."""
 
     def __init__(self, mode: str = "auto", console: Console | None = None) -> None:
         self.console = console or Console(stderr=True, highlight=False)
         self.live_mode = mode == "always" or (mode == "auto" and self.console.is_terminal)
+        self.quiet = mode == "never"
         self.rows: dict[str, _Row] = {}
         self.started_at = time.monotonic()
         self._live: Live | None = None
@@ -77,7 +79,7 @@ class StatusView:
         row.state, row.since = state, time.monotonic()
         if self.live_mode:
             self._refresh()
-        else:
+        elif not self.quiet:
             self.console.print(
                 f"[{row.since - self.started_at:6.1f}s] {row.kind} {name}: {state}", markup=False
             )

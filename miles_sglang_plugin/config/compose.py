@@ -1,11 +1,18 @@
-"""Composition for the ``miles-sglang`` command (Hydra's compose API, outside any ``@hydra.main`` app)."""
+"""Composition for the ``miles-sglang`` command (Hydra's compose API, outside any ``@hydra.main`` app).
+
+By default the command's own primary config (``miles_sglang``: Miles' trainer arguments at the root, the
+``sglang`` group below); with ``config_dir`` / ``config_name`` an app's own primary config (``-cp`` / ``-cn``
+of ``miles-sglang plan``), the group's presets on the search path as in every Hydra app.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 from omegaconf import DictConfig
 
+from miles_sglang_plugin.config.overrides import override_problems, render
 from miles_sglang_plugin.config.store import config_search_path, register_configs
 
 PRIMARY_CONFIG = "miles_sglang"
@@ -28,15 +35,40 @@ def _describe(exc: BaseException) -> str:
     return "\n".join(parts)
 
 
-def compose_config(overrides: Sequence[str], config_name: str = PRIMARY_CONFIG) -> DictConfig:
-    """Compose the command's primary config (Miles' trainer arguments + the ``sglang`` group) with overrides."""
+def _where_asserted(exc: AssertionError) -> str:
+    import traceback
+
+    frame = traceback.extract_tb(exc.__traceback__)[-1]
+    return f"an internal check of Hydra failed: {Path(frame.filename).name}:{frame.lineno} {frame.line}"
+
+
+def _search_path_override(search_dirs: Sequence[str | Path]) -> list[str]:
+    if not search_dirs:
+        return []
+    return [f"hydra.searchpath=[{','.join(f'file://{Path(d).resolve()}' for d in search_dirs)}]"]
+
+
+def compose_config(
+    overrides: Sequence[str],
+    config_name: str | None = PRIMARY_CONFIG,
+    *,
+    config_dir: str | Path | None = None,
+    search_dirs: Sequence[str | Path] = (),
+    return_hydra_config: bool = False,
+) -> DictConfig:
+    """Compose a primary config with overrides: the command's own (default), or ``config_name`` from
+    ``config_dir`` (an app's config directory); ``search_dirs`` are added to the search path (``--config-dir``).
+    With ``return_hydra_config`` the ``hydra`` node is kept (it records where the group was placed)."""
     from hydra import compose, initialize_config_dir, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    problems = override_problems(overrides)
+    if problems:
+        raise CompositionError(render(problems))
     register_configs()
-    location = config_search_path()
+    location = f"file://{Path(config_dir).resolve()}" if config_dir is not None else config_search_path()
     GlobalHydra.instance().clear()
     try:
         if location.startswith("pkg://"):
@@ -44,8 +76,14 @@ def compose_config(overrides: Sequence[str], config_name: str = PRIMARY_CONFIG) 
         else:
             ctx = initialize_config_dir(config_dir=location[len("file://") :], version_base=None)
         with ctx:
-            return compose(config_name=config_name, overrides=list(overrides))
-    except (HydraException, OmegaConfBaseException) as exc:
+            return compose(
+                config_name=config_name,
+                overrides=[*_search_path_override(search_dirs), *overrides],
+                return_hydra_config=return_hydra_config,
+            )
+    except (HydraException, OmegaConfBaseException, OSError, ValueError) as exc:
         raise CompositionError(_describe(exc)) from None
+    except AssertionError as exc:  # Hydra asserts on some inputs (a group choice interpolated to a number)
+        raise CompositionError(f"Hydra could not compose these overrides ({_where_asserted(exc)})") from None
     finally:
         GlobalHydra.instance().clear()

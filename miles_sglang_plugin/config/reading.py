@@ -1,18 +1,27 @@
 """Reading a composed Hydra config into the resolver's inputs (the Hydra edge, inbound).
 
-Nothing past this module sees OmegaConf: it turns the ``sglang`` node into a
-:class:`~miles_sglang_plugin.config.deployment_spec.DeploymentSpec`, the root into
-:class:`~miles_sglang_plugin.config.trainer_inputs.TrainerInputs`, and ``sglang_deploy`` into plain dataclasses.
+Nothing past this module sees OmegaConf: :func:`read_config` turns the group's node into a
+:class:`~miles_sglang_plugin.config.deployment_spec.DeploymentSpec`, the trainer's inputs into
+:class:`~miles_sglang_plugin.config.trainer_inputs.TrainerInputs`, and ``sglang_deploy`` into plain dataclasses,
+and reports every problem it finds in one error: keys a typed node does not know (``+`` adds any key to a
+structured node, and Hydra would carry it silently), helper groups used outside their packages, names too long,
+values that do not read. Where the group and the trainer's inputs are: :mod:`miles_sglang_plugin.config.locating`.
 
 A field that still holds its schema's default interpolation (``${..num_gpus_per_engine}``,
-``${oc.select:hf_checkpoint,null}``) is passed on as "not given", so the resolver applies Miles' fallback chain
+``${msp.trainer:hf_checkpoint,null}``) is passed on as "not given", so the resolver applies Miles' fallback chain
 in one place; the interpolation itself shows the same value in ``--cfg job --resolve`` (the one difference: the
 ``eval`` model's groups fall back to ``eval_num_gpus_per_engine``, as in Miles).
+
+Every value is read in place, in the composed config, so that interpolations reach any node of it
+(``sglang_deploy.launch.port_base: ${seed}``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import os
+from dataclasses import dataclass
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -25,6 +34,15 @@ from miles_sglang_plugin.config.deployment_spec import (
     ModelSpec,
     WorkerType,
 )
+from miles_sglang_plugin.config.locating import (
+    DEFAULT_SGLANG_KEY,
+    enclosing_nodes,
+    find_trainer_value,
+    hydra_choices,
+    register_resolvers,
+    sglang_keys,
+)
+from miles_sglang_plugin.config.overrides import HELPER_GROUPS
 from miles_sglang_plugin.config.schema import (
     EXTRA_GROUP_GPUS_PER_ENGINE_DEFAULT,
     GROUP_GPUS_PER_ENGINE_DEFAULT,
@@ -33,17 +51,32 @@ from miles_sglang_plugin.config.schema import (
     MODEL_PATH_DEFAULT,
     ExtraServerGroupConf,
     ModelConf,
+    ServerGroupConf,
     SGLangDeployConf,
 )
 from miles_sglang_plugin.config.trainer_inputs import TrainerInputs
 from miles_sglang_plugin.errors import ProblemCollector, first_line
 
-SGLANG_KEY = "sglang"
+SGLANG_KEY = DEFAULT_SGLANG_KEY
 #: Where the API key of engines and routers comes from when sglang_deploy.api_key is null.
 API_KEY_ENV = "SGLANG_API_KEY"
+#: The deployment-wide settings: one node at the root (the presets place it with ``_global_``).
 DEPLOY_KEY = "sglang_deploy"
+#: Longest model or group name: names become engine ids and log file names (``<model>.<group>.<i>.log``).
+MAX_NAME_LENGTH = 64
 
 
+@dataclass(frozen=True)
+class ConfigReading:
+    """What a composed config says: the deployment (None: no group node), the trainer, the settings."""
+
+    spec: DeploymentSpec | None
+    trainer: TrainerInputs
+    settings: SGLangDeployConf
+    sglang_key: str
+
+
+# ------------------------------------------------------------------------------------------------- values
 def _value(
     node: DictConfig, field: str, default_interpolation: str, key: str, problems: ProblemCollector
 ) -> Any:
@@ -61,31 +94,111 @@ def _value(
         return None
 
 
-def _container(node: Any, key: str, problems: ProblemCollector) -> Any:
-    if node is None:
-        return {}
+#: What :func:`_child` gives for a value whose interpolation does not resolve (reported already).
+_UNREADABLE = object()
+
+
+def _child(node: DictConfig, name: Any, key: str, problems: ProblemCollector) -> Any:
+    """``node[name]`` (None when absent), or :data:`_UNREADABLE`, reported, when it does not resolve."""
+    try:
+        return node.get(name)
+    except OmegaConfBaseException as exc:
+        problems.add(key, first_line(exc))
+        return _UNREADABLE
+
+
+def _resolved(node: Any, key: str, problems: ProblemCollector) -> Any:
+    """``node`` as plain containers, interpolations resolved where it is; None (reported) when one fails."""
+    if node is _UNREADABLE:
+        return None
+    if not OmegaConf.is_config(node):
+        return node
     try:
         return OmegaConf.to_container(node, resolve=True)
     except OmegaConfBaseException as exc:
-        problems.add(key, first_line(exc))
-        return {}
+        where = getattr(exc, "full_key", None) or key
+        problems.add(str(where), first_line(exc))
+        return None
 
 
 def _typed(node: Any, schema: type, key: str, problems: ProblemCollector) -> DictConfig | None:
-    """``node`` checked against ``schema``: models added without their schema (``+sglang.x={...}``) are
-    validated here instead of at composition."""
+    """``node`` checked against ``schema``: models and groups written without their schema (``+sglang.x={...}``)
+    are validated here instead of at composition."""
+    if node is _UNREADABLE:
+        return None
     if not isinstance(node, DictConfig):
         problems.add(key, f"must be a mapping (a {schema.__name__}), got {node!r}")
         return None
     if OmegaConf.get_type(node) is schema:
         return node
+    values = _resolved(node, key, problems)
+    if values is None:
+        return None
     try:
-        return OmegaConf.merge(OmegaConf.structured(schema), node)
+        return OmegaConf.merge(OmegaConf.structured(schema), values)
     except OmegaConfBaseException as exc:
-        problems.add(key, f"{first_line(exc)} (add models with +sglang_model@{key}=base)")
+        hint = "+sglang_model@{key}=base" if schema is ModelConf else f"+sglang_group@{key}=<worker type>"
+        problems.add(key, f"{first_line(exc)} (add it with {hint.format(key=key)})")
         return None
 
 
+# --------------------------------------------------------------------------------------- unknown keys
+def _dataclass_of(node: DictConfig) -> type | None:
+    object_type = OmegaConf.get_type(node)
+    return object_type if isinstance(object_type, type) and dataclasses.is_dataclass(object_type) else None
+
+
+def _unknown_key_message(name: str, schema: type) -> str:
+    fields = [f.name for f in dataclasses.fields(schema)]
+    close = difflib.get_close_matches(name, fields, n=3, cutoff=0.6)
+    if close:
+        hint = f"did you mean {', '.join(close)}?"
+    elif len(fields) <= 8:
+        hint = f"its fields: {', '.join(fields)}"
+    else:
+        hint = "miles-sglang fields lists its fields"
+    return f"is not a field of {schema.__name__} (a '+' override adds any key; this one would be ignored); {hint}"
+
+
+def unknown_keys(node: DictConfig, key: str, problems: ProblemCollector, *, recurse: bool = True) -> None:
+    """Report every key of a typed node (at ``key``, and below it with ``recurse``) that its schema does not
+    declare. Untyped maps (``overrides``, ``server_defaults``, ``env``, ...) hold any key; typed nodes inside
+    them are still checked."""
+    schema = _dataclass_of(node)
+    names = {f.name for f in dataclasses.fields(schema)} if schema is not None else None
+    for child_key in node:
+        child_path = f"{key}.{child_key}" if key else str(child_key)
+        if names is not None and child_key not in names and child_key != "hydra":
+            problems.add(child_path, _unknown_key_message(str(child_key), schema))  # type: ignore[arg-type]
+            continue
+        child = node._get_node(child_key)
+        if (
+            recurse
+            and isinstance(child, DictConfig)
+            and not child._is_none()
+            and not child._is_interpolation()
+        ):
+            unknown_keys(child, child_path, problems)
+
+
+def _helper_group_problems(cfg: DictConfig, key: str, problems: ProblemCollector) -> None:
+    """``+sglang_model=base`` adds a stray ``sglang_model`` node; a helper group belongs under the group."""
+    reported = set()
+    for choice in hydra_choices(cfg):
+        group, _, package = str(choice).partition("@")
+        if group not in HELPER_GROUPS:
+            continue
+        inside = package.startswith(f"{key}.") and (group == "sglang_model" or ".extra_groups." in package)
+        if not inside:
+            where = f"at {package}" if package else "without a package"
+            problems.add(group, f"is a helper group, used {where}; {HELPER_GROUPS[group].format(key=key)}")
+            reported.add(group)
+    for group, hint in HELPER_GROUPS.items():
+        if group in cfg and group not in reported:
+            problems.add(group, f"is a helper group, not a setting of the app; {hint.format(key=key)}")
+
+
+# ---------------------------------------------------------------------------------------------- groups
 def _group(
     name: str,
     worker_type: Any,
@@ -94,14 +207,31 @@ def _group(
     key: str,
     problems: ProblemCollector,
 ) -> GroupSpec:
+    overrides = _resolved(
+        _child(node, "overrides", f"{key}.overrides", problems), f"{key}.overrides", problems
+    )
+    if overrides is not None and not isinstance(overrides, dict):
+        problems.add(f"{key}.overrides", f"must map ServerArgs fields to values, got {overrides!r}")
+        overrides = None
     return GroupSpec(
         name=name,
         worker_type=worker_type,
         num_gpus=_value(node, "num_gpus", "", key, problems),
         num_gpus_per_engine=_value(node, "num_gpus_per_engine", default_gpus_per_engine, key, problems),
-        overrides=_container(node.get("overrides"), f"{key}.overrides", problems),
+        overrides=overrides or {},
         key=key,
     )
+
+
+def _name_ok(name: str, parent_key: str, what: str, problems: ProblemCollector) -> bool:
+    if len(name) > MAX_NAME_LENGTH:
+        problems.add(
+            f"{parent_key}.{name[:24]}…",
+            f"the {what} name is {len(name)} characters long; at most {MAX_NAME_LENGTH} (names become engine "
+            "ids and log file names)",
+        )
+        return False
+    return True
 
 
 def _extra_groups(
@@ -109,7 +239,8 @@ def _extra_groups(
 ) -> dict[str, GroupSpec]:
     """The enabled groups under ``extra_groups`` by name; appends every extra group's name to ``known``."""
     enabled: dict[str, GroupSpec] = {}
-    extras = node.get("extra_groups") or {}
+    extras = _child(node, "extra_groups", f"{key}.extra_groups", problems)
+    extras = extras if isinstance(extras, DictConfig) else {}
     for extra_name in extras:
         group_key = f"{key}.extra_groups.{extra_name}"
         if extra_name in GROUP_SLOTS:
@@ -118,7 +249,11 @@ def _extra_groups(
                 f"{extra_name!r} is already a group slot of the model; give the extra group another name",
             )
             continue
-        extra = _typed(extras[extra_name], ExtraServerGroupConf, group_key, problems)
+        if not _name_ok(str(extra_name), f"{key}.extra_groups", "group", problems):
+            continue
+        extra = _typed(
+            _child(extras, extra_name, group_key, problems), ExtraServerGroupConf, group_key, problems
+        )
         if extra is None:
             continue
         known.append(str(extra_name))
@@ -140,7 +275,8 @@ def _ordered_groups(
 ) -> list[GroupSpec]:
     """The enabled groups in ``group_order`` (checked: known names, every enabled group, once each), or in
     their default order when it is empty or wrong."""
-    order = [str(x) for x in (node.get("group_order") or [])]
+    given = _child(node, "group_order", f"{key}.group_order", problems)
+    order = [str(x) for x in given] if OmegaConf.is_list(given) else []
     if not order:
         return list(enabled.values())
     unknown = [name for name in order if name not in known]
@@ -167,7 +303,9 @@ EXTERNAL_KEYS = ("url", "worker_type", "bootstrap_port")
 def _external(node: DictConfig, key: str, problems: ProblemCollector) -> tuple[ExternalEngineSpec, ...]:
     """The model's external engines: each a URL, or a mapping of :data:`EXTERNAL_KEYS` (values checked at
     resolution)."""
-    entries = _container(node.get("external"), f"{key}.external", problems)
+    entries = _resolved(node.get("external"), f"{key}.external", problems)
+    if entries is None:
+        return ()
     if not isinstance(entries, list):
         problems.add(f"{key}.external", f"must be a list of engine URLs, got {entries!r}")
         return ()
@@ -201,8 +339,13 @@ def _model(name: str, node: DictConfig, key: str, problems: ProblemCollector) ->
     enabled: dict[str, GroupSpec] = {}
     known: list[str] = list(GROUP_SLOTS)
     for slot in GROUP_SLOTS:
+        slot_node = _typed(
+            _child(node, slot, f"{key}.{slot}", problems), ServerGroupConf, f"{key}.{slot}", problems
+        )
+        if slot_node is None:
+            continue
         group = _group(
-            slot, WorkerType(slot), node[slot], GROUP_GPUS_PER_ENGINE_DEFAULT, f"{key}.{slot}", problems
+            slot, WorkerType(slot), slot_node, GROUP_GPUS_PER_ENGINE_DEFAULT, f"{key}.{slot}", problems
         )
         if group.num_gpus != 0:
             enabled[slot] = group
@@ -213,50 +356,142 @@ def _model(name: str, node: DictConfig, key: str, problems: ProblemCollector) ->
         model_path=_value(node, "model_path", MODEL_PATH_DEFAULT, key, problems),
         update_weights=_value(node, "update_weights", "", key, problems),
         num_gpus_per_engine=_value(node, "num_gpus_per_engine", MODEL_GPUS_PER_ENGINE_DEFAULT, key, problems),
-        key=key,
         external=_external(node, key, problems),
+        key=key,
     )
 
 
-def spec_from_config(cfg: DictConfig, problems: ProblemCollector | None = None) -> DeploymentSpec | None:
-    """The deployment described under ``cfg.sglang`` (None when the app has no ``sglang`` node)."""
-    own = problems is None
-    collector = problems if problems is not None else ProblemCollector("the Hydra config")
-    node = OmegaConf.select(cfg, SGLANG_KEY, default=None)
+def _spec(node: Any, key: str, problems: ProblemCollector) -> DeploymentSpec | None:
     if node is None:
         return None
     if not isinstance(node, DictConfig):
-        collector.add(SGLANG_KEY, f"must map model names to models, got {node!r}")
-        collector.raise_if_any()
+        problems.add(key, f"must map model names to models, got {node!r}")
+        return None
     models = []
     for name in node:
-        key = f"{SGLANG_KEY}.{name}"
-        typed = _typed(node[name], ModelConf, key, collector)
+        model_key = f"{key}.{name}"
+        if not _name_ok(str(name), key, "model", problems):
+            continue
+        typed = _typed(_child(node, name, model_key, problems), ModelConf, model_key, problems)
         if typed is not None:
-            models.append(_model(str(name), typed, key, collector))
-    if own:
-        collector.raise_if_any()
+            models.append(_model(str(name), typed, model_key, problems))
     return DeploymentSpec(models=tuple(models), source="the Hydra config")
+
+
+# ------------------------------------------------------------------------------------ trainer, settings
+def _trainer(cfg: DictConfig, group_node: Any, problems: ProblemCollector) -> TrainerInputs:
+    """The trainer's inputs, found from the group outwards (the root when there is no group node)."""
+    nodes = list(enclosing_nodes(group_node)) if isinstance(group_node, DictConfig) else [cfg]
+    values: dict[str, Any] = {}
+    for name in TrainerInputs.field_names():
+        try:
+            found, value = find_trainer_value(iter(nodes), name)
+        except OmegaConfBaseException as exc:
+            problems.add(name, first_line(exc))
+            continue
+        if found:
+            values[name] = _resolved(value, name, problems) if OmegaConf.is_config(value) else value
+    try:
+        return TrainerInputs.from_mapping(values)
+    except (TypeError, ValueError) as exc:
+        problems.add("", f"the trainer's arguments do not read: {first_line(exc)}")
+        return TrainerInputs()
+
+
+def _deploy_settings(cfg: DictConfig, problems: ProblemCollector) -> SGLangDeployConf:
+    """``sglang_deploy`` (resolved in place, then checked against the schema) as a plain dataclass; the
+    defaults where the app has none, or where it does not read."""
+    node = OmegaConf.select(cfg, DEPLOY_KEY, default=None)
+    if node is not None and not isinstance(node, DictConfig):
+        problems.add(DEPLOY_KEY, f"must be a mapping (SGLangDeployConf), got {node!r}")
+        node = None
+    values = _resolved(node, DEPLOY_KEY, problems) if node is not None else {}
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(SGLangDeployConf), values or {})
+        settings: SGLangDeployConf = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    except OmegaConfBaseException as exc:
+        where = getattr(exc, "full_key", None)
+        key = f"{DEPLOY_KEY}.{where}" if where else DEPLOY_KEY
+        if key not in {problem.key for problem in problems.problems}:  # an unknown key, reported already
+            problems.add(key, first_line(exc))
+        settings = SGLangDeployConf()
+    if settings.api_key is None:
+        settings.api_key = os.environ.get(API_KEY_ENV) or None
+    settings.launch.host = str(settings.launch.host).strip().strip("[]")
+    return settings
+
+
+def _group_key(cfg: DictConfig, sglang_key: str | None, problems: ProblemCollector) -> str:
+    keys = sglang_keys(cfg, sglang_key)
+    if len(keys) > 1:
+        problems.add(
+            SGLANG_KEY,
+            f"the sglang group is placed at {len(keys)} keys ({', '.join(keys)}); one deployment per app: "
+            "pass the one to use (sglang_key=...)",
+        )
+    return keys[0]
+
+
+def _group_node(cfg: DictConfig, key: str, explicit: bool, problems: ProblemCollector) -> Any:
+    try:
+        node = OmegaConf.select(cfg, key, default=None, throw_on_resolution_failure=True)
+    except OmegaConfBaseException as exc:
+        problems.add(key, first_line(exc))
+        return None
+    if node is None and explicit:
+        problems.add(key, "no sglang group here (sglang_key points at a key the config does not have)")
+    return node
+
+
+def read_config(cfg: DictConfig, *, sglang_key: str | None = None) -> ConfigReading:
+    """Everything resolution needs from a composed config, every problem in one
+    :class:`~miles_sglang_plugin.errors.DeploymentConfigError`. ``sglang_key``: where the group is (default:
+    where Hydra placed it, else ``sglang``)."""
+    register_resolvers()
+    problems = ProblemCollector("the Hydra config")
+    key = _group_key(cfg, sglang_key, problems)
+    group_node = _group_node(cfg, key, sglang_key is not None, problems)
+    if _dataclass_of(cfg) is not None:
+        unknown_keys(cfg, "", problems, recurse=False)  # a typed root: +foo=1 is a vanishing key too
+    for node, node_key in ((group_node, key), (OmegaConf.select(cfg, DEPLOY_KEY, default=None), DEPLOY_KEY)):
+        if isinstance(node, DictConfig):
+            unknown_keys(node, node_key, problems)
+    _helper_group_problems(cfg, key, problems)
+    trainer = _trainer(cfg, group_node, problems)
+    settings = _deploy_settings(cfg, problems)
+    spec = _spec(group_node, key, problems)
+    problems.raise_if_any()
+    return ConfigReading(spec=spec, trainer=trainer, settings=settings, sglang_key=key)
+
+
+# ------------------------------------------------------------------------------- one part at a time
+def spec_from_config(
+    cfg: DictConfig, problems: ProblemCollector | None = None, *, sglang_key: str | None = None
+) -> DeploymentSpec | None:
+    """The deployment described at the group's node (None when the app has none)."""
+    collector = problems if problems is not None else ProblemCollector("the Hydra config")
+    key = _group_key(cfg, sglang_key, collector)
+    spec = _spec(_group_node(cfg, key, sglang_key is not None, collector), key, collector)
+    if problems is None:
+        collector.raise_if_any()
+    return spec
 
 
 def deploy_settings_from_config(cfg: DictConfig) -> SGLangDeployConf:
     """``cfg.sglang_deploy`` as a plain :class:`SGLangDeployConf` (defaults if the app has none). The API key
     comes from the environment (``SGLANG_API_KEY``) unless the config sets one, so that it stays out of the
     config Hydra prints and saves; an IPv6 ``launch.host`` is kept without brackets."""
-    node = OmegaConf.select(cfg, DEPLOY_KEY, default=None)
-    merged = OmegaConf.merge(OmegaConf.structured(SGLangDeployConf), node if node is not None else {})
-    settings: SGLangDeployConf = OmegaConf.to_object(merged)  # type: ignore[assignment]
-    if settings.api_key is None:
-        settings.api_key = os.environ.get(API_KEY_ENV) or None
-    settings.launch.host = settings.launch.host.strip().strip("[]")
+    problems = ProblemCollector("the Hydra config")
+    settings = _deploy_settings(cfg, problems)
+    problems.raise_if_any()
     return settings
 
 
-def trainer_from_config(cfg: DictConfig) -> TrainerInputs:
-    """The trainer's inputs from the root of the composed config (Miles' names; absent keys take defaults)."""
-    values = {name: OmegaConf.select(cfg, name, default=None) for name in TrainerInputs.field_names()}
-    if isinstance(values.get("eval_sglang_overrides"), DictConfig):
-        values["eval_sglang_overrides"] = OmegaConf.to_container(
-            values["eval_sglang_overrides"], resolve=True
-        )
-    return TrainerInputs.from_mapping(values)
+def trainer_from_config(cfg: DictConfig, *, sglang_key: str | None = None) -> TrainerInputs:
+    """The trainer's inputs (Miles' names), found from the group outwards; absent keys take defaults."""
+    register_resolvers()
+    problems = ProblemCollector("the Hydra config")
+    key = _group_key(cfg, sglang_key, problems)
+    trainer = _trainer(cfg, _group_node(cfg, key, False, problems), problems)
+    problems.raise_if_any()
+    return trainer

@@ -17,6 +17,10 @@ Layout of a composed app config::
 
 Groups are always present (``num_gpus: 0`` means off) so that ``sglang.actor.decode.num_gpus=12`` works for
 every model without ``+``; None- or MISSING-valued group nodes break dotted overrides in OmegaConf 2.3.
+
+Every field carries a docstring (the string under it: what it is and its unit; the default is the field's own),
+printed by ``miles-sglang fields [PATH]`` (:mod:`miles_sglang_plugin.config.field_docs`); a test checks that no
+field lacks one.
 """
 
 from __future__ import annotations
@@ -35,10 +39,12 @@ from miles_sglang_plugin.config.trainer_inputs import TrainerInputs
 GROUP_SLOTS: tuple[str, ...] = ("prefill", "decode", "regular", "placeholder")
 
 #: Default interpolations; an untouched default means "inherit" (the resolver applies Miles' fallback chain).
+#: ``msp.trainer`` finds the trainer's input next to the group's node, then outwards up to the root
+#: (:mod:`miles_sglang_plugin.config.locating`).
 GROUP_GPUS_PER_ENGINE_DEFAULT = "${..num_gpus_per_engine}"
 EXTRA_GROUP_GPUS_PER_ENGINE_DEFAULT = "${...num_gpus_per_engine}"
-MODEL_GPUS_PER_ENGINE_DEFAULT = "${oc.select:rollout_num_gpus_per_engine,1}"
-MODEL_PATH_DEFAULT = "${oc.select:hf_checkpoint,null}"
+MODEL_GPUS_PER_ENGINE_DEFAULT = "${msp.trainer:rollout_num_gpus_per_engine,1}"
+MODEL_PATH_DEFAULT = "${msp.trainer:hf_checkpoint,null}"
 
 
 @dataclass
@@ -46,8 +52,11 @@ class ServerGroupConf:
     """A server group in one of a model's fixed slots; its worker type is the slot's name."""
 
     num_gpus: int = 0
+    """GPUs of the group, in GPUs; 0 turns the group off."""
     num_gpus_per_engine: int = II("..num_gpus_per_engine")
+    """GPUs per engine (TP x PP) of this group, in GPUs; default: the model's."""
     overrides: dict[str, Any] = field(default_factory=dict)
+    """SGLang ServerArgs values for this group's engines (field -> value), applied last; add keys with ``+``."""
 
 
 @dataclass
@@ -55,28 +64,41 @@ class ExtraServerGroupConf:
     """A further group of a model (``sglang.<model>.extra_groups.<name>``), e.g. a second decode group."""
 
     worker_type: WorkerType = WorkerType.regular
+    """What the group runs: regular, prefill, decode or placeholder (GPUs reserved, no engines)."""
     num_gpus: int = 0
+    """GPUs of the group, in GPUs; 0 turns the group off."""
     num_gpus_per_engine: int = II("...num_gpus_per_engine")
+    """GPUs per engine (TP x PP) of this group, in GPUs; default: the model's."""
     overrides: dict[str, Any] = field(default_factory=dict)
+    """SGLang ServerArgs values for this group's engines (field -> value), applied last; add keys with ``+``."""
 
 
 @dataclass
 class ModelConf:
     """One model behind one router."""
 
-    model_path: str | None = II("oc.select:hf_checkpoint,null")
+    model_path: str | None = II("msp.trainer:hf_checkpoint,null")
+    """Checkpoint the model's engines serve (a path or hub name); default: the trainer's hf_checkpoint."""
     update_weights: bool | None = None
-    num_gpus_per_engine: int = II("oc.select:rollout_num_gpus_per_engine,1")
+    """Whether training pushes weights to this model; null: true iff its path is the trainer's hf_checkpoint."""
+    num_gpus_per_engine: int = II("msp.trainer:rollout_num_gpus_per_engine,1")
+    """GPUs per engine (TP x PP) of the model's groups, in GPUs; default: the trainer's rollout_num_gpus_per_engine."""
     prefill: ServerGroupConf = field(default_factory=ServerGroupConf)
+    """The prefill group of a PD-disaggregated model (needs a decode group)."""
     decode: ServerGroupConf = field(default_factory=ServerGroupConf)
+    """The decode group of a PD-disaggregated model (needs a prefill group)."""
     regular: ServerGroupConf = field(default_factory=ServerGroupConf)
+    """The group of regular (not disaggregated) engines."""
     placeholder: ServerGroupConf = field(default_factory=ServerGroupConf)
-    extra_groups: dict[str, ExtraServerGroupConf] = field(default_factory=dict)
+    """GPUs reserved in the layout without engines (e.g. kept for training)."""
+    extra_groups: dict[str, Any] = field(default_factory=dict)
+    """Further groups by name (each an ExtraServerGroupConf: ``+sglang_group@...=decode`` or a plain mapping)."""
     group_order: list[str] = field(default_factory=list)
-    #: Engines that already run elsewhere, served by this model's router (Miles' ``rollout_external`` / slime's
-    #: external engines): a URL (a regular engine) or ``{url, worker_type, bootstrap_port}``. Health, routing
-    #: and control reach them; teardown leaves them running.
+    """Order of the groups on the GPUs (names); empty: prefill, decode, regular, placeholder, then extra groups."""
     external: list[Any] = field(default_factory=list)
+    """Engines already running elsewhere, served by this model's router: a URL or ``{url, worker_type, bootstrap_port}``."""
+    # Miles' ``rollout_external`` / slime's external engines: health, routing and control reach them; teardown
+    # leaves them running.
 
 
 class EngineKind(StrEnum):
@@ -98,46 +120,61 @@ class RouterConf:
     """sglang-router (SGLang Model Gateway) settings, one router per model."""
 
     policy: str = "cache_aware"
+    """Load-balancing policy: cache_aware, round_robin, power_of_two, random, manual or consistent_hashing."""
     prefill_policy: str | None = None
+    """Policy among a PD model's prefill engines (bucket allowed here); null: ``policy``."""
     decode_policy: str | None = None
+    """Policy among a PD model's decode engines; null: ``policy``."""
     request_timeout_secs: int = 14400
+    """Longest a request may take through the router, in seconds."""
     health_check_interval_secs: int = 60
+    """Time between the router's health checks of a worker, in seconds."""
     health_failure_threshold: int = 3
+    """Failed health checks in a row after which the router takes a worker out."""
     health_success_threshold: int = 2
+    """Passed health checks in a row after which the router takes a worker back."""
     health_check_timeout_secs: int = 5
+    """Time a health check may take, in seconds."""
     disable_health_check: bool = False
+    """Turn the router's health checks off."""
     retry_max_retries: int = 5
+    """Retries of a failed request on another worker."""
     disable_retries: bool = False
-    #: Backoff between the retries of a request (the router's own defaults).
+    """Turn request retries off."""
     retry_initial_backoff_ms: int = 50
+    """Wait before the first retry of a request, in milliseconds (the router's default)."""
     retry_max_backoff_ms: int = 30000
+    """Longest wait between retries of a request, in milliseconds."""
     retry_backoff_multiplier: float = 1.5
+    """Factor the wait grows by from one retry to the next."""
     retry_jitter_factor: float = 0.2
+    """Random share added to each wait (0.2: up to 20 %)."""
     cb_failure_threshold: int = 10
+    """Failures in a row that open a worker's circuit breaker."""
     cb_timeout_duration_secs: int = 60
+    """Time a worker's circuit breaker stays open, in seconds."""
     disable_circuit_breaker: bool = False
+    """Turn the circuit breaker off."""
     log_level: str = "warn"
-    #: Any other ``RouterArgs`` field, by name.
+    """Router log level: debug, info, warn or error."""
     extra: dict[str, Any] = field(default_factory=dict)
+    """Any other sglang-router ``RouterArgs`` field, by name (field -> value)."""
 
 
 @dataclass
 class RayConf:
     """The ``ray`` backend: engines under Ray actors on the nodes of a running Ray cluster."""
 
-    #: The cluster to connect to when this process is not connected to one yet: null = ``$RAY_ADDRESS``, else
-    #: the cluster started on this machine (``ray start --head``; Ray's ``address="auto"``).
     address: str | None = None
-    #: Start a one-machine Ray cluster when none is found (off: a missing cluster is an error, never started
-    #: silently).
+    """Cluster to connect to when not connected yet; null: ``$RAY_ADDRESS``, else this machine's (``ray start --head``)."""
     start_local_cluster: bool = False
-    #: Deadline for the placement group to be placed and the engine actors to start on their nodes.
+    """Start a one-machine Ray cluster when none is found (off: a missing cluster is an error, never started silently)."""
     placement_timeout_s: float = 120.0
-    #: CPUs each engine actor reserves (its engine process uses the node's CPUs either way).
+    """Deadline for the placement group to be placed and the engine actors to start, in seconds."""
     engine_num_cpus: float = 0.0
-    #: In a placement group handed over by the trainer (one GPU per bundle, Miles' layout), the share of its
-    #: first bundle's GPU each engine actor reserves (Miles: 0.2, so that colocated training actors fit).
+    """CPUs each engine actor reserves (its engine process uses the node's CPUs either way)."""
     bundle_gpu_share: float = 0.2
+    """Share of its first bundle's GPU each engine actor reserves in the trainer's placement group (Miles: 0.2)."""
 
 
 @dataclass
@@ -145,25 +182,30 @@ class LaunchConf:
     """How engines are started and stopped."""
 
     engine: EngineKind = EngineKind.sglang
-    #: Which backend places and runs the engines (see the README's backends section).
+    """What runs as an engine: sglang (real SGLang) or simulated (the HTTP stand-in, for machines without GPUs)."""
     backend: BackendKind = BackendKind.local
-    #: Command prefix of an engine; ``{python}`` is this interpreter. ``[sglang, serve]`` also works. Not in
-    #: repr: it may hold a secret flag (``--admin-api-key``), which is masked wherever a command is shown.
+    """Where engines run: local (subprocesses of this machine) or ray (Ray actors on a cluster's nodes; see the README)."""
     command: list[str] = field(default_factory=lambda: ["{python}", "-m", "sglang.launch_server"], repr=False)
-    #: Address engines and routers bind to on a single machine.
+    """Command prefix of an engine (``{python}``: this interpreter; ``[sglang, serve]`` works too)."""
+    # Not in repr: it may hold a secret flag (--admin-api-key), masked wherever a command is shown.
     host: str = "127.0.0.1"
+    """Address engines and routers bind to on a single machine."""
     startup_timeout_s: float = 600.0
+    """Longest the whole deployment may take to become ready, in seconds."""
     poll_interval_s: float = 0.25
+    """Time between health polls during start-up, in seconds."""
     shutdown_grace_s: float = 10.0
-    #: Ports are searched upward from here, below the ephemeral range (Miles starts at 15000).
+    """Time between SIGTERM and SIGKILL when stopping, in seconds."""
     port_base: int = 15000
+    """First port tried for engines and routers (searched upward, below the ephemeral range; Miles: 15000)."""
     port_max: int = 32767
-    #: Log directory (default: ``sglang_logs`` under the Hydra run directory).
+    """Last port that may be used."""
     log_dir: str | None = None
-    #: Live status display: auto (a terminal), always, never.
+    """Directory of the engine and router logs; null: ``sglang_logs`` in the Hydra run directory."""
     live: str = "auto"
-    #: Settings of the ``ray`` backend.
+    """Start-up display: auto (a live table on a terminal, plain lines otherwise), always, never (no progress lines)."""
     ray: RayConf = field(default_factory=RayConf)
+    """Settings of the ``ray`` backend."""
 
 
 @dataclass
@@ -171,21 +213,20 @@ class LoraConf:
     """LoRA serving on every engine, with the server arguments Miles derives from its ``--lora-*`` and
     ``--multi-lora-*`` arguments (see :mod:`miles_sglang_plugin.rendering.lora`)."""
 
-    #: Single LoRA (Miles: ``--lora-rank`` > 0 or ``--lora-adapter-path``, without ``--lora-train-only``).
     enabled: bool = False
-    #: adapter name -> path, rendered as ``--lora-paths name=path`` (Miles: ``miles_lora=<--lora-adapter-path>``).
+    """Single LoRA on every engine (Miles: ``--lora-rank`` > 0 or ``--lora-adapter-path``, not ``--lora-train-only``)."""
     paths: dict[str, str] = field(default_factory=dict)
-    #: null: Miles' value, 1 (multi-LoRA: ``multi_lora_n_adapters``).
+    """Adapters to load at start (name -> path), rendered as ``--lora-paths name=path`` (Miles: ``miles_lora=...``)."""
     max_loras_per_batch: int | None = None
-    #: Miles: ``max(--lora-rank, 1)``.
+    """Most adapters in one batch; null: Miles' value (1; multi-LoRA: ``multi_lora_n_adapters``)."""
     max_lora_rank: int = 8
-    #: HF or Megatron module names (Miles' ``--target-modules``; Megatron names are mapped to HF ones as Miles
-    #: does); empty: SGLang's default (single LoRA only).
+    """Largest adapter rank served (Miles: ``max(--lora-rank, 1)``)."""
     target_modules: list[str] = field(default_factory=list)
-    #: Multi-LoRA (Miles' ``--multi-lora-n-adapters``): > 0 adapter slots per batch, which also turns LoRA on.
+    """HF or Megatron module names the adapters apply to (Megatron names mapped as Miles does); empty: SGLang's default."""
     multi_lora_n_adapters: int = 0
-    #: Miles' ``--lora-base-cpu-backup``: colocated single-LoRA engines keep a CPU copy of the base weights.
+    """Multi-LoRA (Miles' ``--multi-lora-n-adapters``): adapter slots per batch; > 0 also turns LoRA on."""
     base_cpu_backup: bool = False
+    """Colocated single-LoRA engines keep a CPU copy of the base weights (Miles' ``--lora-base-cpu-backup``)."""
 
 
 @dataclass
@@ -194,55 +235,55 @@ class StandInFaultsConf:
     ids such as ``actor.decode.1`` (shell-style wildcards: ``actor.*``)."""
 
     start_delay_s: float = 0.0
+    """Delay before each stand-in engine starts answering, in seconds."""
     fail_at_start: list[str] = field(default_factory=list)
+    """Engine patterns whose stand-in exits at start."""
     never_healthy: list[str] = field(default_factory=list)
-    #: pattern -> seconds after which the engine exits
+    """Engine patterns whose stand-in never reports healthy."""
     die_after_s: dict[str, float] = field(default_factory=dict)
-    #: How long each control call (release/resume memory, weight updates, pause, ...) takes on a stand-in, as
-    #: a real engine's do (seconds): fan-out timing with stand-ins is otherwise all client overhead.
+    """Engine pattern -> time after which that stand-in exits, in seconds."""
     control_latency_s: float = 0.0
+    """Time each control call (memory release/resume, weight updates, pause, ...) takes on a stand-in, in seconds."""
 
 
 @dataclass
 class SupervisionConf:
     """Watching the engines and routers of a running deployment, and healing it (see the README)."""
 
-    #: Off: nothing is watched after start-up (``deployment.exited()`` still tells).
     enabled: bool = True
-    #: What is polled: ``/health`` (no generation with Miles' engine environment: it answers while the engine
-    #: is offloaded, and notices a dead or stopped server process) or ``/health_generate`` (a one-token
-    #: generation, as Miles' monitor: it also notices a wedged scheduler; engines that are offloaded or
-    #: paused, which cannot generate, are polled on ``/health`` meanwhile).
+    """Watch and heal after start-up; off: nothing is watched (``deployment.exited()`` still tells)."""
     health_endpoint: str = "/health"
-    #: Every engine is polled this often ...
+    """What is polled: /health (answers while offloaded) or /health_generate (a generation, as Miles' monitor)."""
+    # /health_generate also notices a wedged scheduler; engines that are offloaded or paused, which cannot
+    # generate, are then polled on /health meanwhile.
     health_interval_s: float = 1.0
-    #: ... each poll answering within this time ...
+    """Time between two polls of an engine, in seconds."""
     health_timeout_s: float = 2.0
-    #: ... and an engine that fails this many polls in a row is lost (a hang: SIGSTOP, a wedged scheduler).
-    #: A process that exits is lost at once.
+    """Time a poll may take, in seconds."""
     failure_threshold: int = 2
-    #: Restarts of one engine (its same argv, environment and GPUs) before the deployment gives up and stops,
-    #: whole. 0: fail fast, the first loss stops the deployment.
+    """Failed polls in a row after which an engine is lost (a hang); a process that exits is lost at once."""
     max_restarts: int = 3
-    #: Wait before restart n (n = 1, 2, ...): ``restart_backoff_s * 2**(n-1)``, at most ``restart_backoff_max_s``.
+    """Restarts of one engine (same argv, environment, GPUs) before the deployment fails whole; 0: fail fast."""
     restart_backoff_s: float = 1.0
+    """Wait before the first restart, in seconds; restart n waits ``restart_backoff_s * 2**(n-1)``."""
     restart_backoff_max_s: float = 30.0
-    #: A restarted engine that has served this long gets its restart budget back.
+    """Longest wait before a restart, in seconds."""
     restart_budget_reset_s: float = 600.0
-    #: Grace of a lost engine's processes (SIGTERM, then SIGKILL): short, a hung engine ignores SIGTERM.
+    """Time a restarted engine must serve to get its restart budget back, in seconds."""
     kill_grace_s: float = 1.0
-    #: Routers that exit are restarted (and re-populated) this many times in all.
+    """Time between SIGTERM and SIGKILL of a lost engine's processes, in seconds (a hung engine ignores SIGTERM)."""
     router_max_restarts: int = 3
+    """Restarts of routers that exit (each re-populated with the serving engines), in all."""
 
 
 @dataclass
 class ControlConf:
     """The control handle's calls to the engines (``deployment.control``)."""
 
-    #: Deadline of one operation over all its engines (a weight update from disk can take minutes).
     timeout_s: float = 600.0
-    #: At most this many requests in flight at once per operation.
+    """Deadline of one operation over all its engines, in seconds (a weight update from disk can take minutes)."""
     max_concurrency: int = 128
+    """Most requests in flight at once per operation."""
 
 
 @dataclass
@@ -250,19 +291,24 @@ class SGLangDeployConf:
     """Deployment-wide settings (not per model)."""
 
     launch: LaunchConf = field(default_factory=LaunchConf)
+    """How engines are started and stopped."""
     router: RouterConf = field(default_factory=RouterConf)
-    #: Deployment-wide ServerArgs values (Miles' ``--sglang-*`` flags): lowest precedence.
+    """Settings of every model's router."""
     server_defaults: dict[str, Any] = field(default_factory=dict)
-    #: Extra environment variables for every engine (above Miles' defaults, below CUDA_VISIBLE_DEVICES).
+    """Deployment-wide ServerArgs values (Miles' ``--sglang-*``; field -> value): the lowest precedence."""
     env: dict[str, str] = field(default_factory=dict, repr=False)  # may hold tokens: kept out of repr
+    """Extra environment variables of every engine (above Miles' defaults, below CUDA_VISIBLE_DEVICES)."""
     lora: LoraConf = field(default_factory=LoraConf)
+    """LoRA serving on every engine."""
     standin: StandInFaultsConf = field(default_factory=StandInFaultsConf)
+    """Fault injection for the stand-in engines (``launch.engine=simulated`` only)."""
     supervision: SupervisionConf = field(default_factory=SupervisionConf)
+    """Watching and healing the running deployment."""
     control: ControlConf = field(default_factory=ControlConf)
-    #: API key of engines and routers. A secret: never printed, logged or written to a plan. Prefer the
-    #: environment variable SGLANG_API_KEY (read when this is null): a value given here is part of the
-    #: config that Hydra saves in the run directory.
+    """The control handle's calls to the engines."""
     api_key: str | None = field(default=None, repr=False)
+    """API key of engines and routers (a secret: never printed or logged); null: env SGLANG_API_KEY (preferred)."""
+    # A value given here is part of the config that Hydra saves in the run directory; the environment is not.
 
 
 @dataclass
@@ -270,9 +316,10 @@ class SGLangDeployConf:
 class MilesTrainerArgs:
     """Trainer inputs under Miles' argument names, as a typed root schema a Hydra trainer can extend.
 
-    Its first fields are those of :class:`TrainerInputs` (names, types, defaults; each one's meaning is
-    documented there), copied from it, followed by the group's own nodes."""
+    Its first fields are those of :class:`TrainerInputs` (names, types, defaults and docstrings), copied from
+    it, followed by the group's own nodes."""
 
-    #: Filled by the ``sglang`` group (models by name) and its presets (deployment settings).
     sglang: dict[str, ModelConf] = field(default_factory=dict)
+    """The deployment's models by name, in GPU order (one router each); filled by the ``sglang`` group."""
     sglang_deploy: SGLangDeployConf = field(default_factory=SGLangDeployConf)
+    """Deployment-wide settings: launcher, router, SGLang defaults, LoRA, API key, stand-in faults."""

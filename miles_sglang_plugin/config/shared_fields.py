@@ -19,7 +19,8 @@ ClassT = TypeVar("ClassT", bound=type)
 def fields_of(source: type, *, retype: Callable[[Any], Any] | None = None) -> Callable[[ClassT], ClassT]:
     """Class decorator, written under ``@dataclass``: the class gets every dataclass field of ``source``, in
     ``source``'s order and before its own fields, with the same type (resolved), default or default factory,
-    and field options. ``retype`` maps each copied type (e.g. ``Mapping`` to ``dict`` for OmegaConf)."""
+    and field options. ``retype`` maps each copied type (e.g. ``Mapping`` to ``dict`` for OmegaConf). The class
+    records ``source`` in ``__fields_copied_from__`` (where the copied fields' docstrings are)."""
     hints = typing.get_type_hints(source)
 
     def decorate(cls: ClassT) -> ClassT:
@@ -32,6 +33,7 @@ def fields_of(source: type, *, retype: Callable[[Any], Any] | None = None) -> Ca
             copied[source_field.name] = retype(field_type) if retype is not None else field_type
             setattr(cls, source_field.name, _copy_field(source_field))
         cls.__annotations__ = {**copied, **own}
+        cls.__fields_copied_from__ = source  # type: ignore[attr-defined]
         return cls
 
     return decorate

@@ -9,7 +9,8 @@ Config groups registered here (the ``sglang`` presets themselves are YAML files 
   its four fixed slots: ``+sglang_group@sglang.<model>.extra_groups.<name>=decode``.
 - ``sglang_deploy``: ``default`` (real SGLang engines) and ``simulated`` (the HTTP stand-in engines) —
   deployment-wide launcher, router and SGLang settings at the root key ``sglang_deploy``.
-- ``hydra/callbacks``: ``sglang_cleanup`` — stops any deployment a job left running when the job ends.
+- ``hydra/callbacks``: ``sglang_cleanup`` — stops any deployment a job left running when the job ends;
+  ``sglang_plan`` — the app's dry run: prints the plan of the app's own config and runs nothing.
 - ``miles_trainer_args``: Miles' trainer arguments as a root schema, for apps that want them typed.
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 from hydra.core.config_store import ConfigStore
 
 from miles_sglang_plugin.config.deployment_spec import WorkerType
+from miles_sglang_plugin.config.locating import register_resolvers
 from miles_sglang_plugin.config.schema import (
     EngineKind,
     ExtraServerGroupConf,
@@ -34,11 +36,13 @@ _registered = False
 
 
 def register_configs() -> None:
-    """Store the schemas (once per process; Hydra's plugin scan and the CLI both call this)."""
+    """Store the schemas and register the ``msp.trainer`` resolver their defaults use (once per process;
+    Hydra's plugin scan and the CLI both call this)."""
     global _registered
     if _registered:
         return
     _registered = True
+    register_resolvers()
     config_store = ConfigStore.instance()
     config_store.store(group="sglang_model", name="base", node=ModelConf, provider=PROVIDER)
     for worker_type in WorkerType:
@@ -61,6 +65,18 @@ def register_configs() -> None:
         name="sglang_cleanup",
         package="hydra.callbacks",
         node={"sglang_cleanup": {"_target_": "miles_sglang_plugin.app.callbacks.SGLangCleanupCallback"}},
+        provider=PROVIDER,
+    )
+    config_store.store(
+        group="hydra/callbacks",
+        name="sglang_plan",
+        package="hydra.callbacks",
+        node={
+            "sglang_plan": {
+                "_target_": "miles_sglang_plugin.app.callbacks.SGLangPlanCallback",
+                "commands": False,
+            }
+        },
         provider=PROVIDER,
     )
 

@@ -31,35 +31,51 @@ class TrainerInputs:
     added here is a typed config key as well."""
 
     hf_checkpoint: str | None = None
-    #: GPUs for rollout (eval excluded). None: follow from the server groups.
+    """The trained model's checkpoint (Miles' --hf-checkpoint); the default model path of every model."""
     rollout_num_gpus: int | None = None
+    """GPUs for rollout, eval excluded; null: whatever the server groups hold (set: must match them)."""
     rollout_num_gpus_per_engine: int = 1
+    """GPUs per engine (TP x PP) of groups that pin none, in GPUs."""
     num_gpus_per_node: int = 8
+    """GPUs of each node of the cluster."""
     actor_num_nodes: int = 1
+    """Nodes the actor trains on (placement: rollout GPUs come after the actor's unless colocated)."""
     actor_num_gpus_per_node: int = 8
+    """GPUs per node the actor trains on."""
     colocate: bool = False
-    #: None: on with ``colocate``, else off (Miles' ``--offload-rollout`` / ``--no-offload-rollout``).
+    """Rollout shares the training GPUs (from slot 0; Miles sizes rollout to the actor's GPUs and offloads)."""
     offload_rollout: bool | None = None
+    """Engines on training GPUs release their memory during training; null: on with colocate, else off."""
     eval_num_gpus: int = 0
-    #: GPUs per eval engine; Miles' default is 1, whatever ``rollout_num_gpus_per_engine`` is.
+    """GPUs of the separate eval fleet (a model named eval); 0: none."""
     eval_num_gpus_per_engine: int = 1
+    """GPUs per engine of the eval fleet (Miles' default 1, whatever rollout_num_gpus_per_engine is)."""
     prefill_num_servers: int | None = None
+    """Miles' legacy PD split without a deployment: prefill engines of the one model; null: none."""
     debug_rollout_only: bool = False
+    """Rollout without training (no Megatron GPUs; rollout starts at slot 0)."""
     debug_train_only: bool = False
+    """Training without rollout (no engines are started)."""
     use_critic: bool = False
+    """A critic trains next to the actor (Miles gives it the actor's size, on the actor's GPUs)."""
     critic_train_only: bool = False
-    #: None: the same as the actor's; 0: no critic. With ``use_critic`` Miles sets both to the actor's.
+    """Only the critic trains (its GPUs come before rollout's)."""
     critic_num_nodes: int | None = None
+    """Nodes the critic trains on; null: actor_num_nodes; 0: no critic (with use_critic: the actor's)."""
     critic_num_gpus_per_node: int | None = None
-    #: Base of the per-engine ``--random-seed`` (Miles: ``seed + rank``).
+    """GPUs per node the critic trains on; null: actor_num_gpus_per_node; 0: no critic."""
     seed: int = 1234
+    """Base of each engine's --random-seed (Miles: seed + the engine's rank)."""
     use_rollout_routing_replay: bool = False
+    """Engines record MoE routing for replay in training (Miles' --use-rollout-routing-replay)."""
     use_rollout_indexer_replay: bool = False
+    """Engines record the indexer's choices for replay in training (Miles' --use-rollout-indexer-replay)."""
     fp16: bool = False
-    #: Miles' ``--eval-sglang-*`` values, as ServerArgs field -> value.
+    """Train in fp16 (engines then serve in float16)."""
     eval_sglang_overrides: Mapping[str, Any] = field(default_factory=dict)
-    #: Not a Miles argument: how many nodes the cluster has. None: as many as the plan needs (no check).
+    """Miles' --eval-sglang-* values for the eval fleet (ServerArgs field -> value)."""
     num_nodes: int | None = None
+    """Nodes of the cluster, for the capacity check (not a Miles argument); null: unknown, not checked."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "eval_sglang_overrides", MappingProxyType(dict(self.eval_sglang_overrides)))

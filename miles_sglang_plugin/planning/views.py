@@ -119,12 +119,23 @@ def node_tables(plan: DeploymentPlan) -> list[Table]:
     return tables
 
 
+def capacity_line(plan: DeploymentPlan) -> str:
+    """The cluster the plan was checked against, or that it was not (``num_nodes`` unset)."""
+    trainer = plan.trainer
+    if trainer.num_nodes is None:
+        return "cluster size unknown (num_nodes unset): capacity not checked"
+    capacity = trainer.num_nodes * trainer.num_gpus_per_node
+    used = max(plan.rollout_offset + plan.total_gpus, plan.megatron_num_gpus)
+    return f"cluster: {trainer.num_nodes} node(s) x {trainer.num_gpus_per_node} GPUs = {capacity} GPU slots, {used} used"
+
+
 def print_plan(plan: DeploymentPlan, console: Console | None = None) -> None:
     console = console or Console()
     summary = (
         f"{plan.total_gpus} GPUs in {len(plan.models)} model(s), {len(plan.engines)} engine(s); "
         f"rollout_offset={plan.rollout_offset}, megatron GPUs={plan.megatron_num_gpus}, "
-        f"num_gpus_per_node={plan.num_gpus_per_node}, offload_rollout={plan.trainer.offload_rollout}"
+        f"num_gpus_per_node={plan.num_gpus_per_node}, offload_rollout={plan.trainer.offload_rollout}\n"
+        f"{capacity_line(plan)}"
     )
     console.print(Group(Text(summary), models_table(plan), groups_table(plan), *node_tables(plan)))
     for note in plan.notes:

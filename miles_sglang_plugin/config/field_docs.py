@@ -1,0 +1,163 @@
+"""Documentation of every config field, read from the structured configs themselves (``miles-sglang fields``).
+
+Each field of a schema dataclass has a docstring: the string literal written under it (what it is and its
+unit). This module reads those docstrings from the classes' source, and the types and defaults from the
+dataclasses, so that what is printed cannot drift from what Hydra composes. Fields copied from another
+dataclass (``fields_of``: ``MilesTrainerArgs`` from ``TrainerInputs``) keep the docstrings of their source.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import enum
+import functools
+import inspect
+import itertools
+import json
+import textwrap
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any
+
+#: Mapping fields whose values follow a schema although their declared value type is ``Any`` (so that a plain
+#: mapping is accepted and checked when read): (class name, field) -> (value schema's name, key placeholder).
+_MAPPING_VALUE_SCHEMAS: dict[tuple[str, str], tuple[str, str]] = {
+    ("ModelConf", "extra_groups"): ("ExtraServerGroupConf", "<name>"),
+}
+#: Placeholders for the keys of mappings whose values are typed (``sglang: dict[str, ModelConf]``).
+_PLACEHOLDERS: dict[str, str] = {"ModelConf": "<model>"}
+
+
+@dataclass(frozen=True)
+class FieldDoc:
+    """One documented config key: ``key`` with ``<model>`` / ``<name>`` where the user picks the name."""
+
+    key: str
+    type: str
+    default: str
+    doc: str
+
+
+@functools.cache
+def _docstrings_in_source(cls: type) -> dict[str, str]:
+    """Field name -> the string literal written under the field in the class body."""
+    try:
+        source = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):  # no source (a class made at run time)
+        return {}
+    body = next(node for node in ast.parse(source).body if isinstance(node, ast.ClassDef)).body
+    docs: dict[str, str] = {}
+    for statement, following in itertools.pairwise(body):
+        if (
+            isinstance(statement, ast.AnnAssign)
+            and isinstance(statement.target, ast.Name)
+            and isinstance(following, ast.Expr)
+            and isinstance(following.value, ast.Constant)
+            and isinstance(following.value.value, str)
+        ):
+            docs[statement.target.id] = " ".join(inspect.cleandoc(following.value.value).split()).replace(
+                "``", "`"
+            )
+    return docs
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Every dataclass field of ``cls`` -> its docstring ("" where it has none): its own, its bases', and
+    those of the classes its fields were copied from."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        copied_from = klass.__dict__.get("__fields_copied_from__")
+        if copied_from is not None:
+            docs.update(field_docs(copied_from))
+        docs.update(_docstrings_in_source(klass))
+    return {f.name: docs.get(f.name, "") for f in dataclasses.fields(cls)}
+
+
+def _type_text(hint: Any) -> str:
+    """``int``, ``str | None``, ``dict[str, ModelConf]``; an enum as its values (``sglang | simulated``)."""
+    if hint is type(None):
+        return "None"
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return " | ".join(str(member.value) for member in hint)
+    args = typing.get_args(hint)
+    if not args:
+        return getattr(hint, "__name__", str(hint))
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " | ".join(_type_text(arg) for arg in args)
+    return f"{typing.get_origin(hint).__name__}[{', '.join(_type_text(arg) for arg in args)}]"
+
+
+def _default_text(schema_field: dataclasses.Field) -> str:
+    if schema_field.default is not dataclasses.MISSING:
+        value = schema_field.default
+    elif schema_field.default_factory is not dataclasses.MISSING:
+        value = schema_field.default_factory()
+    else:
+        return "(required)"
+    if dataclasses.is_dataclass(value):
+        return ""
+    if isinstance(value, enum.Enum):
+        return str(value.value)
+    if isinstance(value, str):
+        return value
+    return json.dumps(value)
+
+
+def _nested_schema(cls: type, name: str, hint: Any, schemas: dict[str, type]) -> tuple[type, str] | None:
+    """(schema, key placeholder or "") of a field that holds a schema node or a mapping of them."""
+    if dataclasses.is_dataclass(hint):
+        return hint, ""  # type: ignore[return-value]
+    mapped = _MAPPING_VALUE_SCHEMAS.get((cls.__name__, name))
+    if mapped is not None:
+        return schemas[mapped[0]], mapped[1]
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is dict and len(args) == 2 and dataclasses.is_dataclass(args[1]):
+        return args[1], _PLACEHOLDERS.get(args[1].__name__, "<name>")
+    return None
+
+
+def schema_fields(cls: type, prefix: str = "") -> list[FieldDoc]:
+    """Every key under ``cls`` (nested schemas included), in declaration order."""
+    from miles_sglang_plugin.config import schema
+
+    schemas = {name: obj for name, obj in vars(schema).items() if dataclasses.is_dataclass(obj)}
+    hints = typing.get_type_hints(cls)
+    docs = field_docs(cls)
+    rows: list[FieldDoc] = []
+    for schema_field in dataclasses.fields(cls):
+        key = f"{prefix}{schema_field.name}"
+        hint = hints[schema_field.name]
+        rows.append(FieldDoc(key, _type_text(hint), _default_text(schema_field), docs[schema_field.name]))
+        nested = _nested_schema(cls, schema_field.name, hint, schemas)
+        if nested is None:
+            continue
+        node_schema, placeholder = nested
+        if placeholder:
+            doc = (inspect.getdoc(node_schema) or "").splitlines()[0]
+            rows.append(FieldDoc(f"{key}.{placeholder}", node_schema.__name__, "", doc))
+            key = f"{key}.{placeholder}"
+        rows.extend(schema_fields(node_schema, f"{key}."))
+    return rows
+
+
+def _matches(key: str, path: list[str]) -> bool:
+    parts = key.split(".")
+    if len(parts) < len(path):
+        return False
+    return all(part == wanted or part.startswith("<") for part, wanted in zip(parts, path, strict=False))
+
+
+def select_fields(rows: list[FieldDoc], path: str) -> list[FieldDoc]:
+    """The rows at or under ``path`` (dotted; a model or group name matches ``<model>`` / ``<name>``)."""
+    wanted = [part for part in path.split(".") if part]
+    return [row for row in rows if _matches(row.key, wanted)]
+
+
+def close_keys(rows: list[FieldDoc], path: str) -> list[str]:
+    """Keys that look like ``path``, for the message when it matches none."""
+    return difflib.get_close_matches(path, [row.key for row in rows], n=3, cutoff=0.6)

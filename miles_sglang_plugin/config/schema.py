@@ -171,9 +171,30 @@ class LoraConf:
 
 
 @dataclass
+class StandInSpeedConf:
+    """How fast the stand-in engines generate (``launch.engine=simulated`` only): a continuous-batching model
+    whose decode step gets faster with the engine's TP, so that sweeps with stand-ins measure something. Off
+    by default (requests answer at once). Formulas: ``miles_sglang_plugin/standin/speed.py`` and the README."""
+
+    enabled: bool = False
+    #: Before the first token of each request, on top of the prefill (seconds).
+    latency_s: float = 0.002
+    #: Prefill rate per GPU of the engine (``--tp-size`` GPUs), tokens/s.
+    prefill_tokens_per_s: float = 20000.0
+    #: One decode step at TP 1: the part every step pays (weights read), and the part per sequence in the batch.
+    decode_step_s: float = 0.020
+    decode_token_s: float = 0.0005
+    #: Added to each step per further TP rank (the all-reduce).
+    tp_comm_s: float = 0.001
+
+
+@dataclass
 class StandInFaultsConf:
     """Fault injection for the engine stand-in (``launch.engine=simulated`` only). Engine patterns match engine
     ids such as ``actor.decode.1`` (shell-style wildcards: ``actor.*``)."""
+
+    #: The stand-in's speed model (not a fault: how long its requests take).
+    speed: StandInSpeedConf = field(default_factory=StandInSpeedConf)
 
     start_delay_s: float = 0.0
     fail_at_start: list[str] = field(default_factory=list)

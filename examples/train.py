@@ -8,6 +8,8 @@ It resolves the deployment, prints the plan, brings the engines and routers up, 
     python examples/train.py sglang=agentic_32gpu                             # GPU node: real SGLang
     python examples/train.py sglang=pd_actor_ref sglang.actor.decode.num_gpus=12 plan_only=true
     python examples/train.py -m sglang=pd_actor_ref sglang.actor.decode.num_gpus_per_engine=2,4,8 plan_only=true
+    python examples/train.py -m sglang=pd_actor_ref sglang.actor.decode.num_gpus_per_engine=2,4,8 \
+        sglang_deploy=simulated hydra/callbacks=sglang_sweep_report      # TP sweep: table + plot of the bench
     python examples/train.py sglang=multi_model --cfg job --resolve
 """
 
@@ -30,6 +32,7 @@ from rich.table import Table
 from miles_sglang_plugin.app.hydra_edge import launch_from_config, resolve_config_or_exit
 from miles_sglang_plugin.config.schema import MilesTrainerArgs
 from miles_sglang_plugin.planning.views import print_plan
+from miles_sglang_plugin.sweeps.jobs import bench_from_config, bench_settings_from_config
 
 try:  # run as a script (python examples/train.py) or as a module
     from rollout import rollout_step
@@ -120,6 +123,7 @@ def print_results(results, console: Console) -> None:
 def main(cfg: DictConfig) -> None:
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 150)
     plan = resolve_config_or_exit(cfg)
+    bench = bench_settings_from_config(cfg, plan)  # checked before anything starts
     print_plan(plan, console)
     if cfg.plan_only:
         return
@@ -141,6 +145,8 @@ def main(cfg: DictConfig) -> None:
             )
             console.print(f"rollout {step}: {len(results)} samples")
             print_results(results, console)
+        if bench is not None:  # the rollout benchmark: plan.json and metrics.json in the job's directory
+            bench_from_config(cfg, deployment, console=console)
     console.print("deployment stopped: every engine and router is gone")
 
 

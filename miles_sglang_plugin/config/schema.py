@@ -232,3 +232,5 @@ class MilesTrainerArgs:
     #: Filled by the ``sglang`` group (models by name) and its presets (deployment settings).
     sglang: dict[str, ModelConf] = field(default_factory=dict)
     sglang_deploy: SGLangDeployConf = field(default_factory=SGLangDeployConf)
+    #: The rollout benchmark's settings (the ``sglang_bench`` group: ``+sglang_bench=default``); null: none.
+    sglang_bench: Any = None

@@ -1,6 +1,7 @@
 """``miles-sglang``: look at, convert and launch SGLang deployments described with the ``sglang`` group.
 
 miles-sglang plan [--json] [HYDRA OVERRIDES...]
+miles-sglang sweep-report SWEEP_DIR [--no-plot]
 """
 
 from __future__ import annotations
@@ -79,6 +80,20 @@ def _cmd_launch(args: argparse.Namespace) -> int:
         return 1
 
 
+def _cmd_sweep_report(args: argparse.Namespace) -> int:
+    """Rebuild the sweep report (table and plot) from a sweep directory's jobs."""
+    from pathlib import Path
+
+    from miles_sglang_plugin.sweeps.report import SweepReportError, build_report
+
+    try:
+        build_report(Path(args.sweep_dir), console=_out_console(), plot=not args.no_plot)
+    except SweepReportError as exc:
+        _err_console().print(f"[bold red]error:[/] {escape(str(exc))}")
+        return EXIT_USER_ERROR
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="miles-sglang",
@@ -106,6 +121,17 @@ def build_parser() -> argparse.ArgumentParser:
     p_launch.add_argument("--log-dir", help="engine and router logs (default: ./sglang_logs/<time>)")
     p_launch.add_argument("overrides", nargs="*", help="Hydra overrides")
     p_launch.set_defaults(func=_cmd_launch)
+    p_report = sub.add_parser(
+        "sweep-report",
+        help="rebuild a sweep's report (Markdown and CSV table, PNG plot) from its directory",
+        description="Collect every job of a Hydra multirun's sweep directory (its overrides, plan.json, "
+        "metrics.json, job_status.json) into sweep_report.md, sweep_report.csv and sweep_report.png there.",
+    )
+    p_report.add_argument(
+        "sweep_dir", help="the sweep directory (hydra.sweep.dir, e.g. multirun/<date>/<time>)"
+    )
+    p_report.add_argument("--no-plot", action="store_true", help="write the table only")
+    p_report.set_defaults(func=_cmd_sweep_report)
     miles_commands.register(sub)
     return parser
 

@@ -46,7 +46,9 @@ def test_a_bad_speed_variable_is_a_usage_error(capsys: pytest.CaptureFixture[str
 
 
 #: One 50 ms step whatever the batch at TP 1, 20 ms before the first token: easy to time by hand.
-FLAT = SpeedModel(latency_s=0.02, prefill_tokens_per_s=1e9, decode_step_s=0.05, decode_token_s=0.0, tp_comm_s=0.0)
+FLAT = SpeedModel(
+    latency_s=0.02, prefill_tokens_per_s=1e9, decode_step_s=0.05, decode_token_s=0.0, tp_comm_s=0.0
+)
 
 
 def test_one_request_waits_prefill_plus_one_step_per_further_token() -> None:
@@ -76,7 +78,9 @@ def test_a_full_engine_queues_requests_first_come_first_served() -> None:
 
 
 def test_tp_makes_a_step_faster_and_batching_shares_it() -> None:
-    model = SpeedModel(latency_s=0.0, prefill_tokens_per_s=1e9, decode_step_s=0.08, decode_token_s=0.0, tp_comm_s=0)
+    model = SpeedModel(
+        latency_s=0.0, prefill_tokens_per_s=1e9, decode_step_s=0.08, decode_token_s=0.0, tp_comm_s=0
+    )
 
     async def scenario(tp: int, concurrent: int) -> float:
         pacer = Pacer(model, tp=tp, max_running=64)

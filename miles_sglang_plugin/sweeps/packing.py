@@ -293,6 +293,14 @@ def _failed_return(job: Job, exc: BaseException) -> Any:
     )
 
 
+def _record_status(job: Job) -> None:
+    """``job_status.json`` of a job that ended (the report reads it), from its JobReturn."""
+    failed = job.result.status.name == "FAILED"
+    exc = job.result._return_value if failed else None
+    error = str(exc) if isinstance(exc, PackedJobFailed) else error_text(exc) if exc is not None else None
+    write_job_status(job.output_dir, "FAILED" if failed else "COMPLETED", error)
+
+
 def _portable(ret: Any) -> Any:
     """``ret`` made safe to send to the launcher (exceptions and return values may not pickle)."""
     import pickle
@@ -472,9 +480,10 @@ class Scheduler:
         if job.result is None:
             code = job.process.exitcode
             why = f"killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
-            error = PackedJobFailed(f"the job's process {why} before it reported a result")
-            write_job_status(job.output_dir, "FAILED", error_text(error))
-            job.result = _failed_return(job, error)
+            job.result = _failed_return(
+                job, PackedJobFailed(f"the job's process {why} before it reported a result")
+            )
+        _record_status(job)
         self.running.remove(job)
         self._give_back(job)
         status = job.result.status.name.lower()
@@ -549,6 +558,7 @@ def _refuse_oversized(launcher: Any, jobs: Sequence[Job], settings: Settings) ->
             )
             log.error(message)
             job.result = _refuse(launcher, job, message)
+            _record_status(job)
             configure_log(launcher.config.hydra.hydra_logging, launcher.config.hydra.verbose)
 
 

@@ -56,9 +56,9 @@ def main(cfg: DictConfig) -> None:
             {
                 "id": e.id,
                 "plan_gpus": e.gpus,
-                "reported": httpx.get(e.url + "/server_info", headers=headers, timeout=10).json().get(
-                    "cuda_visible_devices"
-                ),
+                "reported": httpx.get(e.url + "/server_info", headers=headers, timeout=10)
+                .json()
+                .get("cuda_visible_devices"),
             }
             for e in deployment.engines()
         ]

@@ -4,7 +4,7 @@ On a Ray cluster of fake-GPU nodes on this machine (``ray.cluster_utils.Cluster`
 8 GPUs each, at 127.0.0.1-3), with stand-in engines that wait T seconds before they listen
 (``sglang_deploy.standin.start_delay_s``) and the real sglang-router:
 
-(1) one node: K engines of 1 GPU (``colocate=true``: slots from 0, all on node 0); time to ready (entering
+(1) one node: K engines of 1 GPU (``debug_rollout_only=true``: slots from 0, all on node 0); time to ready (entering
     ``launch_from_config`` until it yields) with ``backend=local`` and with ``backend=ray``, and their ratio.
 (2) three nodes: 24 GPUs in engines of 2 GPUs (12 engines, 4 per node); the local backend runs the three
     planned nodes side by side on this machine (stand-ins only), the ray backend on three Ray nodes.
@@ -51,7 +51,7 @@ def overrides(backend: str, gpus: int, gpe: int, delay_s: float) -> list[str]:
     return [
         "sglang=default",
         "hf_checkpoint=/c",
-        "colocate=true",
+        "debug_rollout_only=true",
         "sglang_deploy=simulated",
         f"sglang.actor.regular.num_gpus={gpus}",
         f"sglang.actor.num_gpus_per_engine={gpe}",

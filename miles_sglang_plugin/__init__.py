@@ -33,6 +33,7 @@ _EXPORTS: dict[str, str] = {
     "ModelSpec": "miles_sglang_plugin.config.deployment_spec",
     "WorkerType": "miles_sglang_plugin.config.deployment_spec",
     "TrainerInputs": "miles_sglang_plugin.config.trainer_inputs",
+    "apply_miles_rules": "miles_sglang_plugin.config.trainer_inputs",
     "MilesTrainerArgs": "miles_sglang_plugin.config.schema",
     "ModelConf": "miles_sglang_plugin.config.schema",
     "SGLangDeployConf": "miles_sglang_plugin.config.schema",
@@ -75,6 +76,7 @@ _EXPORTS: dict[str, str] = {
     # Miles / slime formats
     "load_miles_config": "miles_sglang_plugin.miles.sglang_config",
     "resolve_namespace": "miles_sglang_plugin.miles.argparse_bridge",
+    "lora_from_namespace": "miles_sglang_plugin.miles.argparse_bridge",
 }
 
 __all__ = [
@@ -108,11 +110,13 @@ __all__ = [
     "UnknownModelError",
     "UnsupportedPlanError",
     "WorkerType",
+    "apply_miles_rules",
     "compose_config",
     "get_backend",
     "get_model_url",
     "launch_from_config",
     "load_miles_config",
+    "lora_from_namespace",
     "prepare_deployment",
     "prepare_from_config",
     "print_plan",
@@ -153,9 +157,9 @@ if TYPE_CHECKING:  # what static tools see; at run time the names load lazily th
     from miles_sglang_plugin.config.deployment_spec import DeploymentSpec, GroupSpec, ModelSpec, WorkerType
     from miles_sglang_plugin.config.schema import MilesTrainerArgs, ModelConf, SGLangDeployConf
     from miles_sglang_plugin.config.store import register_configs
-    from miles_sglang_plugin.config.trainer_inputs import TrainerInputs
+    from miles_sglang_plugin.config.trainer_inputs import TrainerInputs, apply_miles_rules
     from miles_sglang_plugin.errors import DeploymentConfigError, Problem
-    from miles_sglang_plugin.miles.argparse_bridge import resolve_namespace
+    from miles_sglang_plugin.miles.argparse_bridge import lora_from_namespace, resolve_namespace
     from miles_sglang_plugin.miles.sglang_config import load_miles_config
     from miles_sglang_plugin.planning.plan import DeploymentPlan, EnginePlan, GroupPlan, ModelPlan
     from miles_sglang_plugin.planning.resolution import resolve_deployment

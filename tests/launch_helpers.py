@@ -59,11 +59,11 @@ def launch_overrides(
     startup_timeout_s: float = 60.0,
     shutdown_grace_s: float = 3.0,
 ) -> list[str]:
-    """Overrides of a stand-in deployment (``colocate=true``: rollout GPUs from slot 0)."""
+    """Overrides of a stand-in deployment (``debug_rollout_only=true``: rollout GPUs from slot 0, any size)."""
     return [
         "hf_checkpoint=/c",
         "sglang_deploy=simulated",
-        "colocate=true",
+        "debug_rollout_only=true",
         f"sglang_deploy.launch.host={HOST}",
         f"sglang_deploy.launch.port_base={port_base if port_base is not None else random_port_base()}",
         f"sglang_deploy.launch.startup_timeout_s={startup_timeout_s}",

@@ -27,8 +27,9 @@ FIXTURES = Path(__file__).parent / "fixtures" / "miles"
 
 
 def miles_namespace(**kw: Any) -> argparse.Namespace:
-    """What Miles' parser leaves in a Namespace: every flag present, unset optional ones None, plus
-    arguments that have nothing to do with the deployment."""
+    """What Miles' parser leaves in a Namespace: every flag present with Miles' defaults (unset optional ones
+    None, --offload-rollout's None, --eval-num-gpus-per-engine's 1), plus arguments that have nothing to do
+    with the deployment."""
     values: dict[str, Any] = dict(
         sglang_config=None,
         hf_checkpoint=None,
@@ -38,9 +39,9 @@ def miles_namespace(**kw: Any) -> argparse.Namespace:
         actor_num_nodes=1,
         actor_num_gpus_per_node=8,
         colocate=False,
-        offload_rollout=False,
+        offload_rollout=None,
         eval_num_gpus=0,
-        eval_num_gpus_per_engine=None,
+        eval_num_gpus_per_engine=1,
         prefill_num_servers=None,
         debug_rollout_only=False,
         debug_train_only=False,
@@ -89,15 +90,13 @@ def test_agentic_namespace_equals_the_hydra_preset():
 
 
 def test_miles_guide_namespace_equals_its_imported_preset(tmp_path):
-    # Seed 000's launch line, colocated with a 2 x 8 actor so that the offload decision varies per group.
+    # Seed 000's launch line (not colocated: rollout after Miles' default actor of 1 x 8 GPUs), offload on.
     path = FIXTURES / "miles_actor_pd_ref.yaml"
     ns = miles_namespace(
         sglang_config=str(path),
         rollout_num_gpus=20,
         rollout_num_gpus_per_engine=4,
         offload_rollout=True,
-        colocate=True,
-        actor_num_nodes=2,
         use_rollout_routing_replay=True,
         lora_rollout_enabled=True,
     )
@@ -111,13 +110,13 @@ def test_miles_guide_namespace_equals_its_imported_preset(tmp_path):
             "rollout_num_gpus=20",
             "rollout_num_gpus_per_engine=4",
             "offload_rollout=true",
-            "colocate=true",
-            "actor_num_nodes=2",
+            "use_rollout_routing_replay=true",
         ]
     )
     assert comparable(plan) == comparable(resolve_config(cfg))
-    # Megatron on slots 0..15: prefill (0) and decode (8) offload, ref (16) does not.
-    assert [g.needs_offload for _, g in plan.groups()] == [True, True, False]
+    # Megatron on slots 0..7, rollout from slot 8: no group offloads, each has the memory saver off.
+    assert [g.needs_offload for _, g in plan.groups()] == [False, False, False]
+    assert all(g.overrides["enable_memory_saver"] is False for _, g in plan.groups())
 
 
 def test_base64_sglang_config():
@@ -161,6 +160,8 @@ def test_sglang_config_with_an_eval_model():
     assert slots(plan, "eval", "regular") == [(8, 9, 10, 11)]
     assert dict(ev.group("regular").overrides) == {
         "model_path": "/ckpt/actor",
+        # colocate turns offload_rollout on; the eval fleet (slots 8..11) is past Megatron's 0..7
+        "enable_memory_saver": False,
         "enable_return_routed_experts": False,
         "enable_return_indexer_topk": False,
         "dp_size": 1,
@@ -212,14 +213,16 @@ def test_legacy_prefill_num_servers_and_eval_fleet():
 
 
 def test_legacy_single_group_and_eval_with_the_rollout_tp():
-    # Colocated: one regular group of 8 GPUs (4 TP-2 engines) at slots 0..7, then eval 2 GPUs at TP 2: the
-    # eval TP equals the rollout TP, so no parallel sizes are reset.
+    # Colocated, offload off: one regular group of 8 GPUs (4 TP-2 engines) at slots 0..7, then eval 2 GPUs at
+    # --eval-num-gpus-per-engine 2: the eval TP equals the rollout TP, so no parallel sizes are reset.
     ns = miles_namespace(
         hf_checkpoint="/ckpt/actor",
         rollout_num_gpus=8,
         rollout_num_gpus_per_engine=2,
         eval_num_gpus=2,
+        eval_num_gpus_per_engine=2,
         colocate=True,
+        offload_rollout=False,
     )
     plan = resolve_namespace(ns)
     assert slots(plan, "default", "regular") == [(0, 1), (2, 3), (4, 5), (6, 7)]
@@ -229,6 +232,21 @@ def test_legacy_single_group_and_eval_with_the_rollout_tp():
         "enable_return_routed_experts": False,
         "enable_return_indexer_topk": False,
     }
+
+
+def test_legacy_eval_fleet_defaults_to_one_gpu_per_engine():
+    # Miles' --eval-num-gpus-per-engine defaults to 1 whatever the rollout TP (here 2): 2 eval engines of 1
+    # GPU, and as 1 != 2 (the arguments' TPs, rollout_server.py) dp/pp/ep/attn_cp are reset to 1.
+    ns = miles_namespace(
+        hf_checkpoint="/ckpt/actor", rollout_num_gpus=8, rollout_num_gpus_per_engine=2, eval_num_gpus=2
+    )
+    del ns.eval_num_gpus_per_engine  # a namespace without the flag at all: Miles' default
+    plan = resolve_namespace(ns)
+    assert slots(plan, "eval", "regular") == [(16,), (17,)]  # after the actor's 8 and the 8 rollout GPUs
+    overrides = dict(plan.model("eval").group("regular").overrides)
+    assert {k: overrides[k] for k in ("dp_size", "pp_size", "ep_size", "attn_cp_size")} == dict.fromkeys(
+        ("dp_size", "pp_size", "ep_size", "attn_cp_size"), 1
+    )
 
 
 def test_legacy_plan_exports_to_an_equivalent_miles_file(tmp_path):

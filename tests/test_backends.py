@@ -68,7 +68,7 @@ def test_own_placement_group_of_the_card_plan() -> None:
 
 def test_placeholder_gpus_get_bundles_of_their_own_so_engines_keep_their_local_ids() -> None:
     # Placeholder first: 2 GPUs at slots 0-1 (reserved, no engine), then regular 6 in TP 2 at slots 2-7.
-    plan = plan_of("sglang=default", "hf_checkpoint=/c", "colocate=true", "sglang.actor.regular.num_gpus=6",
+    plan = plan_of("sglang=default", "hf_checkpoint=/c", "debug_rollout_only=true", "sglang.actor.regular.num_gpus=6",
                    "sglang.actor.num_gpus_per_engine=2", "sglang.actor.placeholder.num_gpus=2",
                    "sglang.actor.group_order=[placeholder,regular]")  # fmt: skip
     assert own_bundles(plan) == [
@@ -80,7 +80,7 @@ def test_placeholder_gpus_get_bundles_of_their_own_so_engines_keep_their_local_i
 
 
 def test_an_engine_wider_than_a_node_gets_one_bundle_per_node() -> None:
-    plan = plan_of("hf_checkpoint=/c", "colocate=true", "sglang.actor.regular.num_gpus=16",
+    plan = plan_of("hf_checkpoint=/c", "debug_rollout_only=true", "sglang.actor.regular.num_gpus=16",
                    "sglang.actor.num_gpus_per_engine=16")  # fmt: skip
     assert own_bundles(plan) == [
         BundlePlan(0, 8, ("actor.regular.0", 0)),
@@ -104,7 +104,7 @@ def test_plan_nodes_map_to_the_chosen_ray_nodes_in_address_order() -> None:
 
 
 def test_grants_that_differ_from_the_plan_are_each_reported() -> None:
-    plan = plan_of("hf_checkpoint=/c", "colocate=true", "sglang.actor.regular.num_gpus=16",
+    plan = plan_of("hf_checkpoint=/c", "debug_rollout_only=true", "sglang.actor.regular.num_gpus=16",
                    "sglang.actor.num_gpus_per_engine=4")  # fmt: skip
     a, b = RayNodeInfo("aaaaaaaaaa", "10.0.0.1"), RayNodeInfo("bbbbbbbbbb", "10.0.0.2")
     grants = {
@@ -145,7 +145,7 @@ def test_a_trainer_group_is_indexed_by_slot() -> None:
 def test_engine_ports_are_found_per_node_by_the_finder() -> None:
     # actor prefill 4 GPUs in TP 2 (slots 0-3, node 0) and decode 12 in TP 4 (slots 4-15): decode.0 on node 0,
     # decode.1-2 on node 1. dp_size 1: a dist-init run is 31 ports.
-    plan = plan_of("sglang=pd", "hf_checkpoint=/c", "colocate=true")
+    plan = plan_of("sglang=pd", "hf_checkpoint=/c", "debug_rollout_only=true")
     asked = {}
 
     def finder(requests):
@@ -183,7 +183,7 @@ def test_plan_commands_of_the_ray_backend_show_node_addresses_to_come(
 
 def test_plan_commands_of_an_engine_over_two_nodes() -> None:
     prepared = prepare_from_config(
-        compose_config(["hf_checkpoint=/c", "colocate=true", "sglang.actor.regular.num_gpus=16",
+        compose_config(["hf_checkpoint=/c", "debug_rollout_only=true", "sglang.actor.regular.num_gpus=16",
                         "sglang.actor.num_gpus_per_engine=16", "sglang_deploy.launch.backend=ray"])
     )  # fmt: skip
     first, second = prepared.launch.engines

@@ -182,28 +182,25 @@ def test_deploy_settings_and_the_simulated_option():
 
 # ------------------------------------------------------------------------------------------------ CLI
 def test_plan_json_fields(capsys):
+    # Not colocated: rollout from slot 8 (after the 1 x 8 actor), Megatron on 0..7, so with offload on no group
+    # needs it and each gets the memory saver off. prefill 8 (TP 4) at slots 8-15, decode 8 at 16-23, ref 4
+    # (TP 1) at 24-27. Ranks: prefill 0, 1; decode 2, 3; ref 4..7.
     assert (
-        cli_main(
-            [
-                "plan",
-                "--json",
-                "sglang=pd_actor_ref",
-                "hf_checkpoint=/c",
-                "colocate=true",
-                "offload_rollout=true",
-            ]
-        )
-        == 0
+        cli_main(["plan", "--json", "sglang=pd_actor_ref", "hf_checkpoint=/c", "offload_rollout=true"]) == 0
     )
     data = json.loads(capsys.readouterr().out)
-    assert data["rollout_offset"] == 0 and data["megatron_num_gpus"] == 8 and data["total_gpus"] == 20
+    assert data["rollout_offset"] == 8 and data["megatron_num_gpus"] == 8 and data["total_gpus"] == 20
+    assert data["derived"] == {"trainer": {}, "server_defaults": {}}
+    assert data["notes"] == [
+        "left out prefill_round_robin_balance: Miles sets it, but the installed SGLang has no such ServerArgs field"
+    ]
     decode = data["models"]["actor"]["groups"]["decode"]
     assert (decode["gpu_offset"], decode["needs_offload"], decode["num_gpus_per_engine"]) == (8, False, 4)
     assert (decode["tp_size"], decode["pp_size"], decode["dp_size"]) == (4, 1, 1)
     assert [e["rank"] for e in decode["engines"]] == [2, 3]
     assert decode["overrides"] == {"model_path": "/c", "enable_memory_saver": False}
     prefill = data["models"]["actor"]["groups"]["prefill"]
-    assert prefill["needs_offload"] is True and "enable_memory_saver" not in prefill["overrides"]
+    assert prefill["needs_offload"] is False and prefill["overrides"]["enable_memory_saver"] is False
     launch = prefill["engines"][1].pop("launch")
     assert [(p["node_rank"], p["url"] is not None) for p in launch] == [(0, True)]
     assert launch[0]["env"]["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
@@ -211,13 +208,68 @@ def test_plan_json_fields(capsys):
         "id": "actor.prefill.1",
         "index": 1,
         "rank": 1,
-        "gpu_slots": [4, 5, 6, 7],
-        "node": 0,
+        "gpu_slots": [12, 13, 14, 15],
+        "node": 1,
         "local_gpu_ids": [4, 5, 6, 7],
         "nnodes": 1,
-        "processes": [{"node": 0, "node_rank": 0, "gpu_slots": [4, 5, 6, 7], "local_gpu_ids": [4, 5, 6, 7]}],
+        "processes": [
+            {
+                "node": 1,
+                "node_rank": 0,
+                "rank": 1,
+                "gpu_slots": [12, 13, 14, 15],
+                "local_gpu_ids": [4, 5, 6, 7],
+            }
+        ],
     }
-    assert data["models"]["ref"]["groups"]["regular"]["engines"][0]["node"] == 2
+    ref = data["models"]["ref"]["groups"]["regular"]["engines"]
+    assert [(e["node"], e["rank"]) for e in ref] == [(3, 4), (3, 5), (3, 6), (3, 7)]
+
+
+def test_plan_shows_what_miles_derives_for_a_colocated_run(capsys):
+    # Miles (arguments.py, --colocate): offload_rollout on unless given, rollout_num_gpus = the actor's 1 x 8,
+    # and cuda_graph_backend_prefill=disabled on the engines unless --sglang-cuda-graph-backend-prefill is set.
+    assert (
+        cli_main(["plan", "--json", "--commands", "sglang=default", "hf_checkpoint=/c", "colocate=true"]) == 0
+    )
+    data = json.loads(capsys.readouterr().out)
+    assert data["derived"] == {
+        "trainer": {"offload_rollout": True, "rollout_num_gpus": 8},
+        "server_defaults": {"cuda_graph_backend_prefill": "disabled"},
+    }
+    assert data["offload_rollout"] is True and data["rollout_num_gpus"] == 8
+    assert [n.split(":")[0] for n in data["notes"]] == [
+        "offload_rollout=true",
+        "rollout_num_gpus=8",
+        "cuda_graph_backend_prefill=disabled on every engine",
+    ]
+    group = data["models"]["actor"]["groups"]["regular"]
+    assert group["needs_offload"] is True
+    argv = group["engines"][0]["launch"][0]["argv"]
+    assert argv[argv.index("--cuda-graph-backend-prefill") + 1] == "disabled"
+    assert "--enable-memory-saver" in argv
+
+    # Given values stay: an explicit --no-offload-rollout, and the user's prefill CUDA graph backend.
+    assert cli_main(["plan", "--json", "sglang=default", "hf_checkpoint=/c", "colocate=true", "offload_rollout=false",
+                     "+sglang_deploy.server_defaults.cuda_graph_backend_prefill=full"]) == 0  # fmt: skip
+    data = json.loads(capsys.readouterr().out)
+    assert data["derived"] == {"trainer": {"rollout_num_gpus": 8}, "server_defaults": {}}
+    assert data["offload_rollout"] is False
+    assert data["notes"][-1] == (
+        "colocate with cuda_graph_backend_prefill='full' may run out of memory (NVLS); Miles warns the same and "
+        "defaults it to 'disabled'"
+    )
+    argv = data["models"]["actor"]["groups"]["regular"]["engines"][0]["launch"][0]["argv"]
+    assert argv[argv.index("--cuda-graph-backend-prefill") + 1] == "full"
+
+    # The table view prints the same notes.
+    assert cli_main(["plan", "sglang=default", "hf_checkpoint=/c", "colocate=true"]) == 0
+    out = capsys.readouterr().out
+    assert "note: offload_rollout=true: colocate turns it on unless given (Miles)" in out
+    assert (
+        "note: rollout_num_gpus=8: colocate: the actor's GPUs (actor_num_nodes=1 x actor_num_gpus_per_node=8)"
+        in out
+    )
 
 
 def test_plan_table_shows_nodes(capsys):

@@ -36,7 +36,7 @@ from tests.launch_helpers import (
 
 pytestmark = pytest.mark.slow
 
-# A PD actor and a regular reference model, worked out by hand (colocate=true: rollout GPUs from slot 0,
+# A PD actor and a regular reference model, worked out by hand (debug_rollout_only=true: rollout from slot 0,
 # 8 GPUs per node, groups placed one after the other: actor prefill, actor decode, ref regular):
 #   actor.prefill  4 GPUs, TP 4 (the model's num_gpus_per_engine) -> slots 0-3   = node 0, GPUs 0-3
 #   actor.decode   8 GPUs, TP 4                                   -> slots 4-7   = node 0, GPUs 4-7
@@ -263,7 +263,7 @@ HYDRA_APP = textwrap.dedent(
         node={
             "defaults": ["_self_", {"sglang": "default"}],
             "hf_checkpoint": "/c",
-            "colocate": True,
+            "debug_rollout_only": True,  # rollout from slot 0, any size
         },
     )
 

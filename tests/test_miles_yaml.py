@@ -84,8 +84,11 @@ TRAINER: dict[str, dict[str, Any]] = {
     "sglang_overrides": dict(rollout_num_gpus=8, hf_checkpoint="/ckpt/actor", colocate=True),
     # Seed 001 agentic: --hf-checkpoint /data/models/Qwen3-8B --rollout-num-gpus 32; not colocated.
     "sglang_agent": dict(rollout_num_gpus=32, hf_checkpoint="/data/models/Qwen3-8B"),
-    # Not from a seed: `models` + `engine_groups` aliases and a second decode group; colocated.
-    "miles_models_alias_extra_groups": dict(rollout_num_gpus=16, hf_checkpoint="/ckpt/actor", colocate=True),
+    # Not from a seed: `models` + `engine_groups` aliases and a second decode group; colocated with a 2 x 8 actor
+    # (Miles sizes a colocated rollout as the actor).
+    "miles_models_alias_extra_groups": dict(
+        rollout_num_gpus=16, hf_checkpoint="/ckpt/actor", colocate=True, actor_num_nodes=2
+    ),
 }
 
 
@@ -131,17 +134,24 @@ def test_miles_guide_pd_actor_and_ref_not_colocated_with_offload():
     }
 
 
-def test_miles_guide_colocated_with_a_two_node_actor_offloads_the_actor_groups():
-    # colocate: rollout_offset 0; Megatron on 2 x 8 = 16 slots. First GPUs: prefill 0, decode 8, ref 16.
-    plan = resolve_fixture("miles_actor_pd_ref", colocate=True, actor_num_nodes=2)
-    assert (plan.rollout_offset, plan.megatron_num_gpus) == (0, 16)
-    assert [g.needs_offload for _, g in plan.groups()] == [True, True, False]
-    assert slots(plan, "actor", "prefill") == [(0, 1, 2, 3), (4, 5, 6, 7)]
-    assert slots(plan, "actor", "decode") == [(8, 9, 10, 11), (12, 13, 14, 15)]
+def test_miles_guide_colocated_needs_as_many_rollout_gpus_as_the_actor():
+    # Miles with --colocate sets rollout_num_gpus to the actor's 2 x 8 = 16 (arguments.py) and then asserts the
+    # file's 20 GPUs equal it: refused, saying where the 16 comes from.
+    with pytest.raises(DeploymentConfigError) as exc:
+        resolve_fixture("miles_actor_pd_ref", colocate=True, actor_num_nodes=2)
+    assert [(p.key, p.message) for p in exc.value.problems] == [
+        (
+            "rollout_num_gpus",
+            "is 16 GPUs of the actor (colocate: Miles sets rollout_num_gpus to them) but the server groups hold 20 "
+            "GPUs (actor=16, ref=4); size the groups to them",
+        )
+    ]
+    # With a 5 x 4 actor (20 GPUs) it plans: rollout_offset 0, every group inside Megatron's 20 slots.
+    plan = resolve_fixture("miles_actor_pd_ref", colocate=True, actor_num_nodes=5, actor_num_gpus_per_node=4)
+    assert (plan.rollout_offset, plan.megatron_num_gpus) == (0, 20)
+    assert [g.needs_offload for _, g in plan.groups()] == [True, True, True]
     assert slots(plan, "ref", "regular") == [(16, 17, 18, 19)]
-    assert "enable_memory_saver" not in plan.model("actor").group("prefill").overrides
-    assert "enable_memory_saver" not in plan.model("actor").group("decode").overrides
-    assert plan.model("ref").group("regular").overrides["enable_memory_saver"] is False
+    assert all("enable_memory_saver" not in g.overrides for _, g in plan.groups())
 
 
 def test_slime_basic_four_tp2_engines():
@@ -154,7 +164,7 @@ def test_slime_basic_four_tp2_engines():
     # No model_path: hf_checkpoint; update_weights inferred True (effective path == hf_checkpoint).
     assert (m.model_path, m.update_weights) == ("/ckpt/base", True)
     assert dict(g.overrides) == {"model_path": "/ckpt/base"}
-    assert g.needs_offload is False
+    assert g.needs_offload is True  # colocated: Miles turns offload_rollout on, and slots 0..7 are Megatron's
 
 
 def test_slime_pd_two_prefill_tp2_three_decode_tp4():
@@ -190,10 +200,9 @@ def test_slime_multi_model_three_routers():
 @pytest.mark.parametrize(
     ("actor_num_nodes", "expected_offload"),
     [
-        # Megatron 16 slots: first GPUs 0, 4, 12 are all inside.
+        # Megatron 16 slots: first GPUs 0, 4, 12 are all inside. (A 1 x 8 actor would size the colocated
+        # rollout at 8 GPUs, which the file's 16 do not match.)
         (2, [True, True, True]),
-        # Megatron 8 slots: prefill (0) and decode (4, though it runs to slot 11) inside, ref (12) outside.
-        (1, [True, True, False]),
     ],
 )
 def test_slime_full_multi_model_pd_colocated_with_offload(actor_num_nodes, expected_offload):
@@ -347,14 +356,14 @@ def miles_like_parser() -> argparse.ArgumentParser:
     ap.add_argument("--actor-num-nodes", type=int, default=1)
     ap.add_argument("--actor-num-gpus-per-node", type=int, default=8)
     ap.add_argument("--colocate", action="store_true")
-    ap.add_argument("--offload-rollout", action="store_true")
+    ap.add_argument("--offload-rollout", action=argparse.BooleanOptionalAction)
     ap.add_argument("--use-critic", action="store_true")
     ap.add_argument("--critic-num-nodes", type=int)
     ap.add_argument("--critic-num-gpus-per-node", type=int)
     ap.add_argument("--critic-train-only", action="store_true")
     ap.add_argument("--debug-rollout-only", action="store_true")
     ap.add_argument("--eval-num-gpus", type=int, default=0)
-    ap.add_argument("--eval-num-gpus-per-engine", type=int)
+    ap.add_argument("--eval-num-gpus-per-engine", type=int, default=1)
     ap.add_argument("--prefill-num-servers", type=int)
     return ap
 
@@ -492,7 +501,7 @@ def test_preset_keeps_strings_hydra_would_otherwise_reinterpret(tmp_path):
     spec = load_miles_config(src)
     (tmp_path / "sglang").mkdir()
     (tmp_path / "sglang" / "tricky.yaml").write_text(spec_to_preset(spec))
-    trainer = {"rollout_num_gpus": 2, "colocate": True}
+    trainer = {"rollout_num_gpus": 2, "debug_rollout_only": True}
     cfg = compose_config(
         ["sglang=tricky", f"hydra.searchpath=[file://{tmp_path}]", *hydra_overrides(trainer)]
     )

@@ -134,7 +134,9 @@ def test_card_command_runs_the_rollout_step_on_three_nodes(
 def test_tp16_engine_runs_one_process_per_node(clean_cluster: FakeCluster, tmp_path: Path) -> None:  # noqa: F811
     cfg = compose_config(
         ray_overrides(
-            "colocate=true", "sglang.actor.regular.num_gpus=16", "sglang.actor.num_gpus_per_engine=16"
+            "debug_rollout_only=true",
+            "sglang.actor.regular.num_gpus=16",
+            "sglang.actor.num_gpus_per_engine=16",
         )
     )
     with launch_from_config(cfg, log_dir=tmp_path / "logs") as deployment:
@@ -236,7 +238,7 @@ def test_a_plan_larger_than_the_cluster_fails_at_the_placement_deadline(
 ) -> None:
     # 40 GPUs from slot 0 = 5 nodes of 8, on a cluster of 4 such nodes.
     cfg = compose_config(
-        ray_overrides("colocate=true", "sglang.actor.regular.num_gpus=40", "sglang.actor.num_gpus_per_engine=8",
+        ray_overrides("debug_rollout_only=true", "sglang.actor.regular.num_gpus=40", "sglang.actor.num_gpus_per_engine=8",
                       "sglang_deploy.launch.ray.placement_timeout_s=3")
     )  # fmt: skip
     started = time.monotonic()
@@ -254,7 +256,7 @@ def test_a_plan_larger_than_the_cluster_fails_at_the_placement_deadline(
 def test_engine_failing_at_start_on_a_remote_node(clean_cluster: FakeCluster, tmp_path: Path) -> None:  # noqa: F811
     cfg = compose_config(
         ray_overrides(
-            "colocate=true",
+            "debug_rollout_only=true",
             "sglang.actor.regular.num_gpus=16",
             "sglang.actor.num_gpus_per_engine=8",
             "sglang_deploy.standin.fail_at_start=[actor.regular.1]",
@@ -278,7 +280,7 @@ def test_worker_node_lost_during_start_up(clean_cluster: FakeCluster, tmp_path: 
     logs = tmp_path / "logs"
     cfg = compose_config(
         ray_overrides(
-            "colocate=true",
+            "debug_rollout_only=true",
             "sglang.actor.regular.num_gpus=16",
             "sglang.actor.num_gpus_per_engine=8",
             "sglang_deploy.standin.start_delay_s=60",
@@ -312,7 +314,9 @@ def test_worker_node_lost_while_serving(clean_cluster: FakeCluster, tmp_path: Pa
         "launch",
         f"--log-dir={logs}",
         *ray_overrides(
-            "colocate=true", "sglang.actor.regular.num_gpus=16", "sglang.actor.num_gpus_per_engine=8"
+            "debug_rollout_only=true",
+            "sglang.actor.regular.num_gpus=16",
+            "sglang.actor.num_gpus_per_engine=8",
         ),
     ]
     out, err = tmp_path / "out", tmp_path / "err"
@@ -359,7 +363,11 @@ def start_driver(cluster: FakeCluster, tmp_path: Path, *extra: str) -> subproces
     """DRIVER_SCRIPT launching two 8-GPU engines (two nodes) and one router, then serving until stopped."""
     script = tmp_path / "driver.py"
     script.write_text(DRIVER_SCRIPT)
-    two_nodes = ("colocate=true", "sglang.actor.regular.num_gpus=16", "sglang.actor.num_gpus_per_engine=8")
+    two_nodes = (
+        "debug_rollout_only=true",
+        "sglang.actor.regular.num_gpus=16",
+        "sglang.actor.num_gpus_per_engine=8",
+    )
     return subprocess.Popen(
         [sys.executable, str(script), json.dumps(ray_overrides(*two_nodes, *extra)), str(tmp_path / "logs")],
         env=subprocess_env(cluster),
@@ -426,7 +434,7 @@ HYDRA_APP = textwrap.dedent(
     from miles_sglang_plugin.app.hydra_edge import launch_from_config
 
     ConfigStore.instance().store(
-        name="app", node={"defaults": ["_self_", {"sglang": "default"}], "hf_checkpoint": "/c", "colocate": True}
+        name="app", node={"defaults": ["_self_", {"sglang": "default"}], "hf_checkpoint": "/c", "debug_rollout_only": True}
     )
 
 
@@ -495,7 +503,7 @@ def test_a_stopped_engine_process_starts_again_on_its_node_and_gpus(
 ) -> None:
     cfg = compose_config(
         ray_overrides(
-            "colocate=true", "sglang.actor.regular.num_gpus=4", "sglang.actor.num_gpus_per_engine=2"
+            "debug_rollout_only=true", "sglang.actor.regular.num_gpus=4", "sglang.actor.num_gpus_per_engine=2"
         )
     )
     with launch_from_config(cfg, log_dir=tmp_path / "logs") as deployment:

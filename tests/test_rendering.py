@@ -118,7 +118,9 @@ def check_against_plan(prep) -> None:
         for key, value in g.overrides.items():
             assert sa[key] == value, key
         assert (sa["tp_size"], sa["pp_size"], sa["dp_size"]) == (g.tp_size, g.pp_size, g.dp_size)
-        assert sa["random_seed"] == plan.trainer.seed + e.rank
+        assert sa["random_seed"] == plan.trainer.seed + proc.rank
+        # Miles' colocate defaults, below every other layer.
+        assert all(sa[k] == g.overrides.get(k, v) for k, v in plan.derived_server_defaults.items())
         assert sa["api_key"] is None and "--api-key" not in launch.argv  # no key configured: none passed
         first = next(x for x in specs.for_engine(e.id) if x.node_rank == 0)
         assert sa["dist_init_addr"] == parsed(first)["dist_init_addr"]
@@ -141,7 +143,8 @@ def check_against_plan(prep) -> None:
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_every_preset_renders_argv_that_real_sglang_parses(preset):
-    prep = prepared_for(f"sglang={preset}", "hf_checkpoint=/ckpt", "colocate=true", "offload_rollout=true")
+    # Not colocated: rollout after the 8 actor GPUs, so no group needs offload and each gets the saver off.
+    prep = prepared_for(f"sglang={preset}", "hf_checkpoint=/ckpt", "offload_rollout=true")
     check_against_plan(prep)
     assert prep.launch.engines
 
@@ -161,8 +164,14 @@ def test_random_deployments_render_and_parse(data):  # 10 checked examples (disc
         replace(m, groups=tuple(replace(g, overrides={**g.overrides, **extra}) for g in m.groups))
         for m in spec_.models
     )
+    total = sum(g.num_gpus for m in spec_.models for g in m.groups)  # whole nodes: colocated with the actor
     t = TrainerInputs(
-        hf_checkpoint="/ckpt", num_gpus_per_node=gpn, colocate=True, offload_rollout=data.draw(st.booleans())
+        hf_checkpoint="/ckpt",
+        num_gpus_per_node=gpn,
+        actor_num_nodes=total // gpn,
+        actor_num_gpus_per_node=gpn,
+        colocate=True,
+        offload_rollout=data.draw(st.sampled_from([None, True, False])),
     )
     plan = resolve_deployment(replace(spec_, models=models), t, server_arg_fields=FIELDS)
     assume(len(plan.engines) <= 12)  # keep the parser's work per example small
@@ -171,7 +180,7 @@ def test_random_deployments_render_and_parse(data):  # 10 checked examples (disc
 
 def test_multi_node_engine_one_process_per_node_with_one_dist_init_addr():
     prep = prepared_for("sglang=default", "sglang.actor.regular.num_gpus=32", "sglang.actor.num_gpus_per_engine=16",
-                        "hf_checkpoint=/c", "colocate=true")  # fmt: skip
+                        "hf_checkpoint=/c", "debug_rollout_only=true")  # fmt: skip
     check_against_plan(prep)
     procs = prep.launch.for_engine("actor.regular.1")
     assert [(p.node, p.node_rank, p.nnodes) for p in procs] == [(2, 0, 2), (3, 1, 2)]
@@ -189,7 +198,7 @@ def test_precedence_overrides_then_derived_then_server_defaults():
         model("actor", group("prefill", 2, gpe=2), group("prefill", 2, gpe=2, name="p2", load_balance_method="follow_bootstrap_room"),
               group("decode", 2, gpe=2, mem_fraction_static=0.9)),
     )  # fmt: skip
-    plan = resolve_deployment(s, TrainerInputs(hf_checkpoint="/c", colocate=True))
+    plan = resolve_deployment(s, TrainerInputs(hf_checkpoint="/c", debug_rollout_only=True))
     conf = SGLangDeployConf(server_defaults={"mem_fraction_static": 0.7, "enable_hierarchical_cache": True,
                                              "load_balance_method": "shortest_queue"})  # fmt: skip
     prep = prepare_deployment(plan, conf, server_arg_fields=FIELDS)
@@ -209,7 +218,7 @@ def test_precedence_overrides_then_derived_then_server_defaults():
 
 def test_server_defaults_may_not_set_what_the_plan_derives():
     plan = resolve_deployment(
-        spec(model("actor", group("regular", 2))), TrainerInputs(hf_checkpoint="/c", colocate=True)
+        spec(model("actor", group("regular", 2))), TrainerInputs(hf_checkpoint="/c", debug_rollout_only=True)
     )
     conf = SGLangDeployConf(
         server_defaults={"skip_server_warmup": False, "enable_memory_saver": True, "api_key": "k"}
@@ -226,7 +235,8 @@ def test_server_defaults_may_not_set_what_the_plan_derives():
 
 def test_env_defaults_user_env_and_gpu_pinning():
     plan = resolve_deployment(
-        spec(model("actor", group("regular", 4, gpe=2))), TrainerInputs(hf_checkpoint="/c", colocate=True)
+        spec(model("actor", group("regular", 4, gpe=2))),
+        TrainerInputs(hf_checkpoint="/c", colocate=True, actor_num_gpus_per_node=4),
     )
     conf = SGLangDeployConf(
         env={"SGLANG_JIT_DEEPGEMM_PRECOMPILE": "true", "CUDA_VISIBLE_DEVICES": "7", "X": "1"}
@@ -263,7 +273,7 @@ ADMIN_PREFIX = (
 def test_admin_api_key_is_masked_in_printed_commands_plan_json_and_errors(capsys):
     from miles_sglang_plugin.cli import main
 
-    base = ["hf_checkpoint=/c", "colocate=true", "sglang.actor.regular.num_gpus=1", ADMIN_PREFIX]
+    base = ["hf_checkpoint=/c", "debug_rollout_only=true", "sglang.actor.regular.num_gpus=1", ADMIN_PREFIX]
     assert main(["plan", "--commands", *base]) == 0
     printed = capsys.readouterr().out
     assert "--admin-api-key '***' '--admin-api-key=***' --admin_api_key '***' --model-path /c" in printed
@@ -322,7 +332,8 @@ def test_bootstrap_ports_are_distinct_per_prefill_engine():
 # ---------------------------------------------------------------------------------------------- ports
 def _plan():
     return resolve_deployment(
-        spec(model("actor", group("regular", 4, gpe=1))), TrainerInputs(hf_checkpoint="/c", colocate=True)
+        spec(model("actor", group("regular", 4, gpe=1))),
+        TrainerInputs(hf_checkpoint="/c", debug_rollout_only=True),
     )
 
 
@@ -461,7 +472,7 @@ def test_group_spec_keeps_overrides_read_only():
 
 def test_lora_replay_fp16_and_command_prefix_render_for_real_sglang():
     prep = prepared_for(
-        "sglang=default", "hf_checkpoint=/c", "colocate=true", "sglang.actor.regular.num_gpus=2",
+        "sglang=default", "hf_checkpoint=/c", "debug_rollout_only=true", "sglang.actor.regular.num_gpus=2",
         "use_rollout_routing_replay=true", "fp16=true", "sglang_deploy.lora.enabled=true",
         "+sglang_deploy.lora.paths.miles_lora=/adapters/a", "sglang_deploy.lora.max_loras_per_batch=2",
         "sglang_deploy.lora.target_modules=[q_proj,v_proj]", "+sglang_deploy.server_defaults.mem_fraction_static=0.6",
@@ -473,13 +484,16 @@ def test_lora_replay_fp16_and_command_prefix_render_for_real_sglang():
     assert sa["enable_return_routed_experts"] is True and sa["dtype"] == "float16"
     assert sa["mem_fraction_static"] == 0.6
     serve = prepared_for(
-        "sglang=default", "hf_checkpoint=/c", "colocate=true", "sglang_deploy.launch.command=[sglang,serve]"
+        "sglang=default",
+        "hf_checkpoint=/c",
+        "debug_rollout_only=true",
+        "sglang_deploy.launch.command=[sglang,serve]",
     )
     assert serve.launch.engines[0].argv[:2] == ("sglang", "serve")
 
 
 def test_standin_choice_and_fault_env_are_explicit():
-    prep = prepared_for("sglang=pd", "hf_checkpoint=/c", "colocate=true", "sglang_deploy=simulated",
+    prep = prepared_for("sglang=pd", "hf_checkpoint=/c", "debug_rollout_only=true", "sglang_deploy=simulated",
                         "sglang_deploy.standin.fail_at_start=[actor.decode.*]", "+sglang_deploy.standin.die_after_s={actor.prefill.1: 2.5}")  # fmt: skip
     assert all(e.argv[1:3] == ("-m", "miles_sglang_plugin.standin") for e in prep.launch.engines)
     env = {e.engine_id: e.env for e in prep.launch.engines}
@@ -491,7 +505,10 @@ def test_standin_choice_and_fault_env_are_explicit():
         and "MSP_STANDIN_DIE_AFTER_S" not in env["actor.prefill.0"]
     )
     real = prepared_for(
-        "sglang=pd", "hf_checkpoint=/c", "colocate=true", "sglang_deploy.standin.fail_at_start=[actor.*]"
+        "sglang=pd",
+        "hf_checkpoint=/c",
+        "debug_rollout_only=true",
+        "sglang_deploy.standin.fail_at_start=[actor.*]",
     )
     assert all(not any(k.startswith("MSP_STANDIN") for k in e.env) for e in real.launch.engines)
 
@@ -500,7 +517,7 @@ def test_local_backend_refuses_multi_node_plans_of_real_engines_before_starting_
     from miles_sglang_plugin.backends.base import UnsupportedPlanError
     from miles_sglang_plugin.backends.local import LocalBackend
 
-    wide = prepared_for("sglang=default", "hf_checkpoint=/c", "colocate=true", "sglang.actor.regular.num_gpus=16",
+    wide = prepared_for("sglang=default", "hf_checkpoint=/c", "debug_rollout_only=true", "sglang.actor.regular.num_gpus=16",
                         "sglang.actor.num_gpus_per_engine=16")  # fmt: skip
     with pytest.raises(UnsupportedPlanError) as exc:
         LocalBackend().check(wide)
@@ -516,7 +533,7 @@ def test_local_backend_refuses_multi_node_plans_of_real_engines_before_starting_
 
 
 def test_deployment_wide_dp_and_pp_sizes_shape_engines_and_ports():
-    prep = prepared_for("sglang=default", "hf_checkpoint=/c", "colocate=true", "sglang.actor.regular.num_gpus=8",
+    prep = prepared_for("sglang=default", "hf_checkpoint=/c", "debug_rollout_only=true", "sglang.actor.regular.num_gpus=8",
                         "sglang.actor.num_gpus_per_engine=4", "+sglang_deploy.server_defaults.dp_size=4",
                         "+sglang_deploy.server_defaults.pp_size=2")  # fmt: skip
     g = prep.plan.model("actor").groups[0]
@@ -531,7 +548,7 @@ def test_deployment_wide_dp_and_pp_sizes_shape_engines_and_ports():
 def test_ipv6_host_renders_bracketed_addresses_that_sglang_accepts():
     # One 16-GPU node: where a plan spreads real engines over several nodes, the addresses are the nodes'
     # (shown as <node N address>), not launch.host.
-    one_node = ("sglang=pd", "hf_checkpoint=/c", "colocate=true", "num_gpus_per_node=16")
+    one_node = ("sglang=pd", "hf_checkpoint=/c", "debug_rollout_only=true", "num_gpus_per_node=16")
     prep = prepared_for(*one_node, "sglang_deploy.launch.host='[::1]'")
     check_against_plan(prep)
     bare = prepared_for(*one_node, "sglang_deploy.launch.host='::1'")
@@ -545,7 +562,7 @@ def test_ipv6_host_renders_bracketed_addresses_that_sglang_accepts():
 
 def test_eval_overrides_and_api_key_overrides_are_checked():
     with pytest.raises(DeploymentConfigError) as exc:
-        prepared_for("sglang=default", "hf_checkpoint=/c", "colocate=true", "eval_num_gpus=2",
+        prepared_for("sglang=default", "hf_checkpoint=/c", "debug_rollout_only=true", "eval_num_gpus=2",
                      "+sglang_model@sglang.eval=base", "sglang.eval.regular.num_gpus=2",
                      "+eval_sglang_overrides.port=1", "+eval_sglang_overrides.mem_fraction_statc=0.5",
                      "+sglang.actor.regular.overrides.api_key=hunter2")  # fmt: skip

@@ -18,6 +18,12 @@ def T(**kw) -> TrainerInputs:
     return TrainerInputs(**kw)
 
 
+def R(**kw) -> TrainerInputs:
+    """A rollout-only run (debug_rollout_only): rollout GPUs from slot 0, nothing trains, any size. (Colocated,
+    Miles sizes the rollout as the actor, so colocate no longer stands for "from slot 0".)"""
+    return T(debug_rollout_only=True, **kw)
+
+
 def problems_of(exc: pytest.ExceptionInfo[DeploymentConfigError]) -> dict[str, str]:
     return {p.key: p.message for p in exc.value.problems}
 
@@ -28,7 +34,7 @@ def test_gpu_offset_cursor_runs_over_models_and_groups_placeholders_included():
         model("actor", group("placeholder", 2), group("regular", 4, gpe=2)),
         model("ref", group("regular", 2, gpe=1), path="/ref"),
     )
-    plan = resolve_deployment(s, T(colocate=True))
+    plan = resolve_deployment(s, T(colocate=True))  # 8 GPUs: the actor's 1 x 8
     offsets = [(m.name, g.name, g.gpu_offset) for m, g in plan.groups()]
     assert offsets == [("actor", "placeholder", 0), ("actor", "regular", 2), ("ref", "regular", 6)]
     assert plan.total_gpus == 8 and plan.rollout_num_gpus == 8
@@ -56,49 +62,91 @@ def test_slots_nodes_and_local_ids_after_the_actor_gpus():
         ({}, 16, 16),
         ({"colocate": True}, 0, 16),
         ({"debug_rollout_only": True}, 0, 0),
-        ({"use_critic": True, "critic_num_nodes": 1, "critic_num_gpus_per_node": 4}, 20, 20),
+        # Miles dec268f70 (Share Actor/Critic GPUs): the PPO critic trains on the actor's GPUs, adding none.
+        ({"use_critic": True, "critic_num_nodes": 1, "critic_num_gpus_per_node": 4}, 16, 16),
+        ({"use_critic": True}, 16, 16),
         ({"critic_train_only": True, "critic_num_nodes": 1, "critic_num_gpus_per_node": 4}, 4, 4),
-        ({"use_critic": True}, 32, 32),  # critic defaults to the actor's size
+        # Miles' own fixtures: 0 critic nodes / GPUs per node = no critic.
+        ({"critic_num_nodes": 0, "critic_num_gpus_per_node": 0}, 16, 16),
     ],
 )
 def test_rollout_offset_and_megatron_gpus(kw, rollout_offset, megatron):
     t = T(actor_num_nodes=2, actor_num_gpus_per_node=8, **kw)
-    plan = resolve_deployment(spec(model("actor", group("regular", 8, gpe=4))), t)
+    plan = resolve_deployment(spec(model("actor", group("regular", 16, gpe=4))), t)
     assert (plan.rollout_offset, plan.megatron_num_gpus) == (rollout_offset, megatron)
     assert plan.model("actor").engines[0].gpu_slots[0] == rollout_offset
 
 
+def test_a_ppo_critic_shares_the_actors_gpus():
+    # Miles (dec268f70): actor 1 x 8, critic 1 x 4, use_critic -> rollout_offset 8 and Megatron 8 (not 12 and
+    # 12), the critic resized to the actor's 1 x 8; PPO with rollout 8 runs on slots 8..15.
+    t = T(
+        actor_num_nodes=1,
+        actor_num_gpus_per_node=8,
+        use_critic=True,
+        critic_num_nodes=1,
+        critic_num_gpus_per_node=4,
+    )
+    plan = resolve_deployment(spec(model("actor", group("regular", 8, gpe=8))), t)
+    assert (plan.rollout_offset, plan.megatron_num_gpus) == (8, 8)
+    assert plan.model("actor").engines[0].gpu_slots == tuple(range(8, 16))
+    assert (plan.trainer.critic_num_nodes, plan.trainer.critic_num_gpus_per_node) == (1, 8)
+    assert dict(plan.derived) == {"critic_num_gpus_per_node": 8}
+    assert plan.notes == (
+        "critic_num_gpus_per_node=8 (given 4): use_critic: the critic shares the actor's GPUs, so Miles gives it "
+        "the actor's size",
+    )
+
+
+def test_critic_only_training_needs_critic_gpus():
+    with pytest.raises(DeploymentConfigError) as exc:
+        resolve_deployment(None, T(rollout_num_gpus=8, critic_train_only=True, critic_num_nodes=0))
+    assert problems_of(exc)["critic_train_only"] == (
+        "trains only the critic, but it has no GPUs (critic_num_nodes=0 x critic_num_gpus_per_node=None); "
+        "give the critic GPUs"
+    )
+    with pytest.raises(DeploymentConfigError) as exc:
+        resolve_deployment(None, T(rollout_num_gpus=8, critic_num_nodes=-1))
+    assert problems_of(exc)["critic_num_nodes"] == "must be >= 0, got -1"
+
+
 # ---------------------------------------------------------------------------------------------- offload
 def test_needs_offload_tests_the_groups_first_gpu_against_megatron():
-    # colocate: rollout_offset 0; Megatron trains on 1 node x 8 GPUs = slots 0..7.
+    # colocate: rollout_offset 0; Megatron trains on 1 node x 8 GPUs = slots 0..7, which the 8 rollout GPUs
+    # take (Miles sizes a colocated rollout as the actor); the eval fleet comes after them.
     s = spec(
-        model("actor", group("regular", 6, gpe=2)),  # slots 0-5  -> inside
-        model("ref", group("regular", 4, gpe=2), path="/ref"),  # slots 6-9 -> first GPU 6 < 8 -> offload
-        model("reward", group("regular", 2, gpe=2), path="/rm"),  # slots 10-11 -> outside
+        model("actor", group("regular", 6, gpe=2)),  # slots 0-5 -> inside
+        model("ref", group("regular", 2, gpe=2), path="/ref"),  # slots 6-7 -> first GPU 6 < 8 -> offload
+        model("eval", group("regular", 4, gpe=2)),  # slots 8-11 -> outside
     )
-    plan = resolve_deployment(s, T(colocate=True, offload_rollout=True))
+    plan = resolve_deployment(
+        s, T(colocate=True, offload_rollout=True, eval_num_gpus=4, eval_num_gpus_per_engine=2)
+    )
     assert [g.needs_offload for _, g in plan.groups()] == [True, True, False]
     assert "enable_memory_saver" not in plan.model("actor").groups[0].overrides
     assert "enable_memory_saver" not in plan.model("ref").groups[0].overrides
-    assert plan.model("reward").groups[0].overrides["enable_memory_saver"] is False
+    assert plan.model("eval").groups[0].overrides["enable_memory_saver"] is False
 
 
 def test_explicit_memory_saver_override_wins_but_does_not_change_needs_offload():
     s = spec(
         model("actor", group("regular", 8, gpe=8)),
-        model("ref", group("regular", 8, gpe=8, enable_memory_saver=True), path="/ref"),
+        model("eval", group("regular", 8, gpe=8, enable_memory_saver=True)),
     )
-    plan = resolve_deployment(s, T(colocate=True, offload_rollout=True))
-    ref = plan.model("ref").groups[0]
-    assert ref.needs_offload is False
-    assert ref.overrides["enable_memory_saver"] is True
+    plan = resolve_deployment(
+        s, T(colocate=True, offload_rollout=True, eval_num_gpus=8, eval_num_gpus_per_engine=8)
+    )
+    ev = plan.model("eval").groups[0]
+    assert ev.needs_offload is False
+    assert ev.overrides["enable_memory_saver"] is True
 
 
 def test_no_offload_flag_means_no_group_needs_offload_and_nothing_injected():
     s = spec(model("actor", group("regular", 8, gpe=8)), model("ref", group("regular", 8, gpe=8), path="/r"))
-    plan = resolve_deployment(s, T(colocate=True, offload_rollout=False))
+    plan = resolve_deployment(s, T(colocate=True, offload_rollout=False, actor_num_nodes=2))
     assert [g.needs_offload for _, g in plan.groups()] == [False, False]
     assert all("enable_memory_saver" not in g.overrides for _, g in plan.groups())
+    assert "offload_rollout" not in plan.derived  # given false: Miles keeps --no-offload-rollout
 
 
 def test_not_colocated_nothing_overlaps_megatron():
@@ -114,7 +162,7 @@ def test_num_gpus_per_engine_falls_back_group_then_model_then_trainer():
         model("b", group("regular", 8), gpe=2, path="/b"),
         model("c", group("regular", 8), path="/c"),
     )
-    plan = resolve_deployment(s, T(colocate=True, rollout_num_gpus_per_engine=4))
+    plan = resolve_deployment(s, R(rollout_num_gpus_per_engine=4))
     assert [g.num_gpus_per_engine for _, g in plan.groups()] == [8, 2, 4]
     assert [len(g.engines) for _, g in plan.groups()] == [1, 4, 2]
 
@@ -125,7 +173,7 @@ def test_model_path_and_update_weights_inference():
         model("ref", group("regular", 2), path="/ref"),
         model("same_path_frozen", group("regular", 2), path=HF, update=False),
     )
-    plan = resolve_deployment(s, T(colocate=True))
+    plan = resolve_deployment(s, R())
     assert [(m.name, m.model_path, m.update_weights) for m in plan.models] == [
         ("actor", HF, True),
         ("ref", "/ref", False),
@@ -136,7 +184,7 @@ def test_model_path_and_update_weights_inference():
 
 def test_group_override_of_model_path_counts_as_the_effective_path():
     s = spec(model("actor", group("regular", 2, model_path="/other")))
-    plan = resolve_deployment(s, T(colocate=True))
+    plan = resolve_deployment(s, R())
     assert plan.model("actor").model_path == "/other"
     assert plan.model("actor").update_weights is False
 
@@ -144,21 +192,19 @@ def test_group_override_of_model_path_counts_as_the_effective_path():
 def test_groups_of_one_model_must_share_the_model_path():
     s = spec(model("actor", group("prefill", 2, model_path="/x"), group("decode", 2)))
     with pytest.raises(DeploymentConfigError) as exc:
-        resolve_deployment(s, T(colocate=True))
+        resolve_deployment(s, R())
     assert "one model path" in problems_of(exc)["sglang.actor"]
     assert "prefill='/x'" in problems_of(exc)["sglang.actor"]
 
 
 def test_missing_model_path_everywhere():
     with pytest.raises(DeploymentConfigError) as exc:
-        resolve_deployment(spec(model("actor", group("regular", 2))), TrainerInputs(colocate=True))
+        resolve_deployment(spec(model("actor", group("regular", 2))), TrainerInputs(debug_rollout_only=True))
     assert "no model path" in problems_of(exc)["sglang.actor.model_path"]
 
 
 def test_overrides_accept_both_spellings_but_not_both_at_once():
-    plan = resolve_deployment(
-        spec(model("actor", group("regular", 2, **{"mem-fraction-static": 0.7}))), T(colocate=True)
-    )
+    plan = resolve_deployment(spec(model("actor", group("regular", 2, **{"mem-fraction-static": 0.7}))), R())
     assert plan.model("actor").groups[0].overrides["mem_fraction_static"] == 0.7
     with pytest.raises(DeploymentConfigError) as exc:
         resolve_deployment(
@@ -167,7 +213,7 @@ def test_overrides_accept_both_spellings_but_not_both_at_once():
                     "actor", group("regular", 2, **{"mem-fraction-static": 0.7, "mem_fraction_static": 0.8})
                 )
             ),
-            T(colocate=True),
+            R(),
         )
     assert "give it once" in str(exc.value)
 
@@ -175,10 +221,10 @@ def test_overrides_accept_both_spellings_but_not_both_at_once():
 # ------------------------------------------------------------------------------------------- rollout GPUs
 def test_rollout_num_gpus_follows_the_groups_or_must_match():
     s = spec(model("actor", group("prefill", 4, gpe=2), group("decode", 12, gpe=4)))
-    assert resolve_deployment(s, T(colocate=True)).rollout_num_gpus == 16
-    assert resolve_deployment(s, T(colocate=True, rollout_num_gpus=16)).rollout_num_gpus == 16
+    assert resolve_deployment(s, R()).rollout_num_gpus == 16
+    assert resolve_deployment(s, R(rollout_num_gpus=16)).rollout_num_gpus == 16
     with pytest.raises(DeploymentConfigError) as exc:
-        resolve_deployment(s, T(colocate=True, rollout_num_gpus=20))
+        resolve_deployment(s, R(rollout_num_gpus=20))
     assert problems_of(exc)["rollout_num_gpus"].startswith(
         "is 20 but the server groups hold 16 GPUs (actor=16)"
     )
@@ -190,7 +236,7 @@ def test_pd_model_and_router_mode():
         model("actor", group("prefill", 4, gpe=2), group("decode", 8, gpe=4)),
         model("ref", group("regular", 4), path="/ref"),
     )
-    plan = resolve_deployment(s, T(colocate=True, rollout_num_gpus_per_engine=2))
+    plan = resolve_deployment(s, R(rollout_num_gpus_per_engine=2))
     assert plan.model("actor").is_pd and not plan.model("ref").is_pd
     assert [e.worker_type for e in plan.model("actor").engines] == [WorkerType.prefill] * 2 + [
         WorkerType.decode
@@ -199,7 +245,7 @@ def test_pd_model_and_router_mode():
 
 # ---------------------------------------------------------------------------------------- multi-node
 def test_engine_wider_than_a_node_has_one_process_per_node():
-    plan = resolve_deployment(spec(model("actor", group("regular", 32, gpe=16))), T(colocate=True))
+    plan = resolve_deployment(spec(model("actor", group("regular", 32, gpe=16))), R())
     e0, e1 = plan.model("actor").engines
     assert [(p.node, p.node_rank, p.local_gpu_ids) for p in e0.processes] == [
         (0, 0, tuple(range(8))),
@@ -211,7 +257,7 @@ def test_engine_wider_than_a_node_has_one_process_per_node():
 
 def test_engine_wider_than_a_node_must_use_whole_nodes():
     with pytest.raises(DeploymentConfigError) as exc:
-        resolve_deployment(spec(model("actor", group("regular", 24, gpe=12))), T(colocate=True))
+        resolve_deployment(spec(model("actor", group("regular", 24, gpe=12))), R())
     assert "whole nodes (a multiple of 8)" in problems_of(exc)["sglang.actor.regular.num_gpus_per_engine"]
 
 
@@ -222,7 +268,7 @@ def test_engine_may_not_straddle_a_node_boundary():
     )
     # actor: slots 0-5, placeholder: 6, ref: 7-10 -> crosses node 0 / node 1
     with pytest.raises(DeploymentConfigError) as exc:
-        resolve_deployment(s, T(colocate=True))
+        resolve_deployment(s, R())
     msg = problems_of(exc)["sglang.ref.regular"]
     assert "slots 7..10" in msg and "node 0 and node 1" in msg and "gpu_offset=7" in msg
 
@@ -240,7 +286,7 @@ def test_every_problem_is_reported_at_once():
         model("ref", group("regular", 2, host="0.0.0.0", tp_size=2, pp_size=1), path=HF),  # 2nd updatable
     )
     with pytest.raises(DeploymentConfigError) as exc:
-        resolve_deployment(s, T(colocate=True, rollout_num_gpus_per_engine=1))
+        resolve_deployment(s, R(rollout_num_gpus_per_engine=1))
     got = problems_of(exc)
     assert (
         "6 GPUs do not split into engines of num_gpus_per_engine=4: 1 engine(s) would leave 2 GPU(s) idle"
@@ -272,7 +318,7 @@ def test_every_problem_is_reported_at_once():
 def test_prefill_without_decode_and_decode_without_prefill():
     for wt, missing in (("prefill", "decode"), ("decode", "prefill")):
         with pytest.raises(DeploymentConfigError) as exc:
-            resolve_deployment(spec(model("actor", group(wt, 2))), T(colocate=True))
+            resolve_deployment(spec(model("actor", group(wt, 2))), R())
         assert f"no {missing} group; PD disaggregation needs both" in problems_of(exc)["sglang.actor"]
 
 
@@ -291,21 +337,18 @@ def test_override_keys_checked_against_server_args_fields_when_given():
     fields = {"mem_fraction_static", "tp_size", "model_path", "enable_memory_saver"}
     s = spec(model("actor", group("regular", 2, mem_fraction_statc=0.8)))
     with pytest.raises(DeploymentConfigError) as exc:
-        resolve_deployment(s, T(colocate=True), server_arg_fields=fields)
+        resolve_deployment(s, R(), server_arg_fields=fields)
     assert (
         "did you mean mem_fraction_static?"
         in problems_of(exc)["sglang.actor.regular.overrides.mem_fraction_statc"]
     )
-    assert (
-        resolve_deployment(s, T(colocate=True)).model("actor").groups[0].overrides["mem_fraction_statc"]
-        == 0.8
-    )
+    assert resolve_deployment(s, R()).model("actor").groups[0].overrides["mem_fraction_statc"] == 0.8
 
 
 def test_disaggregation_mode_override_must_agree_with_worker_type():
     s = spec(model("actor", group("prefill", 2, disaggregation_mode="decode"), group("decode", 2)))
     with pytest.raises(DeploymentConfigError) as exc:
-        resolve_deployment(s, T(colocate=True))
+        resolve_deployment(s, R())
     assert (
         "contradicts worker_type 'prefill'"
         in problems_of(exc)["sglang.actor.prefill.overrides.disaggregation_mode"]
@@ -313,12 +356,10 @@ def test_disaggregation_mode_override_must_agree_with_worker_type():
 
 
 def test_pp_size_splits_the_engine():
-    plan = resolve_deployment(
-        spec(model("actor", group("regular", 8, gpe=4, pp_size=2, tp_size=2))), T(colocate=True)
-    )
+    plan = resolve_deployment(spec(model("actor", group("regular", 8, gpe=4, pp_size=2, tp_size=2))), R())
     assert plan.model("actor").groups[0].tp_size == 2
     with pytest.raises(DeploymentConfigError) as exc:
-        resolve_deployment(spec(model("actor", group("regular", 8, gpe=4, pp_size=3))), T(colocate=True))
+        resolve_deployment(spec(model("actor", group("regular", 8, gpe=4, pp_size=3))), R())
     assert (
         "3 does not divide num_gpus_per_engine=4"
         in problems_of(exc)["sglang.actor.regular.overrides.pp_size"]
@@ -362,6 +403,8 @@ def test_eval_fleet_overrides_layers_and_defaults():
         "ep_size": 1,
         "attn_cp_size": 1,
         "mem_fraction_static": 0.5,
+        # colocate turns offload_rollout on; the eval fleet (slots 8..11) is past Megatron's 0..7
+        "enable_memory_saver": False,
     }
     assert plan.rollout_num_gpus == 8 and plan.total_gpus == 12
 
@@ -369,19 +412,19 @@ def test_eval_fleet_overrides_layers_and_defaults():
 def test_eval_fleet_checks():
     s = spec(model("actor", group("regular", 8, gpe=4)), model("eval", group("regular", 2)))
     with pytest.raises(DeploymentConfigError) as exc:
-        resolve_deployment(s, T(colocate=True, eval_num_gpus=4, eval_num_gpus_per_engine=3))
+        resolve_deployment(s, R(eval_num_gpus=4, eval_num_gpus_per_engine=3))
     got = problems_of(exc)
     assert "holds 2 GPUs but eval_num_gpus=4" in got["sglang.eval"]
     assert "eval_num_gpus=4 does not split into engines of 3 GPUs" in got["eval_num_gpus_per_engine"]
     with pytest.raises(DeploymentConfigError) as exc:
-        resolve_deployment(spec(model("actor", group("regular", 8))), T(colocate=True, eval_num_gpus=4))
+        resolve_deployment(spec(model("actor", group("regular", 8))), R(eval_num_gpus=4))
     assert "needs exactly one model named 'eval', found 0" in problems_of(exc)["sglang"]
 
 
 # ------------------------------------------------------------------------------------------- legacy
 def test_no_deployment_means_one_regular_group_plus_eval():
     plan = resolve_deployment(
-        None, T(rollout_num_gpus=8, rollout_num_gpus_per_engine=2, eval_num_gpus=2, colocate=True)
+        None, T(rollout_num_gpus=8, rollout_num_gpus_per_engine=2, eval_num_gpus=2, debug_rollout_only=True)
     )
     assert [(m.name, [(g.name, g.num_gpus) for g in m.groups]) for m in plan.models] == [
         ("default", [("regular", 8)]),
@@ -392,7 +435,8 @@ def test_no_deployment_means_one_regular_group_plus_eval():
 
 def test_prefill_num_servers_splits_prefill_and_decode():
     plan = resolve_deployment(
-        None, T(rollout_num_gpus=8, rollout_num_gpus_per_engine=2, prefill_num_servers=1, colocate=True)
+        None,
+        T(rollout_num_gpus=8, rollout_num_gpus_per_engine=2, prefill_num_servers=1, debug_rollout_only=True),
     )
     assert [(g.name, g.num_gpus, len(g.engines)) for g in plan.model("default").groups] == [
         ("prefill", 2, 1),
@@ -420,7 +464,7 @@ def test_naming_and_type_errors_of_models_and_groups():
         ),
     )
     with pytest.raises(DeploymentConfigError) as exc:
-        resolve_deployment(s, T(colocate=True))
+        resolve_deployment(s, R())
     got = problems_of(exc)
     assert got["sglang.actor"] == "model name 'actor' is used 2 times; names must be unique"
     assert got["sglang.actor.num_gpus_per_engine"] == "must be an integer >= 1, got 0"
@@ -431,9 +475,7 @@ def test_naming_and_type_errors_of_models_and_groups():
 
 def test_eval_overrides_without_eval_fleet_and_exclusive_debug_modes():
     with pytest.raises(DeploymentConfigError) as exc:
-        resolve_deployment(
-            spec(model("actor", group("regular", 2))), T(colocate=True, eval_sglang_overrides={"dp_size": 2})
-        )
+        resolve_deployment(spec(model("actor", group("regular", 2))), R(eval_sglang_overrides={"dp_size": 2}))
     assert (
         "eval overrides ['dp_size'] are set but eval_num_gpus is 0"
         in problems_of(exc)["eval_sglang_overrides"]
@@ -445,7 +487,7 @@ def test_eval_overrides_without_eval_fleet_and_exclusive_debug_modes():
 
 def test_placeholder_only_model_reserves_gpus_without_a_router():
     s = spec(model("actor", group("regular", 4, gpe=2)), model("reserved", group("placeholder", 4)))
-    plan = resolve_deployment(s, T(colocate=True))
+    plan = resolve_deployment(s, R())
     reserved = plan.model("reserved")
     assert reserved.engines == () and plan.total_gpus == 8
     assert (reserved.model_path, reserved.update_weights) == ("", False)  # nothing served, nothing updated

@@ -15,18 +15,24 @@ SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[Heal
 
 
 @st.composite
-def trainers(draw, gpn: int | None = None) -> TrainerInputs:
+def trainers(draw, gpn: int | None = None, total: int | None = None) -> TrainerInputs:
+    """Random trainer inputs; colocated with a deployment of ``total`` GPUs, the actor is that large (Miles sizes
+    a colocated rollout as the actor). Some have a PPO critic (which shares the actor's GPUs)."""
     gpn = gpn or draw(st.sampled_from([1, 2, 4, 8]))
     colocate = draw(st.booleans())
+    actor_nodes = total // gpn if colocate and total else draw(st.integers(1, 3))
     return TrainerInputs(
         hf_checkpoint="/ckpt/actor",
         num_gpus_per_node=gpn,
-        actor_num_nodes=draw(st.integers(1, 3)),
+        actor_num_nodes=actor_nodes,
         actor_num_gpus_per_node=gpn,
         colocate=colocate,
-        offload_rollout=draw(st.booleans()),
+        offload_rollout=draw(st.sampled_from([None, True, False])),
         rollout_num_gpus_per_engine=draw(st.sampled_from([1, 2, 4])),
         debug_rollout_only=draw(st.booleans()) if not colocate else False,
+        use_critic=draw(st.booleans()),
+        critic_num_nodes=draw(st.sampled_from([None, 0, 1, 2])),
+        critic_num_gpus_per_node=draw(st.sampled_from([None, 0, 4])),
     )
 
 
@@ -93,6 +99,7 @@ def check_invariants(plan: DeploymentPlan, spec: DeploymentSpec, t: TrainerInput
                     assert p.node == p.gpu_slots[0] // gpn
                     assert p.local_gpu_ids == tuple(s % gpn for s in p.gpu_slots)
     assert sorted(owners) == list(range(ro, ro + plan.total_gpus))
+    check_ranks(plan, gpn)
     # needs_offload: with offload on, a group takes part iff its first GPU slot is one Megatron trains on.
     megatron = megatron_slots(t)
     first_slot = rollout_start(t)
@@ -114,9 +121,22 @@ def check_invariants(plan: DeploymentPlan, spec: DeploymentSpec, t: TrainerInput
     assert sum(m.update_weights for m in plan.models) <= 1
 
 
+def check_ranks(plan: DeploymentPlan, gpn: int) -> None:
+    """Miles' ranks (rollout_server.py ``engine_offset``): each group advances the cursor by
+    num_gpus // min(gpus per engine, GPUs per node), placeholders included; an engine's processes (one per
+    node) take consecutive ranks from its first."""
+    cursor = 0
+    for _, g in plan.groups():
+        for i, e in enumerate(g.engines):
+            first = cursor + i * e.nnodes
+            assert e.rank == first
+            assert [p.rank for p in e.processes] == list(range(first, first + e.nnodes))
+        cursor += g.num_gpus // min(g.num_gpus_per_engine, gpn)
+
+
 def megatron_slots(t: TrainerInputs) -> set[int]:
     """The GPU slots Megatron trains on, enumerated from the trainer's arguments (Miles' placement): the actor's
-    nodes from slot 0, none when only rollout runs. The trainers drawn here have no critic."""
+    nodes from slot 0, none when only rollout runs. A PPO critic shares the actor's slots (Miles dec268f70)."""
     if t.debug_rollout_only:
         return set()
     return set(range(t.actor_num_nodes * t.actor_num_gpus_per_node))
@@ -130,9 +150,14 @@ def rollout_start(t: TrainerInputs) -> int:
 @SETTINGS
 @given(data=st.data())
 def test_valid_random_deployments_satisfy_miles_invariants(data):
-    t = data.draw(trainers())
-    spec = data.draw(aligned_deployments(t.num_gpus_per_node))
-    plan = resolve_deployment(spec, t)
+    gpn = data.draw(st.sampled_from([1, 2, 4, 8]))
+    spec = data.draw(aligned_deployments(gpn))
+    given = data.draw(trainers(gpn, total=sum(g.num_gpus for m in spec.models for g in m.groups)))
+    plan = resolve_deployment(spec, given)
+    t = plan.trainer
+    # Miles' post-processing: offload on when colocated unless given, off when only rollout runs.
+    expected_offload = given.offload_rollout if given.offload_rollout is not None else given.colocate
+    assert t.offload_rollout is (expected_offload and not given.debug_rollout_only)
     check_invariants(plan, spec, t)
     assert plan.rollout_num_gpus == plan.total_gpus
 
@@ -164,7 +189,7 @@ def test_any_layout_resolves_or_fails_cleanly(data):
         assert exc.problems and all(p.key and p.message for p in exc.problems)
         assert str(exc).count("\n  - ") == len(exc.problems)
     else:
-        check_invariants(plan, spec, t)
+        check_invariants(plan, spec, plan.trainer)
 
 
 junk = st.one_of(

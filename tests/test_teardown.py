@@ -108,7 +108,7 @@ HYDRA_APP = PROBE_HELPERS + textwrap.dedent(
     from miles_sglang_plugin.serving.deployment import Deployment
 
     ConfigStore.instance().store(
-        name="app", node={"defaults": ["_self_", {"sglang": "default"}], "hf_checkpoint": None, "colocate": False}
+        name="app", node={"defaults": ["_self_", {"sglang": "default"}], "hf_checkpoint": None, "debug_rollout_only": False}
     )
     record = {}
 

@@ -93,6 +93,9 @@ class DeploymentSpec:
 
     models: tuple[ModelSpec, ...]
     source: str = ""
+    #: True for a Miles/slime ``--sglang-config`` file: like Miles, resolution drops (and notes) group override
+    #: keys that the installed SGLang lacks, where a Hydra config of the user's own has them refused.
+    drops_unknown_override_keys: bool = False
 
     def model(self, name: str) -> ModelSpec:
         for model in self.models:

@@ -159,15 +159,24 @@ class LaunchConf:
 
 @dataclass
 class LoraConf:
-    """LoRA serving on every engine (Miles' ``--lora-*`` / multi-LoRA arguments)."""
+    """LoRA serving on every engine, with the server arguments Miles derives from its ``--lora-*`` and
+    ``--multi-lora-*`` arguments (see :mod:`miles_sglang_plugin.rendering.lora`)."""
 
+    #: Single LoRA (Miles: ``--lora-rank`` > 0 or ``--lora-adapter-path``, without ``--lora-train-only``).
     enabled: bool = False
-    #: adapter name -> path, rendered as ``--lora-paths name=path``.
+    #: adapter name -> path, rendered as ``--lora-paths name=path`` (Miles: ``miles_lora=<--lora-adapter-path>``).
     paths: dict[str, str] = field(default_factory=dict)
-    max_loras_per_batch: int = 1
+    #: null: Miles' value, 1 (multi-LoRA: ``multi_lora_n_adapters``).
+    max_loras_per_batch: int | None = None
+    #: Miles: ``max(--lora-rank, 1)``.
     max_lora_rank: int = 8
-    #: HF module names; empty: SGLang's default.
+    #: HF or Megatron module names (Miles' ``--target-modules``; Megatron names are mapped to HF ones as Miles
+    #: does); empty: SGLang's default (single LoRA only).
     target_modules: list[str] = field(default_factory=list)
+    #: Multi-LoRA (Miles' ``--multi-lora-n-adapters``): > 0 adapter slots per batch, which also turns LoRA on.
+    multi_lora_n_adapters: int = 0
+    #: Miles' ``--lora-base-cpu-backup``: colocated single-LoRA engines keep a CPU copy of the base weights.
+    base_cpu_backup: bool = False
 
 
 @dataclass

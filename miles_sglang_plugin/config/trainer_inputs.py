@@ -4,6 +4,9 @@ A Miles (or slime) ``argparse.Namespace`` maps onto :class:`TrainerInputs` field
 (:meth:`TrainerInputs.from_namespace`); a Hydra app keeps the same names at the root of its config
 (:func:`miles_sglang_plugin.config.reading.trainer_from_config`). A trainer whose arguments are named differently maps them in one place:
 interpolations at the root of its primary config, e.g. ``hf_checkpoint: ${model.path}`` (see the README).
+
+:func:`apply_miles_rules` is Miles' own post-processing of these arguments (colocate defaults, the PPO critic's
+size, ...), which resolution applies to the inputs of both paths before anything else.
 """
 
 from __future__ import annotations
@@ -35,16 +38,17 @@ class TrainerInputs:
     actor_num_nodes: int = 1
     actor_num_gpus_per_node: int = 8
     colocate: bool = False
-    offload_rollout: bool = False
+    #: None: on with ``colocate``, else off (Miles' ``--offload-rollout`` / ``--no-offload-rollout``).
+    offload_rollout: bool | None = None
     eval_num_gpus: int = 0
-    #: None: the same as ``rollout_num_gpus_per_engine``.
-    eval_num_gpus_per_engine: int | None = None
+    #: GPUs per eval engine; Miles' default is 1, whatever ``rollout_num_gpus_per_engine`` is.
+    eval_num_gpus_per_engine: int = 1
     prefill_num_servers: int | None = None
     debug_rollout_only: bool = False
     debug_train_only: bool = False
     use_critic: bool = False
     critic_train_only: bool = False
-    #: None: the same as the actor's.
+    #: None: the same as the actor's; 0: no critic. With ``use_critic`` Miles sets both to the actor's.
     critic_num_nodes: int | None = None
     critic_num_gpus_per_node: int | None = None
     #: Base of the per-engine ``--random-seed`` (Miles: ``seed + rank``).
@@ -102,6 +106,7 @@ class TrainerInputs:
     # ------------------------------------------------------------------------------------------------- derived
     @property
     def critic_gpus(self) -> int:
+        """The critic's GPUs (``critic_num_nodes`` x ``critic_num_gpus_per_node``; None: the actor's)."""
         nodes = self.critic_num_nodes if self.critic_num_nodes is not None else self.actor_num_nodes
         per_node = (
             self.critic_num_gpus_per_node
@@ -116,45 +121,59 @@ class TrainerInputs:
 
     @property
     def rollout_offset(self) -> int:
-        """First placement slot of rollout GPUs (Miles ``_compute_rollout_offset``)."""
+        """First placement slot of rollout GPUs (Miles ``_compute_rollout_offset``). A PPO critic
+        (``use_critic``) shares the actor's GPUs, so it adds nothing."""
         if self.debug_train_only or self.debug_rollout_only or self.colocate:
             return 0
         if self.critic_train_only:
             return self.critic_gpus
-        return self.actor_gpus + (self.critic_gpus if self.use_critic else 0)
+        return self.actor_gpus
 
     @property
     def megatron_num_gpus(self) -> int:
-        """Placement slots that Megatron trains on (Miles ``_compute_megatron_num_gpus``)."""
+        """Placement slots that Megatron trains on (Miles ``_compute_megatron_num_gpus``): the actor's, which a
+        PPO critic shares; the critic's for critic-only training."""
         if self.debug_rollout_only:
             return 0
         if self.critic_train_only:
             return self.critic_gpus
-        return self.actor_gpus + (self.critic_gpus if self.use_critic else 0)
-
-    @property
-    def effective_eval_num_gpus_per_engine(self) -> int:
-        if self.eval_num_gpus_per_engine is not None:
-            return self.eval_num_gpus_per_engine
-        return self.rollout_num_gpus_per_engine
+        return self.actor_gpus
 
     def problems(self) -> list[Problem]:
         """Type and range checks of the inputs themselves."""
+        out = self._integer_problems() + self._flag_problems()
+        if self.debug_rollout_only and self.debug_train_only:
+            out.append(
+                Problem("debug_train_only", "debug_rollout_only and debug_train_only exclude each other")
+            )
+        if not out and self.critic_train_only and not self.use_critic and self.critic_gpus == 0:
+            out.append(
+                Problem(
+                    "critic_train_only",
+                    f"trains only the critic, but it has no GPUs (critic_num_nodes={self.critic_num_nodes} x "
+                    f"critic_num_gpus_per_node={self.critic_num_gpus_per_node}); give the critic GPUs",
+                )
+            )
+        return out
+
+    def _integer_problems(self) -> list[Problem]:
         out: list[Problem] = []
         positive = (
             "rollout_num_gpus_per_engine",
             "num_gpus_per_node",
             "actor_num_nodes",
             "actor_num_gpus_per_node",
-        )
-        optional_positive = (
             "eval_num_gpus_per_engine",
+        )
+        optional_positive = ("num_nodes",)
+        non_negative = ("eval_num_gpus",)
+        #: 0 critic nodes or GPUs per node: no critic (Miles' own fixtures use 0 so).
+        optional_non_negative = (
+            "rollout_num_gpus",
+            "prefill_num_servers",
             "critic_num_nodes",
             "critic_num_gpus_per_node",
-            "num_nodes",
         )
-        non_negative = ("eval_num_gpus",)
-        optional_non_negative = ("rollout_num_gpus", "prefill_num_servers")
         for name in positive + optional_positive + non_negative + optional_non_negative:
             value = getattr(self, name)
             if value is None and name in optional_positive + optional_non_negative:
@@ -165,9 +184,12 @@ class TrainerInputs:
                 out.append(Problem(name, f"must be >= 1, got {value}"))
             elif value < 0:
                 out.append(Problem(name, f"must be >= 0, got {value}"))
+        return out
+
+    def _flag_problems(self) -> list[Problem]:
+        out: list[Problem] = []
         for name in (
             "colocate",
-            "offload_rollout",
             "debug_rollout_only",
             "debug_train_only",
             "use_critic",
@@ -178,8 +200,134 @@ class TrainerInputs:
         ):
             if not isinstance(getattr(self, name), bool):
                 out.append(Problem(name, f"must be true or false, got {getattr(self, name)!r}"))
-        if self.debug_rollout_only and self.debug_train_only:
+        if self.offload_rollout is not None and not isinstance(self.offload_rollout, bool):
             out.append(
-                Problem("debug_train_only", "debug_rollout_only and debug_train_only exclude each other")
+                Problem("offload_rollout", f"must be true, false or null, got {self.offload_rollout!r}")
             )
         return out
+
+
+# ==================================================================================== Miles' post-processing
+#: Deployment-wide ServerArgs values (Miles' ``--sglang-*``) that Miles sets under ``--colocate`` unless they
+#: are given: prefill CUDA graphs off, "to avoid NVLS OOM".
+COLOCATE_SERVER_DEFAULTS: Mapping[str, Any] = MappingProxyType({"cuda_graph_backend_prefill": "disabled"})
+
+
+@dataclass(frozen=True)
+class MilesDerivation:
+    """The trainer's arguments after Miles' own post-processing of them (``miles_validate_args``), and what it
+    derived: the trainer arguments it set, the deployment-wide ServerArgs values it adds, and one note each."""
+
+    trainer: TrainerInputs
+    #: Trainer argument -> the value the rules gave it (only those that changed).
+    derived: Mapping[str, Any]
+    #: ServerArgs field -> value, below ``sglang_deploy.server_defaults`` (which the rules never override).
+    server_defaults: Mapping[str, Any]
+    notes: tuple[str, ...]
+
+
+class _Rules:
+    """Miles' rules applied in Miles' order, each change recorded."""
+
+    def __init__(self, trainer: TrainerInputs, server_defaults: Mapping[str, Any]) -> None:
+        self.values = {name: getattr(trainer, name) for name in TrainerInputs.field_names()}
+        self.changed: dict[str, Any] = {}
+        self.derived: dict[str, Any] = {}
+        self.server_defaults: dict[str, Any] = {}
+        self.user_defaults = {str(key).replace("-", "_"): value for key, value in server_defaults.items()}
+        self.notes: list[str] = []
+
+    @property
+    def actor_gpus(self) -> int:
+        return self.values["actor_num_nodes"] * self.values["actor_num_gpus_per_node"]
+
+    def set(self, name: str, value: Any, why: str, *, derived: bool = True) -> None:
+        """Set ``name``; noted unless it only fills a value that was not given (None). ``derived=False``: a
+        plain default, applied but not reported."""
+        before = self.values[name]
+        if before is value or (type(before) is type(value) and before == value):
+            return
+        self.values[name] = value
+        self.changed[name] = value
+        if derived:
+            self.derived[name] = value
+        if derived and before is not None:
+            self.notes.append(f"{name}={_shown(value)} (given {_shown(before)}): {why}")
+
+    def critic(self) -> None:
+        """Shared actor/critic PPO: the critic takes the actor's size (Miles ``arguments.py``)."""
+        if not self.values["use_critic"]:
+            return
+        why = "use_critic: the critic shares the actor's GPUs, so Miles gives it the actor's size"
+        self.set("critic_num_nodes", self.values["actor_num_nodes"], why)
+        self.set("critic_num_gpus_per_node", self.values["actor_num_gpus_per_node"], why)
+
+    def debug_rollout_only(self) -> None:
+        if not self.values["debug_rollout_only"]:
+            return
+        if self.values["colocate"] and not self.values["rollout_num_gpus"]:
+            self.fill(
+                "rollout_num_gpus", self.actor_gpus, "debug_rollout_only with colocate: the actor's GPUs"
+            )
+        why = "debug_rollout_only trains nothing, so Miles turns colocate and offload_rollout off"
+        self.set("colocate", False, why)
+        self.set("offload_rollout", False, why)
+
+    def colocate(self) -> None:
+        if not self.values["colocate"]:
+            return
+        if self.values["offload_rollout"] is None:
+            self.fill("offload_rollout", True, "colocate turns it on unless given (Miles)")
+        if self.values["rollout_num_gpus"] != self.actor_gpus:
+            why = (
+                f"colocate: the actor's GPUs (actor_num_nodes={self.values['actor_num_nodes']} x "
+                f"actor_num_gpus_per_node={self.values['actor_num_gpus_per_node']}), as Miles sets it"
+            )
+            self.fill("rollout_num_gpus", self.actor_gpus, why)
+        for name, value in COLOCATE_SERVER_DEFAULTS.items():
+            if name not in self.user_defaults:
+                self.server_defaults[name] = value
+                self.notes.append(
+                    f"{name}={value} on every engine: Miles' default with colocate (against NVLS out-of-memory); "
+                    f"set sglang_deploy.server_defaults.{name} (Miles: --sglang-{name.replace('_', '-')}) to choose"
+                )
+            elif self.user_defaults[name] != value:
+                self.notes.append(
+                    f"colocate with {name}={self.user_defaults[name]!r} may run out of memory (NVLS); Miles warns "
+                    f"the same and defaults it to {value!r}"
+                )
+
+    def fill(self, name: str, value: Any, why: str) -> None:
+        """Set ``name`` and always note it (a value the plan now depends on)."""
+        before = self.values[name]
+        self.set(name, value, why)
+        if before is None:
+            self.notes.append(f"{name}={_shown(value)}: {why}")
+
+
+def _shown(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else repr(value)
+
+
+def apply_miles_rules(
+    trainer: TrainerInputs, server_defaults: Mapping[str, Any] | None = None
+) -> MilesDerivation:
+    """Miles' post-processing of its arguments (``miles_validate_args``, radixark/miles ``arguments.py``), in
+    Miles' order: ``use_critic`` gives the critic the actor's size; ``debug_rollout_only`` turns ``colocate``
+    and ``offload_rollout`` off (and, colocated without ``rollout_num_gpus``, sizes rollout as the actor);
+    ``colocate`` turns ``offload_rollout`` on unless given, sets ``rollout_num_gpus`` to the actor's GPUs and
+    ``cuda_graph_backend_prefill=disabled`` unless ``server_defaults`` (Miles' ``--sglang-*``) sets it; an
+    ``offload_rollout`` still unset is off. Applied to its own result's ``trainer`` it derives no further
+    trainer argument."""
+    rules = _Rules(trainer, server_defaults or {})
+    rules.critic()
+    rules.debug_rollout_only()
+    rules.colocate()
+    if rules.values["offload_rollout"] is None:
+        rules.set("offload_rollout", False, "", derived=False)
+    return MilesDerivation(
+        trainer=dataclasses.replace(trainer, **rules.changed),
+        derived=MappingProxyType(dict(rules.derived)),
+        server_defaults=MappingProxyType(dict(rules.server_defaults)),
+        notes=tuple(rules.notes),
+    )

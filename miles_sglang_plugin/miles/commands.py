@@ -120,45 +120,44 @@ def _summary(spec: DeploymentSpec) -> tuple[str, int]:
     return "; ".join(parts), total
 
 
-def cmd_import(args: argparse.Namespace) -> int:
+def _loaded_for_this_sglang(source: str) -> tuple[DeploymentSpec, tuple[str, ...]]:
+    """The file's deployment without the override keys the installed SGLang lacks (as Miles drops them: an
+    unmodified Miles file must give a preset that plans), and one note per key left out."""
+    from miles_sglang_plugin.planning.resolution import without_unknown_override_keys
+    from miles_sglang_plugin.rendering.server_arg_fields import known_server_arg_fields
+
+    known = known_server_arg_fields()
+    spec, dropped = without_unknown_override_keys(load_miles_config(source), known.fields)
+    return spec, tuple(f"{note} (checked against {known.source})" for note in dropped)
+
+
+def _preset_name(args: argparse.Namespace) -> tuple[str | None, str | None]:
+    """(the preset's name, None), or (None, why the name cannot be used)."""
     source: str = args.file
-    is_inline = source.startswith(BASE64_PREFIX)
     name = args.name
     if name is None:
-        if is_inline:
-            return _fail("an inline base64: config has no file name; give the preset a name with --name NAME")
+        if source.startswith(BASE64_PREFIX):
+            return None, "an inline base64: config has no file name; give the preset a name with --name NAME"
         name = Path(source).stem
     if not PRESET_NAME_RE.match(name):
         suggestion = re.sub(r"[^A-Za-z0-9_\-]", "_", name)
         if not re.match(r"^[A-Za-z_]", suggestion):
             suggestion = f"_{suggestion}"
-        return _fail(
+        return None, (
             f"{name!r} cannot name a preset (used as sglang={name}): it must start with a letter or '_' and hold "
             f"only letters, digits, '_' or '-'; choose one with --name, e.g. --name {suggestion}"
         )
     if name in builtin_preset_names():
-        return _fail(
+        return None, (
             f"{name!r} is the name of a preset shipped with miles_sglang_plugin; which of the two sglang={name} "
             f"picks would depend on the search path order. Choose another with --name, e.g. --name {name}_imported"
         )
+    return name, None
 
-    spec = load_miles_config(source)
-    text = spec_to_preset(spec)
-    if args.print_only:
-        sys.stdout.write(text)
-        return 0
 
-    out_dir = Path(args.output_dir) if args.output_dir else Path.cwd() / "conf" / "sglang"
-    target = out_dir / f"{name}.yaml"
-    if target.exists() and not args.force:
-        return _fail(f"{target} already exists; pass --force to overwrite it")
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        target.write_text(text, encoding="utf-8")
-    except OSError as exc:
-        return _fail(f"cannot write {target}: {exc.strerror or exc}")
-
+def _import_report(spec: DeploymentSpec, name: str, target: Path, notes: tuple[str, ...]) -> str:
     summary, total = _summary(spec)
+    out_dir = target.parent
     conf_dir = out_dir.resolve().parent
     searchpath = hydra_searchpath_override(conf_dir)
     lines = [
@@ -170,12 +169,37 @@ def cmd_import(args: argparse.Namespace) -> int:
         f"Miles ran this file with --rollout-num-gpus {total} (minus --eval-num-gpus when a model named 'eval' is "
         "the eval fleet).",
     ]
+    lines += [f"note: {note}" for note in notes]
     if out_dir.name != "sglang":
         lines.append(
             f"note: Hydra finds presets of the `sglang` group in a folder named `sglang` on its search path; "
             f"{out_dir} is named {out_dir.name!r}, so sglang={name} will not find it there."
         )
-    print("\n".join(lines))
+    return "\n".join(lines)
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    name, error = _preset_name(args)
+    if name is None:
+        return _fail(error or "no preset name")
+    spec, dropped = _loaded_for_this_sglang(args.file)
+    text = spec_to_preset(spec, notes=dropped)
+    if args.print_only:
+        sys.stdout.write(text)
+        for note in dropped:
+            print(f"note: {note}", file=sys.stderr)
+        return 0
+
+    out_dir = Path(args.output_dir) if args.output_dir else Path.cwd() / "conf" / "sglang"
+    target = out_dir / f"{name}.yaml"
+    if target.exists() and not args.force:
+        return _fail(f"{target} already exists; pass --force to overwrite it")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        target.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        return _fail(f"cannot write {target}: {exc.strerror or exc}")
+    print(_import_report(spec, name, target, dropped))
     return 0
 
 
@@ -205,6 +229,21 @@ def server_default_args(server_defaults: dict[str, Any]) -> tuple[list[str], lis
     return args, notes
 
 
+def miles_lora_args(lora: Any) -> list[str]:
+    """Miles' LoRA arguments that give the engines ``sglang_deploy.lora``'s LoRA settings (``--lora-rank`` is
+    ``max_lora_rank``; a single adapter path becomes ``--lora-adapter-path``)."""
+    args = ["--lora-rank", str(lora.max_lora_rank)]
+    if lora.target_modules:
+        args += ["--target-modules", ",".join(lora.target_modules)]
+    if lora.multi_lora_n_adapters:
+        args += ["--multi-lora-n-adapters", str(lora.multi_lora_n_adapters)]
+    elif len(lora.paths) == 1:
+        args += ["--lora-adapter-path", next(iter(lora.paths.values()))]
+    if lora.base_cpu_backup:
+        args.append("--lora-base-cpu-backup")
+    return args
+
+
 def deploy_notes(deploy: Any) -> list[str]:
     """Deployment-wide settings the Miles file cannot carry: said, not silently dropped."""
     notes = []
@@ -215,10 +254,10 @@ def deploy_notes(deploy: Any) -> list[str]:
             f"--sglang-router-policy {router.policy}"
         )
     lora = getattr(deploy, "lora", None)
-    if lora is not None and getattr(lora, "enabled", False):
+    if lora is not None and (lora.enabled or lora.multi_lora_n_adapters):
         notes.append(
-            "sglang_deploy.lora is not part of the file; pass Miles' LoRA arguments (e.g. --lora-rollout-enabled, "
-            "--lora-adapter-path) yourself"
+            "sglang_deploy.lora is not part of the file; Miles derives the engines' LoRA arguments from its "
+            f"training arguments: {shlex.join(miles_lora_args(lora))}"
         )
     if getattr(deploy, "env", None):
         notes.append("sglang_deploy.env is not part of the file; set those variables in Miles' environment")

@@ -479,7 +479,11 @@ def load_miles_config(source: str | os.PathLike[str]) -> DeploymentSpec:
     top, raw_models = _top_level_models(data, label, problems)
     models = _load_models(raw_models, label, top, problems)
     problems.raise_if_any()
-    return DeploymentSpec(models=tuple(model for model in models if model is not None), source=origin)
+    return DeploymentSpec(
+        models=tuple(model for model in models if model is not None),
+        source=origin,
+        drops_unknown_override_keys=True,
+    )
 
 
 # ============================================================================================ Hydra preset
@@ -724,7 +728,7 @@ def _preset_models(spec: DeploymentSpec, problems: ProblemCollector) -> dict[str
     return data
 
 
-def _preset_text(data: dict[str, Any], source: str | None) -> str:
+def _preset_text(data: dict[str, Any], source: str | None, notes: tuple[str, ...] = ()) -> str:
     defaults: list[Any] = [{f"/sglang_model@{name}": "base"} for name in data]
     defaults += [{"/sglang_deploy@_global_.sglang_deploy": "default"}, "_self_"]
     head = yaml.dump({"defaults": defaults}, Dumper=_PresetDumper, sort_keys=False, default_flow_style=False)
@@ -736,22 +740,24 @@ def _preset_text(data: dict[str, Any], source: str | None) -> str:
         allow_unicode=True,
     )
     origin = os.path.basename(source) if source else "a Miles --sglang-config file"
-    return f"# SGLang deployment imported from {origin} (Miles/slime --sglang-config).\n{head}\n{body}"
+    said = "".join(f"# {' '.join(note.splitlines())}\n" for note in notes)
+    return f"# SGLang deployment imported from {origin} (Miles/slime --sglang-config).\n{said}{head}\n{body}"
 
 
-def spec_to_preset(spec: DeploymentSpec) -> str:
+def spec_to_preset(spec: DeploymentSpec, *, notes: tuple[str, ...] = ()) -> str:
     """A preset of the ``sglang`` config group (a file for ``conf/sglang/<name>.yaml``) describing ``spec``.
 
     The first group of each worker type goes to the model's slot of that type, further groups to
     ``extra_groups`` (under their spec names); ``group_order`` is written only where the spec's order differs
     from the canonical one. Optional values are written only where the spec gives them, so that the others
     keep inheriting. Anything the preset schema cannot hold is an error, never silently dropped; the text is
-    read back with Hydra's YAML loader and compared before it is returned.
+    read back with Hydra's YAML loader and compared before it is returned. ``notes`` (e.g. what the import
+    left out) become comment lines at its top.
     """
     problems = ProblemCollector(spec.source)
     data = _preset_models(spec, problems)
     problems.raise_if_any()
-    text = _preset_text(data, spec.source)
+    text = _preset_text(data, spec.source, notes)
     _verify_preset(text, data, problems)
     return text
 
@@ -884,7 +890,8 @@ def miles_trainer_args(plan: DeploymentPlan, *, sglang_config: str | None = None
     (eval excluded, as Miles counts it), ``--rollout-num-gpus-per-engine``, ``--hf-checkpoint`` when set, the
     eval fleet's ``--eval-num-gpus`` (and ``--eval-num-gpus-per-engine`` when set), and the inputs that differ
     from Miles' defaults and change the deployment (placement, hence ``rollout_offset`` and ``needs_offload``;
-    routing replay, fp16)."""
+    routing replay, fp16), except those Miles derives itself from the others (``plan.derived``: e.g.
+    ``--offload-rollout`` under ``--colocate``)."""
     trainer = plan.trainer
     args: list[str] = []
     if sglang_config is not None:
@@ -896,17 +903,18 @@ def miles_trainer_args(plan: DeploymentPlan, *, sglang_config: str | None = None
     defaults = TrainerInputs()
     for name, flag in _TRAINER_FLAGS:
         value = getattr(trainer, name, None)
-        if value is None or value == getattr(defaults, name, None):
-            continue
+        if value is None or value == getattr(defaults, name, None) or name in plan.derived:
+            continue  # Miles' default, or a value Miles derives from the other arguments itself
         if isinstance(value, bool):
             if value:
                 args.append(flag)
+            elif name == "offload_rollout" and trainer.colocate:
+                args.append("--no-offload-rollout")  # Miles would turn it on with --colocate
         else:
             args += [flag, str(value)]
     if trainer.eval_num_gpus > 0:
         args += ["--eval-num-gpus", str(trainer.eval_num_gpus)]
-        if trainer.eval_num_gpus_per_engine is not None:
-            args += ["--eval-num-gpus-per-engine", str(trainer.eval_num_gpus_per_engine)]
+        args += ["--eval-num-gpus-per-engine", str(trainer.eval_num_gpus_per_engine)]
     return args
 
 

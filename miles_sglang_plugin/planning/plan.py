@@ -25,6 +25,8 @@ class EngineProcessPlan:
     node_rank: int
     gpu_slots: tuple[int, ...]
     local_gpu_ids: tuple[int, ...]
+    #: Miles' worker rank: the engine's rank + node_rank (the process's ``--random-seed`` is seed + rank).
+    rank: int = 0
 
 
 @dataclass(frozen=True)
@@ -33,7 +35,9 @@ class EnginePlan:
     group: str
     #: Index within the group.
     index: int
-    #: Index within the whole deployment, in deployment order (the engine's ``--random-seed`` is seed + rank).
+    #: Miles' rank of the engine's first process: a cursor over the deployment in order that counts one per
+    #: engine process (each node of a multi-node engine) and ``num_gpus // min(gpus per engine, GPUs per
+    #: node)`` for a placeholder group, as Miles' ``engine_offset`` does. Each process's seed is seed + its rank.
     rank: int
     worker_type: WorkerType
     gpu_slots: tuple[int, ...]
@@ -74,6 +78,7 @@ class EnginePlan:
                 {
                     "node": p.node,
                     "node_rank": p.node_rank,
+                    "rank": p.rank,
                     "gpu_slots": list(p.gpu_slots),
                     "local_gpu_ids": list(p.local_gpu_ids),
                 }
@@ -166,6 +171,12 @@ class DeploymentPlan:
     megatron_num_gpus: int
     source: str = ""
     notes: tuple[str, ...] = field(default=())
+    #: Trainer arguments that Miles' post-processing set (``apply_miles_rules``): name -> value; ``trainer``
+    #: already holds them.
+    derived: Mapping[str, Any] = field(default_factory=dict)
+    #: Deployment-wide ServerArgs values it adds below ``sglang_deploy.server_defaults`` (the colocate default
+    #: ``cuda_graph_backend_prefill=disabled``); every engine gets them unless a higher layer sets the field.
+    derived_server_defaults: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def num_gpus_per_node(self) -> int:
@@ -203,6 +214,7 @@ class DeploymentPlan:
             "offload_rollout": self.trainer.offload_rollout,
             "nodes": list(self.nodes),
             "models": {m.name: m.to_dict() for m in self.models},
+            "derived": {"trainer": dict(self.derived), "server_defaults": dict(self.derived_server_defaults)},
             "notes": list(self.notes),
         }
 

@@ -10,6 +10,7 @@ once, as one :class:`~miles_sglang_plugin.errors.DeploymentConfigError`, before 
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from collections.abc import Collection, Mapping
 from typing import Any
@@ -23,8 +24,9 @@ from miles_sglang_plugin.config.deployment_spec import (
     WorkerType,
     freeze,
     is_int,
+    thaw,
 )
-from miles_sglang_plugin.config.trainer_inputs import TrainerInputs
+from miles_sglang_plugin.config.trainer_inputs import MilesDerivation, TrainerInputs, apply_miles_rules
 from miles_sglang_plugin.errors import ProblemCollector
 from miles_sglang_plugin.masking import MASK, SECRET_FIELDS
 from miles_sglang_plugin.planning.plan import (
@@ -46,6 +48,8 @@ PLAN_OWNED_OVERRIDES: Mapping[str, str] = {
     "nnodes": "follows from num_gpus_per_engine and num_gpus_per_node",
     "node_rank": "assigned per engine process",
     "disaggregation_bootstrap_port": "assigned per prefill engine so that none collide",
+    "gated_launch_port": "the launcher opens no launch gate: an engine given one would block at start-up until "
+    "POST /gate/activate, which nothing sends (and each engine would need a port of its own)",
     "api_key": "it is a secret: set sglang_deploy.api_key (or SGLANG_API_KEY), which also reaches the routers",
     "admin_api_key": "it is a secret: pass it to the engines through sglang_deploy.env, not the config",
 }
@@ -219,7 +223,7 @@ class _Resolver:
                     evals[0].key or "sglang.eval",
                     f"holds {eval_gpus} GPUs but eval_num_gpus={trainer.eval_num_gpus}; they must be equal",
                 )
-        eval_gpus_per_engine = trainer.effective_eval_num_gpus_per_engine
+        eval_gpus_per_engine = trainer.eval_num_gpus_per_engine
         if trainer.eval_num_gpus % eval_gpus_per_engine:
             self.problems.add(
                 "eval_num_gpus_per_engine",
@@ -331,12 +335,13 @@ class _Resolver:
         num_gpus = self.group_num_gpus(group, key)
         gpus_per_engine = self.gpus_per_engine(model, group, key, is_eval)
         user = normalise_overrides(group.overrides, key, self.problems)
-        gpu_offset = self.cursor
+        gpu_offset, rank_offset = self.cursor, self.rank
         self.cursor += num_gpus
+        self.rank += num_gpus // min(gpus_per_engine, self.trainer.num_gpus_per_node)
         needs_offload = bool(
             self.trainer.offload_rollout and self.rollout_offset + gpu_offset < self.megatron
         )
-        layers = self.override_layers(key, user, is_eval, gpus_per_engine)
+        layers = self.override_layers(key, user, is_eval)
         overrides = self.injected_overrides(model_level_path, needs_offload)
         for _, layer in layers:
             overrides.update(layer)
@@ -349,7 +354,7 @@ class _Resolver:
                 [(SERVER_DEFAULTS_KEY, self.defaults), *layers], worker_type, gpus_per_engine
             )
             engines = self.engine_plans(
-                model.name, group.name, key, worker_type, num_gpus, gpus_per_engine, gpu_offset
+                model.name, group.name, key, worker_type, (num_gpus, gpus_per_engine), gpu_offset, rank_offset
             )
 
         return GroupPlan(
@@ -391,7 +396,7 @@ class _Resolver:
         if group.num_gpus_per_engine is not None:
             value, given_at = group.num_gpus_per_engine, group_key
         elif is_eval:
-            value, given_at = trainer.effective_eval_num_gpus_per_engine, "eval_num_gpus_per_engine"
+            value, given_at = trainer.eval_num_gpus_per_engine, "eval_num_gpus_per_engine"
         elif model.num_gpus_per_engine is not None:
             value, given_at = (
                 model.num_gpus_per_engine,
@@ -405,15 +410,15 @@ class _Resolver:
             value = 1
         return value
 
-    def override_layers(
-        self, key: str, user: Mapping[str, Any], is_eval: bool, gpus_per_engine: int
-    ) -> list[OverrideLayer]:
+    def override_layers(self, key: str, user: Mapping[str, Any], is_eval: bool) -> list[OverrideLayer]:
         """The override layers above the server defaults, lowest first: the eval fleet's defaults and
-        ``eval_sglang_overrides`` (eval only), then the group's own."""
+        ``eval_sglang_overrides`` (eval only), then the group's own. Like Miles, the dp/pp/ep/attn_cp reset
+        follows the trainer's arguments (``eval_num_gpus_per_engine`` against ``rollout_num_gpus_per_engine``),
+        not the group's own engine size."""
         layers: list[OverrideLayer] = []
         if is_eval:
             eval_layer: dict[str, Any] = dict(EVAL_DEFAULT_OVERRIDES)
-            if gpus_per_engine != self.trainer.rollout_num_gpus_per_engine:
+            if self.trainer.eval_num_gpus_per_engine != self.trainer.rollout_num_gpus_per_engine:
                 eval_layer.update(dict.fromkeys(EVAL_PARALLEL_RESETS, 1))
             layers.append(("(eval fleet default)", eval_layer))
             layers.append(("eval_sglang_overrides", self.eval_overrides))
@@ -497,31 +502,34 @@ class _Resolver:
         group: str,
         key: str,
         worker_type: WorkerType,
-        num_gpus: int,
-        gpus_per_engine: int,
+        sizes: tuple[int, int],
         gpu_offset: int,
+        rank_offset: int,
     ) -> tuple[EnginePlan, ...]:
+        """The group's engines; engine ``i``'s first process has Miles' rank ``rank_offset + i * nnodes``."""
+        num_gpus, gpus_per_engine = sizes
         if not self.engines_fit(key, num_gpus, gpus_per_engine):
             return ()
         engines = []
         reported = False
+        nnodes = max(1, gpus_per_engine // self.trainer.num_gpus_per_node)
         for i in range(num_gpus // gpus_per_engine):
             start = self.rollout_offset + gpu_offset + i * gpus_per_engine
             slots = tuple(range(start, start + gpus_per_engine))
             if not reported:
                 reported = self.check_engine_placement(key, i, slots, gpu_offset)
+            rank = rank_offset + i * nnodes
             engines.append(
                 EnginePlan(
                     model=model,
                     group=group,
                     index=i,
-                    rank=self.rank,
+                    rank=rank,
                     worker_type=worker_type,
                     gpu_slots=slots,
-                    processes=self.engine_processes(slots),
+                    processes=self.engine_processes(slots, rank),
                 )
             )
-            self.rank += 1
         return tuple(engines)
 
     def engines_fit(self, key: str, num_gpus: int, gpus_per_engine: int) -> bool:
@@ -570,24 +578,28 @@ class _Resolver:
             return True
         return False
 
-    def engine_processes(self, slots: tuple[int, ...]) -> tuple[EngineProcessPlan, ...]:
-        """One process per node the engine's GPU slots are on (one in all for an engine within a node)."""
+    def engine_processes(self, slots: tuple[int, ...], rank: int) -> tuple[EngineProcessPlan, ...]:
+        """One process per node the engine's GPU slots are on (one in all for an engine within a node); the
+        process of node rank k has Miles' rank ``rank + k``."""
         gpus_per_node = self.trainer.num_gpus_per_node
         per_process = min(len(slots), gpus_per_node)
         chunks = [slots[offset : offset + per_process] for offset in range(0, len(slots), per_process)]
         return tuple(
             EngineProcessPlan(
                 node=chunk[0] // gpus_per_node,
-                node_rank=rank,
+                node_rank=node_rank,
                 gpu_slots=chunk,
                 local_gpu_ids=tuple(slot % gpus_per_node for slot in chunk),
+                rank=rank + node_rank,
             )
-            for rank, chunk in enumerate(chunks)
+            for node_rank, chunk in enumerate(chunks)
         )
 
 
-def _plan_without_engines(trainer: TrainerInputs, source: str) -> DeploymentPlan:
-    """The plan of ``debug_train_only``: no engines."""
+def _plan_without_engines(derivation: MilesDerivation, source: str) -> DeploymentPlan:
+    """The plan of ``debug_train_only``: no engines, the eval fleet's neither (Miles starts none either)."""
+    trainer = derivation.trainer
+    dropped = " (nor the eval fleet of eval_num_gpus)" if trainer.eval_num_gpus else ""
     return DeploymentPlan(
         models=(),
         trainer=trainer,
@@ -596,7 +608,8 @@ def _plan_without_engines(trainer: TrainerInputs, source: str) -> DeploymentPlan
         rollout_offset=trainer.rollout_offset,
         megatron_num_gpus=trainer.megatron_num_gpus,
         source=source,
-        notes=("debug_train_only: no rollout engines are started",),
+        notes=(*derivation.notes, f"debug_train_only: no rollout engines are started{dropped}"),
+        derived=derivation.derived,
     )
 
 
@@ -617,18 +630,51 @@ def _given_or_legacy_spec(
     return spec
 
 
+def without_unknown_override_keys(
+    spec: DeploymentSpec, fields: Collection[str]
+) -> tuple[DeploymentSpec, tuple[str, ...]]:
+    """``spec`` without the group override keys that are not ServerArgs fields of ``fields``, and one note per
+    key left out. Miles does the same with a Miles file (it logs and drops what its SGLang lacks), so that an
+    unmodified file, e.g. one setting ``prefill_round_robin_balance`` for SGLang 0.5.23, still plans."""
+    known = frozenset(fields)
+    notes: list[str] = []
+    models = []
+    for model in spec.models:
+        groups = []
+        for group in model.groups:
+            kept = {}
+            for name, value in group.overrides.items():
+                if str(name).replace("-", "_") in known:
+                    kept[name] = value
+                else:
+                    where = group.key or f"sglang.{model.name}.{group.name}"
+                    notes.append(
+                        f"left out {where}.overrides.{name}={thaw(value)!r}: not a ServerArgs field of this "
+                        "SGLang version (Miles drops it too)"
+                    )
+            groups.append(dataclasses.replace(group, overrides=kept))
+        models.append(dataclasses.replace(model, groups=tuple(groups)))
+    return dataclasses.replace(spec, models=tuple(models)), tuple(notes)
+
+
 def _check_total(
-    trainer: TrainerInputs, models: tuple[ModelPlan, ...], total: int, problems: ProblemCollector
+    derivation: MilesDerivation, models: tuple[ModelPlan, ...], total: int, problems: ProblemCollector
 ) -> None:
     """A pinned ``rollout_num_gpus`` (plus eval) must equal the groups' total; eval cannot exceed it."""
+    trainer = derivation.trainer
     if trainer.rollout_num_gpus is not None and trainer.rollout_num_gpus + trainer.eval_num_gpus != total:
         breakdown = ", ".join(f"{model.name}={model.num_gpus}" for model in models)
+        if "rollout_num_gpus" in derivation.derived:
+            how = f"{trainer.actor_gpus} GPUs of the actor (colocate: Miles sets rollout_num_gpus to them)"
+            fix = "size the groups to them"
+        else:
+            how = str(trainer.rollout_num_gpus)
+            fix = "make them equal, or leave rollout_num_gpus unset to follow the groups"
         problems.add(
             "rollout_num_gpus",
-            f"is {trainer.rollout_num_gpus}"
+            f"is {how}"
             + (f" (+ eval_num_gpus={trainer.eval_num_gpus})" if trainer.eval_num_gpus else "")
-            + f" but the server groups hold {total} GPUs ({breakdown}); make them equal, or leave "
-            "rollout_num_gpus unset to follow the groups",
+            + f" but the server groups hold {total} GPUs ({breakdown}); {fix}",
         )
     elif total - trainer.eval_num_gpus < 0:
         problems.add("eval_num_gpus", f"{trainer.eval_num_gpus} exceeds the {total} GPUs of the deployment")
@@ -658,24 +704,32 @@ def resolve_deployment(
 ) -> DeploymentPlan:
     """Resolve a deployment into a frozen plan, or raise one error that lists every problem.
 
-    ``spec=None`` means no deployment was described: Miles' legacy behaviour (one regular group, or
+    The trainer's arguments first go through Miles' own post-processing (:func:`apply_miles_rules`: colocate
+    defaults, the critic's size, ...); the plan holds the result and notes what was derived. ``spec=None``
+    means no deployment was described: Miles' legacy behaviour (one regular group, or
     ``prefill_num_servers``, plus the eval fleet). ``server_arg_fields`` (the installed SGLang's ``ServerArgs``
-    field names) turns on the check of override keys; without it override keys are not checked here.
-    ``server_defaults`` (``sglang_deploy.server_defaults``, Miles' ``--sglang-*`` values) take part in each
-    engine's tp/pp/dp sizes, below every override.
+    field names) turns on the check of override keys; without it override keys are not checked here (a spec
+    read from a Miles file drops unknown ones instead, with a note, as Miles does). ``server_defaults``
+    (``sglang_deploy.server_defaults``, Miles' ``--sglang-*`` values) take part in each engine's tp/pp/dp
+    sizes, below every override.
     """
     source = spec.source if spec is not None else "trainer arguments"
     problems = ProblemCollector(source)
     problems.extend(trainer.problems())
     problems.raise_if_any()
+    derivation = apply_miles_rules(trainer, server_defaults)
+    trainer = derivation.trainer
     if trainer.debug_train_only:
-        return _plan_without_engines(trainer, source)
+        return _plan_without_engines(derivation, source)
 
     spec = _given_or_legacy_spec(spec, trainer, problems)
+    dropped: tuple[str, ...] = ()
+    if spec.drops_unknown_override_keys and server_arg_fields is not None:
+        spec, dropped = without_unknown_override_keys(spec, server_arg_fields)
     resolver = _Resolver(spec, trainer, problems, server_arg_fields, server_defaults)
     models = resolver.run()
     total = resolver.cursor
-    _check_total(trainer, models, total, problems)
+    _check_total(derivation, models, total, problems)
     _check_capacity(trainer, total, problems)
     problems.raise_if_any()
     return DeploymentPlan(
@@ -686,4 +740,7 @@ def resolve_deployment(
         rollout_offset=resolver.rollout_offset,
         megatron_num_gpus=trainer.megatron_num_gpus,
         source=spec.source,
+        notes=(*derivation.notes, *dropped),
+        derived=derivation.derived,
+        derived_server_defaults=derivation.server_defaults,
     )

@@ -25,7 +25,7 @@ from typing import Any
 
 from miles_sglang_plugin.addresses import host_port, http_base_url
 from miles_sglang_plugin.config.deployment_spec import WorkerType, thaw
-from miles_sglang_plugin.config.schema import EngineKind, LoraConf, SGLangDeployConf
+from miles_sglang_plugin.config.schema import EngineKind, SGLangDeployConf
 from miles_sglang_plugin.config.trainer_inputs import TrainerInputs
 from miles_sglang_plugin.errors import Problem
 from miles_sglang_plugin.masking import mask_argv, mask_env
@@ -37,6 +37,7 @@ from miles_sglang_plugin.planning.plan import (
     ModelPlan,
 )
 from miles_sglang_plugin.planning.resolution import PLAN_OWNED_OVERRIDES, suggest
+from miles_sglang_plugin.rendering.lora import lora_server_args
 from miles_sglang_plugin.rendering.ports import EnginePorts, PortAssignment
 from miles_sglang_plugin.rendering.router_specs import RouterLaunchSpec, RouterSettings, WorkerRegistration
 
@@ -220,7 +221,7 @@ def _placement_args(
     return {
         "model_path": group.overrides.get("model_path"),
         "trust_remote_code": True,
-        "random_seed": trainer.seed + engine.rank,
+        "random_seed": trainer.seed + process.rank,
         "host": host,
         "port": own.http,
         "nccl_port": own.nccl,
@@ -263,21 +264,6 @@ def _trainer_feature_args(trainer: TrainerInputs) -> dict[str, Any]:
     return values
 
 
-def _lora_args(lora: LoraConf) -> dict[str, Any]:
-    if not lora.enabled:
-        return {}
-    values: dict[str, Any] = {
-        "enable_lora": True,
-        "max_loras_per_batch": lora.max_loras_per_batch,
-        "max_lora_rank": lora.max_lora_rank,
-    }
-    if lora.target_modules:
-        values["lora_target_modules"] = list(lora.target_modules)
-    if lora.paths:
-        values["lora_paths"] = [f"{name}={path}" for name, path in lora.paths.items()]
-    return values
-
-
 def _engine_server_args(
     plan: DeploymentPlan,
     group: GroupPlan,
@@ -290,13 +276,14 @@ def _engine_server_args(
     fields: Collection[str] | None,
     dropped: set[str],
 ) -> dict[str, Any]:
-    """The ServerArgs values of one engine process: server defaults < the plan's values < group overrides.
-    Values the plan derives for fields the installed SGLang lacks are left out and added to ``dropped``."""
+    """The ServerArgs values of one engine process: Miles' derived defaults (colocate) < server defaults < the
+    plan's values < group overrides. Values the plan derives for fields the installed SGLang lacks are left out
+    and added to ``dropped``."""
     derived = {
         **_placement_args(plan, group, engine, process, ports, host, dist_host),
         **_disaggregation_args(group.worker_type, ports.engines[(engine.id, 0)]),
         **_trainer_feature_args(plan.trainer),
-        **_lora_args(settings.lora),
+        **lora_server_args(settings.lora, colocate=plan.trainer.colocate),
     }
     if settings.api_key:
         derived["api_key"] = settings.api_key
@@ -304,9 +291,10 @@ def _engine_server_args(
     defaults = {k.replace("-", "_"): v for k, v in settings.server_defaults.items()}
     if group.worker_type is WorkerType.decode:
         defaults.pop("enable_hierarchical_cache", None)  # Miles never fills it for decode workers
-    values = {**defaults, **derived, **thaw(group.overrides)}
+    miles_defaults = thaw(plan.derived_server_defaults)
+    values = {**miles_defaults, **defaults, **derived, **thaw(group.overrides)}
     if fields is not None:
-        for key in [k for k in derived if k not in fields and k not in group.overrides]:
+        for key in [k for k in {**miles_defaults, **derived} if k not in fields and k not in group.overrides]:
             dropped.add(key)
             del values[key]
     return values

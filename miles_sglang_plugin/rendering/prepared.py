@@ -10,6 +10,7 @@ from miles_sglang_plugin.config.schema import SGLangDeployConf
 from miles_sglang_plugin.errors import DeploymentConfigError, ProblemCollector
 from miles_sglang_plugin.planning.plan import DeploymentPlan
 from miles_sglang_plugin.rendering.launch_specs import LaunchSpecs, check_deploy_settings, render_launch
+from miles_sglang_plugin.rendering.lora import lora_problems
 from miles_sglang_plugin.rendering.ports import NodePortFinder, PortClaims, PortExhaustedError, assign_ports
 
 
@@ -55,6 +56,7 @@ def prepare_deployment(
     the nodes themselves, ``find_node_ports``."""
     problems = ProblemCollector("sglang_deploy")
     problems.extend(check_deploy_settings(settings, server_arg_fields))
+    problems.extend(lora_problems(settings.lora, colocate=plan.trainer.colocate))
     problems.raise_if_any()
     host = settings.launch.host
     node_host = host_of_node or (lambda _node: host)

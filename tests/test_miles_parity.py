@@ -1,0 +1,603 @@
+"""Parity with Miles (radixark/miles main at 31f1ca961; its refactor at 727f91769 where said), issue 11.
+
+Every expected number below is worked out by hand from Miles' code, cited at each test, not taken from this
+project's output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from miles_sglang_plugin import cli
+from miles_sglang_plugin.app.hydra_edge import prepare_from_config, resolve_config
+from miles_sglang_plugin.config.compose import compose_config
+from miles_sglang_plugin.config.schema import SGLangDeployConf
+from miles_sglang_plugin.config.trainer_inputs import TrainerInputs, apply_miles_rules
+from miles_sglang_plugin.errors import DeploymentConfigError
+from miles_sglang_plugin.miles.argparse_bridge import lora_from_namespace, resolve_namespace
+from miles_sglang_plugin.miles.sglang_config import load_miles_config, spec_to_preset
+from miles_sglang_plugin.planning.resolution import resolve_deployment
+from miles_sglang_plugin.rendering.lora import hf_target_modules, lora_server_args
+from miles_sglang_plugin.rendering.prepared import prepare_deployment
+from miles_sglang_plugin.rendering.server_arg_fields import known_server_arg_fields, shipped_server_arg_fields
+from tests.conftest import group, model, spec
+
+FIXTURES = Path(__file__).parent / "fixtures" / "miles"
+#: SGLang 0.5.23's ServerArgs fields (it has no prefill_round_robin_balance).
+FIELDS_0_5_23 = shipped_server_arg_fields()
+
+
+def problems_of(exc: pytest.ExceptionInfo[DeploymentConfigError]) -> dict[str, str]:
+    return {p.key: p.message for p in exc.value.problems}
+
+
+def flag(argv: tuple[str, ...] | list[str], name: str) -> str:
+    return argv[list(argv).index(name) + 1]
+
+
+def seeds(plan, settings: SGLangDeployConf | None = None) -> dict[str, list[int]]:
+    """engine id -> the --random-seed of each of its processes, from the rendered command lines."""
+    launch = prepare_deployment(plan, settings or SGLangDeployConf(), server_arg_fields=FIELDS_0_5_23).launch
+    out: dict[str, list[int]] = {}
+    for process in launch.engines:
+        out.setdefault(process.engine_id, []).append(int(flag(process.argv, "--random-seed")))
+    return out
+
+
+def miles_namespace(**kw: Any) -> argparse.Namespace:
+    """A Miles namespace with Miles' defaults for what the deployment reads."""
+    values: dict[str, Any] = dict(
+        sglang_config=None,
+        hf_checkpoint="/ckpt/actor",
+        rollout_num_gpus=None,
+        rollout_num_gpus_per_engine=1,
+        num_gpus_per_node=8,
+        actor_num_nodes=1,
+        actor_num_gpus_per_node=8,
+        colocate=False,
+        offload_rollout=None,
+        eval_num_gpus=0,
+        eval_num_gpus_per_engine=1,
+        prefill_num_servers=None,
+        debug_rollout_only=False,
+        debug_train_only=False,
+        use_critic=False,
+        critic_num_nodes=None,
+        critic_num_gpus_per_node=None,
+        rollout_external=False,
+        seed=1234,
+        sglang_cuda_graph_backend_prefill=None,
+        sglang_mem_fraction_static=None,
+        sglang_router_ip=None,
+        sglang_router_port=None,
+    )
+    values.update(kw)
+    return argparse.Namespace(**values)
+
+
+# ====================================================================================== 2. ranks and seeds
+def test_placeholder_engines_count_in_the_rank_cursor():
+    # rollout_server.py: engine_offset += num_gpus // min(gpus per engine, GPUs per node) for every group,
+    # placeholders included; server_group.py: rank = rank_offset + i (i counts each node of an engine);
+    # sglang_engine.py: random_seed = seed + rank. Seed 1000, 4 GPUs per node, rollout-only (slot 0 on):
+    #   actor.regular 8/2      4 engines                  ranks 0..3  -> 1000..1003
+    #   actor.placeholder 4/4  4 // min(4, 4) = 1 counted rank 4
+    #   ref.regular 16/8       2 engines x 2 nodes        ranks 5,6 and 7,8 -> ref engine 0 gets 1005
+    s = spec(
+        model("actor", group("regular", 8, gpe=2), group("placeholder", 4, gpe=4)),
+        model("ref", group("regular", 16, gpe=8), path="/ref"),
+    )
+    t = TrainerInputs(hf_checkpoint="/ckpt/actor", seed=1000, num_gpus_per_node=4, debug_rollout_only=True)
+    plan = resolve_deployment(s, t)
+    assert [e.rank for e in plan.engines] == [0, 1, 2, 3, 5, 7]
+    assert seeds(plan) == {
+        "actor.regular.0": [1000],
+        "actor.regular.1": [1001],
+        "actor.regular.2": [1002],
+        "actor.regular.3": [1003],
+        "ref.regular.0": [1005, 1006],
+        "ref.regular.1": [1007, 1008],
+    }
+
+
+def test_each_node_of_a_multi_node_engine_counts_as_a_worker():
+    # Seed 1000, 4 GPUs per node: [regular 16/8, regular 4/2] -> the first group's 2 engines span 2 nodes each
+    # (ranks 0,1 and 2,3), so the second group starts at rank 4: seeds 1004, 1005.
+    s = spec(model("actor", group("regular", 16, gpe=8), group("regular", 4, gpe=2, name="small")))
+    t = TrainerInputs(hf_checkpoint="/ckpt/actor", seed=1000, num_gpus_per_node=4, debug_rollout_only=True)
+    plan = resolve_deployment(s, t)
+    assert seeds(plan) == {
+        "actor.regular.0": [1000, 1001],
+        "actor.regular.1": [1002, 1003],
+        "actor.small.0": [1004],
+        "actor.small.1": [1005],
+    }
+    # The node rank stays the process's place in its engine (Miles derives it as rank % nnodes, which agrees
+    # here because every multi-node engine starts at an even rank).
+    assert [p.node_rank for e in plan.model("actor").group("regular").engines for p in e.processes] == [
+        0,
+        1,
+        0,
+        1,
+    ]
+
+
+# ============================================================================== 3. gated_launch_port is the plan's
+def test_gated_launch_port_is_refused_wherever_a_user_could_set_it():
+    # Miles' refactor sets gated_launch_port per engine from its own port allocator (sglang_engine.py
+    # _compute_server_args); here no gate is opened, so an engine given one would never finish starting.
+    s = spec(model("actor", group("regular", 2, gated_launch_port=31300)), model("eval", group("regular", 2)))
+    t = TrainerInputs(
+        hf_checkpoint="/c",
+        debug_rollout_only=True,
+        eval_num_gpus=2,
+        eval_sglang_overrides={"gated_launch_port": 1},
+    )
+    with pytest.raises(DeploymentConfigError) as exc:
+        resolve_deployment(s, t)
+    got = problems_of(exc)
+    assert got["sglang.actor.regular.overrides.gated_launch_port"].startswith(
+        "cannot be overridden (31300): the launcher opens no launch gate: an engine given one would block at "
+        "start-up until POST /gate/activate, which nothing sends"
+    )
+    assert got["eval_sglang_overrides.gated_launch_port"].startswith("cannot be overridden (1): the launcher")
+    plan = resolve_deployment(
+        spec(model("actor", group("regular", 2))), TrainerInputs(hf_checkpoint="/c", debug_rollout_only=True)
+    )
+    with pytest.raises(DeploymentConfigError) as exc:
+        prepare_deployment(plan, SGLangDeployConf(server_defaults={"gated_launch_port": 31300}))
+    assert problems_of(exc)["sglang_deploy.server_defaults.gated_launch_port"].startswith(
+        "cannot be set deployment-wide: the launcher opens no launch gate"
+    )
+
+
+# ======================================================================================= 5. colocated defaults
+def test_miles_post_processing_of_a_colocated_run():
+    # arguments.py (miles_validate_args) under --colocate: offload_rollout None -> True, rollout_num_gpus ->
+    # actor_num_gpus_per_node * actor_num_nodes, sglang_cuda_graph_backend_prefill None -> "disabled".
+    d = apply_miles_rules(TrainerInputs(colocate=True, actor_num_nodes=2, rollout_num_gpus=24))
+    assert (d.trainer.offload_rollout, d.trainer.rollout_num_gpus) == (True, 16)
+    assert dict(d.derived) == {"offload_rollout": True, "rollout_num_gpus": 16}
+    assert dict(d.server_defaults) == {"cuda_graph_backend_prefill": "disabled"}
+    assert d.notes[1] == (
+        "rollout_num_gpus=16 (given 24): colocate: the actor's GPUs (actor_num_nodes=2 x actor_num_gpus_per_node=8), "
+        "as Miles sets it"
+    )
+    # Given values stay: --no-offload-rollout, and a --sglang-cuda-graph-backend-prefill (either spelling).
+    d = apply_miles_rules(
+        TrainerInputs(colocate=True, offload_rollout=False), {"cuda-graph-backend-prefill": "disabled"}
+    )
+    assert (d.trainer.offload_rollout, dict(d.server_defaults), d.notes) == (
+        False,
+        {},
+        (
+            "rollout_num_gpus=8: colocate: the actor's GPUs (actor_num_nodes=1 x actor_num_gpus_per_node=8), as Miles sets it",
+        ),
+    )
+    # Not colocated: an unset offload_rollout is off; nothing is derived.
+    d = apply_miles_rules(TrainerInputs())
+    assert (d.trainer.offload_rollout, dict(d.derived), d.notes) == (False, {}, ())
+    # debug_rollout_only (earlier in miles_validate_args): colocate and offload off, a colocated rollout sized
+    # as the actor when rollout_num_gpus is unset; then no colocate defaults.
+    d = apply_miles_rules(TrainerInputs(debug_rollout_only=True, colocate=True, offload_rollout=True))
+    assert (d.trainer.colocate, d.trainer.offload_rollout, d.trainer.rollout_num_gpus) == (False, False, 8)
+    assert dict(d.server_defaults) == {}
+    # Idempotent: the result's own trainer arguments derive nothing more.
+    once = apply_miles_rules(TrainerInputs(colocate=True, use_critic=True, critic_num_gpus_per_node=2))
+    assert dict(apply_miles_rules(once.trainer).derived) == {}
+
+
+def test_the_colocated_prefill_cuda_graph_default_reaches_every_engine_below_the_users_values():
+    # sglang_engine.py fills every unset ServerArgs field from args.sglang_<field>, lowest: a group override
+    # and a deployment-wide value (Miles' --sglang-*) both win over the colocate default.
+    s = spec(
+        model(
+            "actor",
+            group("regular", 4, gpe=2),
+            group("regular", 4, gpe=2, name="own", cuda_graph_backend_prefill="full"),
+        )
+    )
+    plan = resolve_deployment(s, TrainerInputs(hf_checkpoint="/c", colocate=True))
+    launch = prepare_deployment(plan, SGLangDeployConf(), server_arg_fields=FIELDS_0_5_23).launch
+    assert flag(launch.for_engine("actor.regular.0")[0].argv, "--cuda-graph-backend-prefill") == "disabled"
+    assert flag(launch.for_engine("actor.own.1")[0].argv, "--cuda-graph-backend-prefill") == "full"
+    assert (
+        "--enable-memory-saver" in launch.for_engine("actor.regular.0")[0].argv
+    )  # offload_rollout derived on
+
+
+def test_argparse_and_hydra_paths_read_the_same_colocate_inputs():
+    # The namespace's --sglang-cuda-graph-backend-prefill is what sglang_deploy.server_defaults holds on the
+    # Hydra path: set, it stops the colocate default on both.
+    for backend, expected in ((None, {"cuda_graph_backend_prefill": "disabled"}), ("piecewise", {})):
+        ns = miles_namespace(
+            colocate=True, rollout_num_gpus_per_engine=2, sglang_cuda_graph_backend_prefill=backend
+        )
+        overrides = [
+            "sglang=default",
+            "hf_checkpoint=/ckpt/actor",
+            "colocate=true",
+            "rollout_num_gpus_per_engine=2",
+        ]
+        if backend:
+            overrides.append(f"+sglang_deploy.server_defaults.cuda_graph_backend_prefill={backend}")
+        from_ns, from_hydra = resolve_namespace(ns), resolve_config(compose_config(overrides))
+        assert dict(from_ns.derived_server_defaults) == dict(from_hydra.derived_server_defaults) == expected
+        assert (from_ns.model("default").group("regular").num_gpus, from_ns.trainer.offload_rollout) == (
+            8,
+            True,
+        )
+        assert from_ns.notes == from_hydra.notes
+
+
+# ================================================================================================ 6. eval fleet
+def test_eval_parallel_reset_follows_the_arguments_tp_not_the_groups():
+    # rollout_server.py ~113: the reset happens iff args.eval_num_gpus_per_engine != args.rollout_num_gpus_per_engine.
+    resets = ("dp_size", "pp_size", "ep_size", "attn_cp_size")
+
+    def eval_overrides(eval_gpe_arg: int, group_gpe: int) -> dict:
+        s = spec(model("actor", group("regular", 8)), model("eval", group("regular", 4, gpe=group_gpe)))
+        t = TrainerInputs(
+            hf_checkpoint="/c",
+            debug_rollout_only=True,
+            rollout_num_gpus_per_engine=2,
+            eval_num_gpus=4,
+            eval_num_gpus_per_engine=eval_gpe_arg,
+        )
+        return dict(resolve_deployment(s, t).model("eval").groups[0].overrides)
+
+    # The group's TP equals the rollout TP (2), the arguments' do not (1 != 2): reset.
+    assert {k: eval_overrides(1, 2).get(k) for k in resets} == dict.fromkeys(resets, 1)
+    # The arguments' TPs agree (2 == 2), the group's (4) does not: no reset.
+    assert not set(resets) & set(eval_overrides(2, 4))
+
+
+def test_eval_gpus_per_engine_defaults_to_one():
+    # arguments.py: --eval-num-gpus-per-engine default=1, "independent of --rollout-num-gpus-per-engine".
+    assert TrainerInputs().eval_num_gpus_per_engine == 1
+    assert TrainerInputs.from_mapping({"eval_num_gpus_per_engine": None}).eval_num_gpus_per_engine == 1
+    plan = resolve_deployment(
+        None,
+        TrainerInputs(hf_checkpoint="/c", rollout_num_gpus=8, rollout_num_gpus_per_engine=4, eval_num_gpus=2),
+    )
+    ev = plan.model("eval").groups[0]
+    assert (ev.num_gpus_per_engine, [e.gpu_slots for e in ev.engines]) == (1, [(16,), (17,)])
+
+
+def test_debug_train_only_starts_no_eval_fleet_either():
+    # Issue 11 says newer Miles starts the eval fleet under --debug-train-only and counts it in rollout_offset
+    # (actor 2 x 8, eval 4 -> 16). Its code says otherwise, at 727f91769 and every later refactor branch:
+    # _compute_raw_sglang_config returns no models under debug_train_only, the inference controller's init
+    # returns before any server, test_debug_train_only_produces_no_engine_spec, and _compute_rollout_offset is 0
+    # (test_debug_train_only_has_zero_rollout_placement_offset). At 31f1ca961 start_engines starts none. So: none.
+    t = TrainerInputs(
+        hf_checkpoint="/c", actor_num_nodes=2, rollout_num_gpus=8, eval_num_gpus=4, debug_train_only=True
+    )
+    plan = resolve_deployment(None, t)
+    assert (plan.models, plan.rollout_offset, plan.megatron_num_gpus) == ((), 0, 16)
+    assert plan.notes == (
+        "debug_train_only: no rollout engines are started (nor the eval fleet of eval_num_gpus)",
+    )
+
+
+# ============================================================================ 8. what this SGLang version lacks
+def guide_namespace() -> argparse.Namespace:
+    """Seed 000's launch line with its own file: --rollout-num-gpus=20 --rollout-num-gpus-per-engine=4."""
+    return miles_namespace(
+        sglang_config=str(FIXTURES / "miles_actor_pd_ref.yaml"),
+        rollout_num_gpus=20,
+        rollout_num_gpus_per_engine=4,
+    )
+
+
+def test_an_unmodified_miles_file_plans_leaving_out_what_this_sglang_lacks():
+    # sglang_engine.py drops the keys its SGLang lacks ("not supported in the current sglang"); the guide's
+    # decode group sets prefill_round_robin_balance, which SGLang 0.5.23 does not have.
+    plan = resolve_namespace(guide_namespace(), server_arg_fields=FIELDS_0_5_23)
+    decode = plan.model("actor").group("decode")
+    assert dict(decode.overrides) == {"model_path": "/mnt/checkpoints/actor", "tp_size": 4}
+    assert plan.notes == (
+        "left out miles_actor_pd_ref.yaml: sglang[0] (actor).server_groups[1].overrides.prefill_round_robin_balance"
+        "=True: not a ServerArgs field of this SGLang version (Miles drops it too)",
+    )
+    # A key Miles does not drop stays refused in a Miles file: one the plan owns.
+    text = (FIXTURES / "miles_actor_pd_ref.yaml").read_text().replace("tp_size: 4\n", "port: 30000\n", 1)
+    with pytest.raises(DeploymentConfigError) as exc:
+        resolve_namespace(
+            miles_namespace(sglang_config="base64:" + base64.b64encode(text.encode()).decode(),
+                            rollout_num_gpus=20, rollout_num_gpus_per_engine=4),
+            server_arg_fields=FIELDS_0_5_23,
+        )  # fmt: skip
+    assert [p.key for p in exc.value.problems] == [
+        "<base64 --sglang-config>: sglang[0] (actor).server_groups[0].overrides.port"
+    ]
+
+
+def test_a_users_own_unknown_key_is_still_refused():
+    with pytest.raises(DeploymentConfigError) as exc:
+        resolve_config(
+            compose_config(["sglang=pd", "hf_checkpoint=/c", "+sglang.actor.decode.overrides.prefill_round_robin_balance=true"]),
+            server_arg_fields=FIELDS_0_5_23,
+        )  # fmt: skip
+    assert problems_of(exc)["sglang.actor.decode.overrides.prefill_round_robin_balance"] == (
+        "is not a ServerArgs field of the installed SGLang; did you mean prefill_attention_backend?"
+    )
+
+
+@pytest.fixture
+def run_cli(capsys):
+    def run(*argv: str) -> tuple[int, str, str]:
+        rc = cli.main(list(argv))
+        out, err = capsys.readouterr()
+        return rc, out, err
+
+    return run
+
+
+def test_import_of_the_miles_guide_gives_a_preset_that_plans(run_cli, tmp_path):
+    # The installed SGLang (or, without it, the shipped field list) is 0.5.23: no prefill_round_robin_balance.
+    out_dir = tmp_path / "conf" / "sglang"
+    rc, out, err = run_cli(
+        "import", str(FIXTURES / "miles_actor_pd_ref.yaml"), "--name", "guide", "--output-dir", str(out_dir)
+    )
+    note = (
+        "left out miles_actor_pd_ref.yaml: sglang[0] (actor).server_groups[1].overrides.prefill_round_robin_balance"
+        f"=True: not a ServerArgs field of this SGLang version (Miles drops it too) (checked against "
+        f"{known_server_arg_fields().source})"
+    )
+    assert (rc, err) == (0, "") and f"note: {note}" in out.splitlines()
+    text = (out_dir / "guide.yaml").read_text()
+    assert f"# {note}\n" in text
+    assert yaml.safe_load(text)["actor"]["decode"] == {"num_gpus": 8, "overrides": {"tp_size": 4}}
+    rc, out, err = run_cli(
+        "plan", "sglang=guide", f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "rollout_num_gpus=20",
+        "rollout_num_gpus_per_engine=4", "hf_checkpoint=/c",
+    )  # fmt: skip
+    assert (rc, err) == (0, "")
+    assert "actor.decode.1" in out
+
+
+# ================================================================================================ 9. LoRA
+def lora_server_args_of(*overrides: str) -> dict[str, Any]:
+    """The LoRA ServerArgs of the first engine, as SGLang's parser (or the stand-in's) reads its argv."""
+    from tests.test_rendering import parsed
+
+    prepared = prepare_from_config(compose_config(["sglang=default", "hf_checkpoint=/c", *overrides]))
+    values = parsed(prepared.launch.engines[0])
+    keys = ("enable_lora", "max_loras_per_batch", "max_lora_rank", "lora_target_modules", "lora_paths")
+    return {k: values[k] for k in keys}
+
+
+def test_multi_lora_server_args_are_miles_numbers():
+    # 727f91769 tests/fast/backends/sglang_utils/test_sglang_engine.py
+    # test_a_multi_lora_inkling_launch_still_names_its_targets: lora_rank=16,
+    # target_modules=["layers.*.self_attention.linear_qkv"], multi_lora_n_adapters=4 -> the targets are
+    # k_proj, q_proj, v_proj; sglang_engine.py's multi-LoRA branch: enable_lora, max_loras_per_batch = 4
+    # (the adapter count), max_lora_rank = max(16, 1), no lora_paths.
+    lora = lora_from_namespace(
+        argparse.Namespace(
+            lora_rank=16,
+            target_modules=["layers.*.self_attention.linear_qkv"],
+            multi_lora=True,
+            multi_lora_n_adapters=4,
+            lora_adapter_path=None,
+        )
+    )
+    assert lora_server_args(lora, colocate=False) == {
+        "enable_lora": True,
+        "max_loras_per_batch": 4,
+        "max_lora_rank": 16,
+        "lora_target_modules": ["q_proj", "k_proj", "v_proj"],
+    }
+    # The same through the Hydra group, on a real command line.
+    values = lora_server_args_of(
+        "sglang_deploy.lora.multi_lora_n_adapters=4",
+        "sglang_deploy.lora.max_lora_rank=16",
+        "sglang_deploy.lora.target_modules=[layers.*.self_attention.linear_qkv]",
+    )
+    assert values["enable_lora"] is True and values["lora_paths"] is None
+    assert (values["max_loras_per_batch"], values["max_lora_rank"]) == (4, 16)
+    assert sorted(values["lora_target_modules"]) == ["k_proj", "q_proj", "v_proj"]
+
+
+@pytest.mark.parametrize(
+    ("targets", "expected"),
+    [
+        # test_sglang_engine.py: test_spellable_targets_are_named_one_by_one, test_gdn_attention_targets_...,
+        # test_asking_for_every_module_is_still_honoured.
+        (["layers.*.self_attention.linear_qkv"], ["q_proj", "k_proj", "v_proj"]),
+        (["layers.*.self_attention.in_proj"], ["in_proj_qkvz", "in_proj_ba"]),
+        (["all"], ["all"]),
+        # lora_utils.py: merged fc1 -> gate/up, MLA names, HF names through, duplicates once.
+        (["linear_fc1", "linear_fc2", "linear_proj"], ["gate_proj", "up_proj", "down_proj", "o_proj"]),
+        (["linear_q_down_proj", "linear_kv_up_proj"], ["q_a_proj", "kv_b_proj"]),
+        (["q_proj", "linear_qkv", "o_proj"], ["q_proj", "k_proj", "v_proj", "o_proj"]),
+    ],
+)
+def test_target_modules_become_hf_names_as_in_miles(targets, expected):
+    assert hf_target_modules(targets) == expected
+
+
+def test_single_lora_server_args_are_miles_numbers():
+    # sglang_engine.py's single-LoRA branch (lora_rollout_enabled): max_loras_per_batch 1, max_lora_rank =
+    # max(lora_rank, 1), lora_paths {miles_lora: --lora-adapter-path}; enable_weights_cpu_backup for LoRA +
+    # colocate + --lora-base-cpu-backup. test_compute_server_args.py: lora_rank=8 -> enable_lora True.
+    ns = argparse.Namespace(
+        lora_rank=0, lora_adapter_path="/adapters/a", target_modules=None, lora_base_cpu_backup=True
+    )
+    lora = lora_from_namespace(ns)
+    assert lora_server_args(lora, colocate=True) == {
+        "enable_lora": True,
+        "max_loras_per_batch": 1,
+        "max_lora_rank": 1,
+        "lora_paths": ["miles_lora=/adapters/a"],
+        "enable_weights_cpu_backup": True,
+    }
+    assert "enable_weights_cpu_backup" not in lora_server_args(lora, colocate=False)
+    rank8 = lora_from_namespace(argparse.Namespace(lora_rank=8, target_modules="q_proj,v_proj"))
+    assert lora_server_args(rank8, colocate=False) == {
+        "enable_lora": True,
+        "max_loras_per_batch": 1,
+        "max_lora_rank": 8,
+        "lora_target_modules": ["q_proj", "v_proj"],
+    }
+    # --lora-train-only: the engines serve the base model; no LoRA at all: nothing.
+    train_only = argparse.Namespace(lora_rank=8, target_modules=["linear_qkv"], lora_train_only=True)
+    assert lora_server_args(lora_from_namespace(train_only), colocate=False) == {}
+    assert lora_server_args(lora_from_namespace(argparse.Namespace()), colocate=False) == {}
+
+
+def test_a_group_override_wins_over_the_lora_defaults():
+    # test_compute_server_args.py test_override_wins_over_lora_defaults: lora_rank=8, override enable_lora=False.
+    s = spec(model("actor", group("regular", 2, enable_lora=False)))
+    plan = resolve_deployment(s, TrainerInputs(hf_checkpoint="/c", debug_rollout_only=True))
+    settings = SGLangDeployConf(
+        lora=lora_from_namespace(argparse.Namespace(lora_rank=8, target_modules=["linear_qkv"]))
+    )
+    process = prepare_deployment(plan, settings, server_arg_fields=FIELDS_0_5_23).launch.engines[0]
+    assert process.server_args["enable_lora"] is False and "--enable-lora" not in process.argv
+    assert process.server_args["max_lora_rank"] == 8
+
+
+def test_what_miles_refuses_for_multi_lora_is_refused_before_anything_starts():
+    # multi_lora.py validate_multi_lora_args: --target-modules must be set; not with --colocate. And what it
+    # would ignore: adapter paths (its multi-LoRA engines start without any), another max_loras_per_batch.
+    plan = resolve_deployment(
+        spec(model("actor", group("regular", 8))), TrainerInputs(hf_checkpoint="/c", colocate=True)
+    )
+    settings = SGLangDeployConf()
+    settings.lora.multi_lora_n_adapters = 4
+    settings.lora.paths = {"a": "/a"}
+    settings.lora.max_loras_per_batch = 2
+    with pytest.raises(DeploymentConfigError) as exc:
+        prepare_deployment(plan, settings)
+    got = problems_of(exc)
+    assert got["sglang_deploy.lora.target_modules"] == "multi-LoRA (4 adapter slots) needs the target modules"
+    assert got["sglang_deploy.lora.multi_lora_n_adapters"].startswith(
+        "4: multi-LoRA needs engines apart from training"
+    )
+    assert got["sglang_deploy.lora.paths"].startswith("['a']: multi-LoRA engines start without adapters")
+    assert got["sglang_deploy.lora.max_loras_per_batch"] == (
+        "2: with multi-LoRA it is the number of adapter slots, multi_lora_n_adapters=4; leave it null"
+    )
+    settings = SGLangDeployConf()
+    settings.lora.multi_lora_n_adapters = -1
+    with pytest.raises(DeploymentConfigError) as exc:
+        prepare_deployment(plan, settings)
+    assert problems_of(exc) == {"sglang_deploy.lora.multi_lora_n_adapters": "must be an integer >= 0, got -1"}
+
+
+# ====================================================================== the argparse path == the Hydra path
+@st.composite
+def miles_runs(draw) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(a Miles --sglang-config file as data, Miles' arguments): valid by construction, every group of whole
+    nodes and any engine size dividing it, so that both paths plan; all of the trainer inputs vary."""
+    gpn = draw(st.sampled_from([2, 4, 8]))
+    gpes = [d for d in (1, 2, 4, 8) if gpn % d == 0] + [2 * gpn]
+    models = []
+    for i in range(draw(st.integers(1, 3))):
+        types = ["prefill", "decode"] if draw(st.booleans()) else ["regular"]
+        if draw(st.integers(0, 3)) == 0:
+            types.insert(draw(st.integers(0, len(types))), "placeholder")
+        groups = []
+        for worker_type in types:
+            g: dict[str, Any] = {"worker_type": worker_type, "num_gpus": 2 * gpn * draw(st.integers(1, 2))}
+            if draw(st.booleans()):
+                g["num_gpus_per_engine"] = draw(st.sampled_from(gpes))
+            if draw(st.integers(0, 2)) == 0:
+                g["overrides"] = {"mem_fraction_static": draw(st.sampled_from([0.7, 0.85]))}
+            groups.append(g)
+        entry: dict[str, Any] = {"name": f"m{i}", "server_groups": groups}
+        if i:
+            entry["model_path"] = f"/ckpt/m{i}"
+        if draw(st.booleans()):
+            entry["num_gpus_per_engine"] = draw(st.sampled_from(gpes))
+        models.append(entry)
+    rollout = sum(g["num_gpus"] for m in models for g in m["server_groups"])
+    eval_gpus = 2 * gpn if draw(st.booleans()) else 0
+    if eval_gpus:
+        models.append({"name": "eval", "server_groups": [{"worker_type": "regular", "num_gpus": eval_gpus}]})
+    colocate = draw(st.booleans())
+    args: dict[str, Any] = dict(
+        num_gpus_per_node=gpn,
+        actor_num_nodes=rollout // gpn if colocate else draw(st.integers(1, 2)),
+        actor_num_gpus_per_node=gpn,
+        colocate=colocate,
+        offload_rollout=draw(st.sampled_from([None, True, False])),
+        rollout_num_gpus=draw(st.sampled_from([None, rollout])),
+        rollout_num_gpus_per_engine=draw(st.sampled_from(gpes)),
+        eval_num_gpus=eval_gpus,
+        eval_num_gpus_per_engine=draw(st.sampled_from(gpes)),
+        debug_rollout_only=draw(st.integers(0, 4)) == 0,
+        debug_train_only=draw(st.integers(0, 9)) == 0,
+        use_critic=draw(st.booleans()),
+        critic_num_nodes=draw(st.sampled_from([None, 0, 1])),
+        critic_num_gpus_per_node=draw(st.sampled_from([None, 0, gpn])),
+        seed=draw(st.integers(0, 5000)),
+        use_rollout_routing_replay=draw(st.booleans()),
+        fp16=draw(st.booleans()),
+        sglang_cuda_graph_backend_prefill=draw(st.sampled_from([None, "full"])),
+        eval_sglang_mem_fraction_static=draw(st.sampled_from([None, 0.5])) if eval_gpus else None,
+    )
+    return {"sglang": models}, args
+
+
+def hydra_overrides_of(args: dict[str, Any]) -> list[str]:
+    """The same trainer inputs as Hydra overrides of the root (Miles' names), ``--sglang-*`` and
+    ``--eval-sglang-*`` in their Hydra places."""
+    out = []
+    for name, value in args.items():
+        if name == "sglang_cuda_graph_backend_prefill":
+            if value is not None:
+                out.append(f"+sglang_deploy.server_defaults.cuda_graph_backend_prefill={value}")
+        elif name == "eval_sglang_mem_fraction_static":
+            if value is not None:
+                out.append(f"+eval_sglang_overrides.mem_fraction_static={value}")
+        else:
+            out.append(
+                f"{name}={'null' if value is None else str(value).lower() if isinstance(value, bool) else value}"
+            )
+    return out
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(run=miles_runs())
+def test_the_namespace_and_the_hydra_path_give_the_same_plan(run, tmp_path_factory):
+    """A Miles run (its --sglang-config file and its arguments) resolved through ``resolve_namespace`` and,
+    imported as a preset, through ``resolve_config`` of the composed config: the same plan, or both refused."""
+    config, args = run
+    where = tmp_path_factory.mktemp("run")
+    path = where / "run.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    (where / "sglang").mkdir()
+    (where / "sglang" / "run.yaml").write_text(spec_to_preset(load_miles_config(path)))
+    ns = miles_namespace(sglang_config=str(path), **args)
+    cfg = compose_config(
+        [
+            "sglang=run",
+            f"hydra.searchpath=[file://{where}]",
+            "hf_checkpoint=/ckpt/actor",
+            *hydra_overrides_of(args),
+        ]
+    )
+    plans = []
+    for resolve in (lambda: resolve_namespace(ns, server_arg_fields=FIELDS_0_5_23),
+                    lambda: resolve_config(cfg, server_arg_fields=FIELDS_0_5_23)):  # fmt: skip
+        try:
+            plan = resolve()
+        except DeploymentConfigError as exc:
+            plans.append(sorted(p.key.rsplit(".", 1)[-1] for p in exc.problems))
+        else:
+            data = plan.to_dict()
+            data.pop("source")
+            plans.append(data)
+    event("planned" if isinstance(plans[0], dict) else f"refused: {plans[0]}")
+    assert plans[0] == plans[1]

@@ -37,7 +37,7 @@ NEEDS_INHERITED_CVD = pytest.mark.skipif(
 @pytest.mark.parametrize(
     ("overrides", "need"),
     [
-        (["colocate=true", "sglang.actor.regular.num_gpus=4", "rollout_num_gpus_per_engine=2"], 4),
+        (["debug_rollout_only=true", "sglang.actor.regular.num_gpus=4", "rollout_num_gpus_per_engine=2"], 4),
         # 4 training GPUs on the node, then the rollout's local GPUs 4..7: the job needs all 8 of the node
         (
             ["actor_num_gpus_per_node=4", "sglang.actor.regular.num_gpus=4", "rollout_num_gpus_per_engine=2"],
@@ -46,7 +46,7 @@ NEEDS_INHERITED_CVD = pytest.mark.skipif(
         # 8 training GPUs fill node 0; the rollout's 2 GPUs are local GPUs 0, 1 of node 1
         (["sglang.actor.regular.num_gpus=2", "rollout_num_gpus_per_engine=2"], 2),
         # a placeholder reserves GPUs too: actor 6 + placeholder 2 = local GPUs 0..7
-        (["colocate=true", "sglang=placeholder"], 8),
+        (["debug_rollout_only=true", "sglang=placeholder"], 8),
     ],
 )
 def test_a_jobs_gpu_need_is_the_highest_local_gpu_of_its_rollout_plus_one(

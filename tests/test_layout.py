@@ -95,7 +95,7 @@ def test_no_function_of_the_package_is_longer_than_60_lines() -> None:
     assert too_long == [], "split these functions into well-named pieces:\n" + "\n".join(too_long)
 
 
-@pytest.mark.parametrize("script", ["bench_resolve.py", "bench_launch.py"])
+@pytest.mark.parametrize("script", ["bench_resolve.py", "bench_launch.py", "bench_sweep.py"])
 def test_benchmark_smoke_run(script: str) -> None:
     """Each benchmark's --smoke mode: one quick repetition at the smallest sizes, so the scripts cannot rot."""
     result = subprocess.run(
@@ -106,5 +106,9 @@ def test_benchmark_smoke_run(script: str) -> None:
         timeout=240,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    expected = "(b)/(a):" if script == "bench_resolve.py" else "(3) POST /generate req/s"
+    expected = {
+        "bench_resolve.py": "(b)/(a):",
+        "bench_launch.py": "(3) POST /generate req/s",
+        "bench_sweep.py": "(1) packed/sequential:",
+    }[script]
     assert expected in result.stdout, result.stdout[-3000:]

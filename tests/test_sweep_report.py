@@ -83,7 +83,7 @@ def test_bad_bench_settings_are_all_reported_at_once() -> None:
     assert "sglang_bench.concurrency: 5000 must be an integer in 1..4096" in message
     assert "sglang_bench.output_len: 'x' must be an integer" in message
     assert "sglang_bench.timeout_s: -1 must be a number of seconds > 0" in message
-    with pytest.raises(DeploymentConfigError, match="sglang_bench.num_promts: is not a setting"):
+    with pytest.raises(DeploymentConfigError, match=r"sglang_bench\.num_promts: is not a setting"):
         BenchSettings.from_mapping({"num_promts": 8})
 
 

@@ -46,6 +46,8 @@ MAX_GPUS = 4096
 PACKED_GPUS_ENV = "MSP_PACKED_GPUS"
 #: How long jobs get to stop on Ctrl-C or SIGTERM before they are killed.
 STOP_GRACE_S = 60.0
+#: How long a job's process may take to exit once it sent its result.
+EXIT_GRACE_S = 30.0
 
 
 class PackedLaunchError(RuntimeError):
@@ -476,7 +478,12 @@ class Scheduler:
         except (EOFError, OSError):
             job.result = None
         job.conn.close()
-        job.process.join()
+        job.process.join(timeout=EXIT_GRACE_S)
+        if job.process.is_alive():  # it reported but does not exit (a thread that never ends): kill it
+            log.warning("#%d reported its result but did not exit within %g s: killed", job.index, EXIT_GRACE_S)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(job.process.pid, signal.SIGKILL)
+            job.process.join()
         if job.result is None:
             code = job.process.exitcode
             why = f"killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"

@@ -10,6 +10,9 @@ from typing import Any
 
 from miles_sglang_plugin.sweeps.report import JobResult, _number, simulated, x_key
 
+#: More lines than this get no legend (it would crowd the axes out).
+MAX_LEGEND = 12
+
 
 class PlotUnavailable(RuntimeError):
     pass
@@ -71,7 +74,7 @@ def plot_sweep(path: Path, title: str, jobs: Sequence[JobResult], keys: Sequence
         axes.set_ylim(bottom=0)
         if ticks and len(ticks) <= 12:
             axes.set_xticks(ticks, [f"{t:g}" for t in ticks])
-        if lines:
+        if 0 < len(lines) <= MAX_LEGEND:
             axes.legend(fontsize="small")
     suffix = " — simulated: stand-in engines (speed model)" if simulated(jobs) else ""
     figure.suptitle(f"sweep {title}{suffix}", fontsize="medium")

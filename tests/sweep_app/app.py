@@ -4,7 +4,7 @@ and runs the rollout benchmark when ``sglang_bench`` is set.
 
 Each job writes ``job_record.json`` in its output directory: pid, its ``CUDA_VISIBLE_DEVICES`` and
 ``MSP_PACKED_GPUS``, start and end times (``time.time()``), and per engine the GPUs the plan gave it and the
-``CUDA_VISIBLE_DEVICES`` the stand-in reports."""
+``CUDA_VISIBLE_DEVICES`` and node the stand-in reports."""
 
 from __future__ import annotations
 
@@ -52,13 +52,16 @@ def main(cfg: DictConfig) -> None:
     bench = bench_settings_from_config(cfg, plan)
     with launch_from_config(cfg) as deployment:
         headers = deployment.auth_headers()
+        infos = {
+            e.id: httpx.get(e.url + "/server_info", headers=headers, timeout=10).json()
+            for e in deployment.engines()
+        }
         record["engines"] = [
             {
                 "id": e.id,
                 "plan_gpus": e.gpus,
-                "reported": httpx.get(e.url + "/server_info", headers=headers, timeout=10)
-                .json()
-                .get("cuda_visible_devices"),
+                "reported": infos[e.id].get("cuda_visible_devices"),
+                "node_id": infos[e.id].get("node_id"),
             }
             for e in deployment.engines()
         ]

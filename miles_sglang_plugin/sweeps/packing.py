@@ -480,7 +480,9 @@ class Scheduler:
         job.conn.close()
         job.process.join(timeout=EXIT_GRACE_S)
         if job.process.is_alive():  # it reported but does not exit (a thread that never ends): kill it
-            log.warning("#%d reported its result but did not exit within %g s: killed", job.index, EXIT_GRACE_S)
+            log.warning(
+                "#%d reported its result but did not exit within %g s: killed", job.index, EXIT_GRACE_S
+            )
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(job.process.pid, signal.SIGKILL)
             job.process.join()

@@ -1037,6 +1037,16 @@ async def _run_until_stopped(stop: asyncio.Event, faults: FaultConfig) -> int:
     return EXIT_DIED
 
 
+def _serving_app(args: StandInArgs, faults: FaultConfig, env: Mapping[str, str]) -> web.Application:
+    return build_app(
+        args,
+        faults,
+        cuda_visible_devices=env.get("CUDA_VISIBLE_DEVICES"),
+        node_id=env.get(NODE_ID_ENV) or None,
+        speed=speed_from_env(env),
+    )
+
+
 async def serve(args: StandInArgs, faults: FaultConfig, env: Mapping[str, str]) -> int:
     """Run the stand-in until SIGTERM/SIGINT (or an injected fault); return the exit code."""
     stop = asyncio.Event()
@@ -1072,17 +1082,7 @@ async def serve(args: StandInArgs, faults: FaultConfig, env: Mapping[str, str]) 
     if args.node_rank > 0:
         return await _run_until_stopped(stop, faults)
     logging.getLogger("aiohttp.server").addFilter(_ProbeFilter())
-    runner = web.AppRunner(
-        build_app(
-            args,
-            faults,
-            cuda_visible_devices=visible,
-            node_id=env.get(NODE_ID_ENV) or None,
-            speed=speed_from_env(env),
-        ),
-        access_log=None,
-        shutdown_timeout=1.0,
-    )
+    runner = web.AppRunner(_serving_app(args, faults, env), access_log=None, shutdown_timeout=1.0)
     await runner.setup()
     try:
         try:

@@ -80,6 +80,7 @@ class Job:
     #: Why the job cannot be sized (its deployment does not resolve): it runs without GPUs and says so itself.
     unsized: str | None = None
     backend: str = "local"
+    ray_address: str | None = None
     gpus: list[str] = field(default_factory=list)
     process: Any = None
     conn: Connection | None = None
@@ -178,11 +179,11 @@ class Settings:
     counted_only: bool = False
 
 
-def read_settings(raw: dict[str, Any], backend: str) -> Settings:
+def read_settings(raw: dict[str, Any], backend: str, ray_address: str | None = None) -> Settings:
     """The launcher's checked settings; every problem in one message, exit 2, before any job runs."""
     problems = _check_numbers(raw)
     if backend == "ray":
-        gpus, gpu_problems = _ray_gpus(raw.get("gpus"))
+        gpus, gpu_problems = _ray_gpus(raw.get("gpus"), ray_address)
     else:
         gpus, gpu_problems = gpus_of_setting(raw.get("gpus"))
     problems += gpu_problems
@@ -199,10 +200,10 @@ def read_settings(raw: dict[str, Any], backend: str) -> Settings:
     )
 
 
-def _ray_gpus(value: Any) -> tuple[list[str] | None, list[str]]:
+def _ray_gpus(value: Any, address: str | None) -> tuple[list[str] | None, list[str]]:
     """With the ray backend the pool is a count of the cluster's GPUs: given, or asked of the cluster."""
     if value is None:
-        count = _ray_cluster_gpus()
+        count = _ray_cluster_gpus(address)
         if count is None:
             return None, ["gpus: no Ray cluster answered (set hydra.launcher.gpus to its GPU count)"]
     elif isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_GPUS:
@@ -212,17 +213,19 @@ def _ray_gpus(value: Any) -> tuple[list[str] | None, list[str]]:
     return [f"ray-{i}" for i in range(count)], []
 
 
-def _ray_cluster_gpus() -> int | None:
-    """The GPUs of the Ray cluster (``$RAY_ADDRESS``, else this machine's), asked from a short-lived process:
-    this one forks the jobs, so it never connects to Ray itself."""
+def _ray_cluster_gpus(address: str | None) -> int | None:
+    """The GPUs of the Ray cluster the jobs use (``sglang_deploy.launch.ray.address``, else ``$RAY_ADDRESS``,
+    else this machine's), asked from a short-lived process: this one forks the jobs, so it never connects to
+    Ray itself."""
     import subprocess
 
     code = (
-        "import ray; ray.init(address=__import__('os').environ.get('RAY_ADDRESS', 'auto'), logging_level='ERROR'); "
-        "print(int(ray.cluster_resources().get('GPU', 0)))"
+        "import os, sys, ray; ray.init(address=sys.argv[1] or os.environ.get('RAY_ADDRESS', 'auto'), "
+        "logging_level='ERROR'); print(int(ray.cluster_resources().get('GPU', 0)))"
     )
     try:
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        argv = [sys.executable, "-c", code, address or ""]
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     except (OSError, subprocess.SubprocessError):
         return None
     lines = out.stdout.strip().splitlines()
@@ -255,7 +258,8 @@ def size_job(job: Job) -> None:
 
     try:
         plan = resolve_config(job.config)
-        job.backend = str(deploy_settings_from_config(job.config).launch.backend)
+        launch = deploy_settings_from_config(job.config).launch
+        job.backend, job.ray_address = str(launch.backend), launch.ray.address
     except Exception as exc:  # the job itself reports the same error when it runs
         job.unsized = error_text(exc)
         return
@@ -579,7 +583,8 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_id
     configure_log(launcher.config.hydra.hydra_logging, launcher.config.hydra.verbose)
     Path(str(launcher.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
     jobs = load_jobs(launcher, job_overrides, initial_job_idx)
-    settings = read_settings(dict(launcher.settings), _backend(jobs))
+    address = next((job.ray_address for job in jobs if job.ray_address), None)
+    settings = read_settings(dict(launcher.settings), _backend(jobs), address)
     log.info(
         "Launching %d jobs packed on %d GPUs (%s)", len(jobs), len(settings.gpus), ",".join(settings.gpus)
     )

@@ -254,3 +254,13 @@ def test_bad_launcher_settings_stop_the_sweep_before_any_job(
     assert result.returncode == 2, result.stderr[-2000:]
     assert message in result.stderr and "Traceback" not in result.stderr
     assert not list((tmp_path / "s").glob("*/.hydra"))
+
+
+def test_the_plugin_module_hydra_imports_in_every_app_stays_light() -> None:
+    code = (
+        "import sys, hydra_plugins.miles_sglang_plugin.sglang_sweeps; "
+        "print(sorted(m for m in sys.modules if m.startswith('miles_sglang_plugin.'))); "
+        "print([m for m in ('matplotlib', 'httpx', 'rich', 'aiohttp', 'numpy') if m in sys.modules])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines() == ["['miles_sglang_plugin.sweeps', 'miles_sglang_plugin.sweeps.conf']", "[]"]

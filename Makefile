@@ -44,6 +44,7 @@ lint: $(VENV)/.base-installed
 bench: $(VENV)/.sglang-installed $(VENV)/.ray-installed
 	$(BIN)/python benchmarks/bench_resolve.py --subprocess-runs 3
 	$(BIN)/python benchmarks/bench_launch.py
+	$(BIN)/python benchmarks/bench_sweep.py
 	bash scripts/in-loopback-netns.sh $(BIN)/python benchmarks/bench_ray.py
 
 clean:

@@ -11,6 +11,8 @@ the router retries its requests, the deployment heals it, and the loop goes on.
     python examples/train.py sglang=agentic_32gpu                             # GPU node: real SGLang
     python examples/train.py sglang=pd_actor_ref sglang.actor.decode.num_gpus=12 plan_only=true
     python examples/train.py -m sglang=pd_actor_ref sglang.actor.decode.num_gpus_per_engine=2,4,8 plan_only=true
+    python examples/train.py -m sglang=pd_actor_ref sglang.actor.decode.num_gpus_per_engine=2,4,8 \
+        sglang_deploy=simulated hydra/callbacks=sglang_sweep_report      # TP sweep: table + plot of the bench
     python examples/train.py sglang=multi_model --cfg job --resolve
 """
 
@@ -38,6 +40,7 @@ from miles_sglang_plugin.config.schema import MilesTrainerArgs
 from miles_sglang_plugin.planning.views import print_plan
 from miles_sglang_plugin.serving.control import OperationResult
 from miles_sglang_plugin.serving.deployment import Deployment
+from miles_sglang_plugin.sweeps.jobs import bench_from_config, bench_settings_from_config
 
 try:  # run as a script (python examples/train.py) or as a module
     from rollout import rollout_step
@@ -200,6 +203,7 @@ def kill_an_engine(deployment: Deployment, console: Console) -> int:
 def main(cfg: DictConfig) -> None:
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 170)
     plan = resolve_config_or_exit(cfg)
+    bench = bench_settings_from_config(cfg, plan)  # checked before anything starts
     print_plan(plan, console)
     if cfg.plan_only:
         return
@@ -227,6 +231,8 @@ def main(cfg: DictConfig) -> None:
                 console.print(f"[bold]healed: {event.message}; the loop goes on[/]")
             step_results = train_step(deployment, step, cfg)
             print_step(step, step_results, deployment.control.weight_versions(), deployment, console)
+        if bench is not None:  # the rollout benchmark: plan.json and metrics.json in the job's directory
+            bench_from_config(cfg, deployment, console=console)
     console.print("deployment stopped: every engine and router is gone")
 
 

@@ -9,7 +9,8 @@ Data flows one way through one package per stage (each imports only earlier ones
     serving    the running deployment: routers, readiness, registration, registry
 
 ``app`` wires them for a Hydra app (``resolve_config``, ``launch_from_config``, callbacks), ``miles`` reads and
-writes Miles/slime formats, ``standin`` is the engine stand-in for machines without GPUs.
+writes Miles/slime formats, ``sweeps`` measures jobs, reports sweeps and packs sweep jobs on GPUs, ``standin`` is
+the engine stand-in for machines without GPUs.
 
 The public API is importable from here; names load on first use, so that the Hydra plugin scan, which imports
 this package in every Hydra app, stays cheap.
@@ -90,11 +91,21 @@ _EXPORTS: dict[str, str] = {
     "load_miles_config": "miles_sglang_plugin.miles.sglang_config",
     "resolve_namespace": "miles_sglang_plugin.miles.argparse_bridge",
     "lora_from_namespace": "miles_sglang_plugin.miles.argparse_bridge",
+    # sweeps: per-job rollout metrics, the sweep report, GPU packing
+    "BenchSettings": "miles_sglang_plugin.sweeps.bench",
+    "run_rollout_bench": "miles_sglang_plugin.sweeps.bench",
+    "arun_rollout_bench": "miles_sglang_plugin.sweeps.bench",
+    "bench_from_config": "miles_sglang_plugin.sweeps.jobs",
+    "bench_settings_from_config": "miles_sglang_plugin.sweeps.jobs",
+    "build_report": "miles_sglang_plugin.sweeps.report",
+    "SweepReportCallback": "miles_sglang_plugin.sweeps.report_callback",
+    "gpu_need": "miles_sglang_plugin.sweeps.packing",
 }
 
 __all__ = [
     "AsyncDeploymentControl",
     "Backend",
+    "BenchSettings",
     "CompositionError",
     "ControlError",
     "Deployment",
@@ -130,6 +141,7 @@ __all__ = [
     "SGLangDeployConf",
     "SGLangPlanCallback",
     "StartupInterrupted",
+    "SweepReportCallback",
     "TrainerInputs",
     "UnknownModelError",
     "UnsupportedPlanError",
@@ -137,9 +149,14 @@ __all__ = [
     "WeightUpdateRank",
     "WorkerType",
     "apply_miles_rules",
+    "arun_rollout_bench",
+    "bench_from_config",
+    "bench_settings_from_config",
+    "build_report",
     "compose_config",
     "get_backend",
     "get_model_url",
+    "gpu_need",
     "launch_from_config",
     "load_miles_config",
     "lora_from_namespace",
@@ -151,6 +168,7 @@ __all__ = [
     "resolve_config_or_exit",
     "resolve_deployment",
     "resolve_namespace",
+    "run_rollout_bench",
 ]
 
 
@@ -215,3 +233,8 @@ if TYPE_CHECKING:  # what static tools see; at run time the names load lazily th
         DeploymentState,
         RouterInfo,
     )
+    from miles_sglang_plugin.sweeps.bench import BenchSettings, arun_rollout_bench, run_rollout_bench
+    from miles_sglang_plugin.sweeps.jobs import bench_from_config, bench_settings_from_config
+    from miles_sglang_plugin.sweeps.packing import gpu_need
+    from miles_sglang_plugin.sweeps.report import build_report
+    from miles_sglang_plugin.sweeps.report_callback import SweepReportCallback

@@ -3,6 +3,7 @@
 miles-sglang plan [--json] [--commands] [-cp DIR -cn NAME] [-cd DIR] [--sglang-key KEY] [HYDRA OVERRIDES...]
 miles-sglang fields [PATH]
 miles-sglang launch [--log-dir DIR] [HYDRA OVERRIDES...]
+miles-sglang sweep-report SWEEP_DIR [--no-plot]
 miles-sglang import / export (see miles_sglang_plugin.miles.commands)
 
 Only the standard library is imported at module level: everything else loads inside :func:`main`, so that a
@@ -143,6 +144,34 @@ def _cmd_launch(args: argparse.Namespace) -> int:
         return 1  # a failure raises DeploymentFailedError when the block ends
 
 
+def _cmd_sweep_report(args: argparse.Namespace) -> int:
+    """Rebuild the sweep report (table and plot) from a sweep directory's jobs."""
+    from pathlib import Path
+
+    from miles_sglang_plugin.sweeps.report import SweepReportError, build_report
+
+    try:
+        build_report(Path(args.sweep_dir), console=_out_console(), plot=not args.no_plot)
+    except SweepReportError as exc:
+        _print_error(str(exc))
+        return EXIT_USER_ERROR
+    return 0
+
+
+def _add_sweep_report(sub: Any) -> None:
+    p_report = sub.add_parser(
+        "sweep-report",
+        help="rebuild a sweep's report (Markdown and CSV table, PNG plot) from its directory",
+        description="Collect every job of a Hydra multirun's sweep directory (its overrides, plan.json, "
+        "metrics.json, job_status.json) into sweep_report.md, sweep_report.csv and sweep_report.png there.",
+    )
+    p_report.add_argument(
+        "sweep_dir", help="the sweep directory (hydra.sweep.dir, e.g. multirun/<date>/<time>)"
+    )
+    p_report.add_argument("--no-plot", action="store_true", help="write the table only")
+    p_report.set_defaults(func=_cmd_sweep_report)
+
+
 def _add_plan(sub: Any) -> None:
     p_plan = sub.add_parser(
         "plan",
@@ -204,6 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan(sub)
     _add_fields(sub)
     _add_launch(sub)
+    _add_sweep_report(sub)
     miles_commands.register(sub)
     return parser
 

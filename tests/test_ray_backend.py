@@ -17,6 +17,7 @@ import textwrap
 import threading
 import time
 from collections.abc import Iterator
+from itertools import combinations
 from pathlib import Path
 from typing import Any
 
@@ -553,3 +554,60 @@ def test_benchmark_smoke_run_on_the_cluster(clean_cluster: FakeCluster) -> None:
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert result.stdout.count("ray/local time to ready:") == 2, result.stdout
+
+
+# ---------------------------------------------------------------------- the packed sweep launcher on the cluster
+# hydra/launcher=sglang_packed with the ray backend: the launcher counts the cluster's GPUs (asked of the cluster
+# from a short-lived process), runs jobs side by side while they fit, and the engines of concurrent jobs hold
+# disjoint GPUs of the cluster, as Ray assigned them (tests/sweep_app).
+
+SWEEP_APP = Path(__file__).resolve().parent / "sweep_app" / "app.py"
+
+
+def _packed_sweep(
+    tmp_path: Path, cluster: FakeCluster, *args: str
+) -> tuple[subprocess.CompletedProcess[str], list[dict]]:
+    sweep = tmp_path / "sweep"
+    argv = [
+        sys.executable,
+        str(SWEEP_APP),
+        "-m",
+        "hydra/launcher=sglang_packed",
+        f"hydra.sweep.dir={sweep}",
+        *ray_overrides("sglang.actor.regular.num_gpus=8", *args),
+    ]
+    env = subprocess_env(cluster, MSP_GPU_LOCK_DIR=str(tmp_path / "locks"))
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    result = subprocess.run(argv, cwd=SWEEP_APP.parent, env=env, capture_output=True, text=True, timeout=300)
+    records = [json.loads(p.read_text()) for p in sorted(sweep.glob("*/job_record.json"))]
+    return result, records
+
+
+def _cluster_gpus_of(record: dict) -> set[tuple[str, str]]:
+    return {(e["node_id"], gpu) for e in record["engines"] for gpu in e["reported"].split(",")}
+
+
+def _ran_together(a: dict, b: dict) -> bool:
+    return a["start"] < b["end"] and b["start"] < a["end"]
+
+
+def test_jobs_share_the_cluster_side_by_side_on_disjoint_gpus(
+    clean_cluster: FakeCluster,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    result, jobs = _packed_sweep(tmp_path, clean_cluster, "hold_s=3,3")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "packed on 32 GPUs" in result.stderr + result.stdout  # the cluster's 4 x 8, asked of it
+    assert len(jobs) == 2 and _ran_together(jobs[0], jobs[1])
+    for job in jobs:
+        assert len(_cluster_gpus_of(job)) == 8 and job["packed_gpus"].count(",") == 7
+    assert not _cluster_gpus_of(jobs[0]) & _cluster_gpus_of(jobs[1])
+
+
+def test_jobs_that_do_not_fit_together_run_one_after_the_other(
+    clean_cluster: FakeCluster,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    result, jobs = _packed_sweep(tmp_path, clean_cluster, "hydra.launcher.gpus=8", "hold_s=0.5,0.5")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert len(jobs) == 2 and not any(_ran_together(a, b) for a, b in combinations(jobs, 2))

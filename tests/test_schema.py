@@ -76,7 +76,8 @@ def test_a_subclass_of_the_root_schema_adds_its_own_fields_after_the_trainer_arg
         plan_only: bool = False
 
     names = [f.name for f in dataclasses.fields(TrainConf)]
-    assert names[0] == "hf_checkpoint" and names[-3:] == ["sglang", "sglang_deploy", "plan_only"]
+    assert names[0] == "hf_checkpoint"
+    assert names[-4:] == ["sglang", "sglang_deploy", "sglang_bench", "plan_only"]
     node = OmegaConf.structured(TrainConf)
     node.num_gpus_per_node = 4
     with pytest.raises(ValidationError):

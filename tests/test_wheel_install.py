@@ -73,6 +73,8 @@ REQUIRED_IN_WHEEL = (
     "miles_sglang_plugin/data/sglang_server_args_fields.txt",
     "hydra_plugins/miles_sglang_plugin/__init__.py",
     "hydra_plugins/miles_sglang_plugin/miles_sglang_searchpath.py",
+    "hydra_plugins/miles_sglang_plugin/sglang_sweeps.py",
+    "miles_sglang_plugin/sweeps/conf.py",
 )
 
 #: A Hydra app of its own: ConfigStore primary config, no config directory, no copy of the presets.

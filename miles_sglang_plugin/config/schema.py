@@ -230,10 +230,32 @@ class LoraConf:
 
 
 @dataclass
+class StandInSpeedConf:
+    """How fast the stand-in engines generate (``launch.engine=simulated`` only): a continuous-batching model
+    whose decode step gets faster with the engine's TP, so that sweeps with stand-ins measure something. Off
+    by default (requests answer at once). Formulas: ``miles_sglang_plugin/standin/speed.py`` and the README."""
+
+    enabled: bool = False
+    """Pace the stand-ins' generation by this model (off: requests answer at once)."""
+    latency_s: float = 0.002
+    """Wait before the first token of each request, on top of the prefill, in seconds."""
+    prefill_tokens_per_s: float = 20000.0
+    """Prefill rate per GPU of the engine (``--tp-size`` GPUs), in tokens/s."""
+    decode_step_s: float = 0.020
+    """Part of one decode step at TP 1 that every step pays (the weights read), in seconds."""
+    decode_token_s: float = 0.0005
+    """Part of one decode step at TP 1 per sequence in the batch, in seconds."""
+    tp_comm_s: float = 0.001
+    """Added to each decode step per further TP rank (the all-reduce), in seconds."""
+
+
+@dataclass
 class StandInFaultsConf:
     """Fault injection for the engine stand-in (``launch.engine=simulated`` only). Engine patterns match engine
     ids such as ``actor.decode.1`` (shell-style wildcards: ``actor.*``)."""
 
+    speed: StandInSpeedConf = field(default_factory=StandInSpeedConf)
+    """The stand-in's speed model (not a fault: how long its requests take)."""
     start_delay_s: float = 0.0
     """Delay before each stand-in engine starts answering, in seconds."""
     fail_at_start: list[str] = field(default_factory=list)
@@ -323,3 +345,5 @@ class MilesTrainerArgs:
     """The deployment's models by name, in GPU order (one router each); filled by the ``sglang`` group."""
     sglang_deploy: SGLangDeployConf = field(default_factory=SGLangDeployConf)
     """Deployment-wide settings: launcher, router, SGLang defaults, LoRA, API key, stand-in faults."""
+    sglang_bench: Any = None
+    """The rollout benchmark's settings (the ``sglang_bench`` group: ``+sglang_bench=default``); null: none."""

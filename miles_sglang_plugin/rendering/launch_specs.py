@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import math
 import shlex
 import sys
 from collections.abc import Callable, Collection, Mapping
@@ -212,7 +213,7 @@ def check_deploy_settings(settings: SGLangDeployConf, fields: Collection[str] | 
     else:
         out += [Problem("sglang_deploy.router", msg) for msg in validate_router_settings(router)]
     out += list(runtime_settings_problems(settings))
-    return out + launch_setting_problems(settings)
+    return out + launch_setting_problems(settings) + standin_speed_problems(settings)
 
 
 def _placement_args(
@@ -311,9 +312,9 @@ def _engine_server_args(
 
 
 def standin_fault_env(settings: SGLangDeployConf, engine_id: str) -> dict[str, str]:
-    """Fault-injection variables of the stand-in engine for ``engine_id``."""
+    """Fault-injection variables of the stand-in engine for ``engine_id`` (and its speed model)."""
     faults = settings.standin
-    env: dict[str, str] = {}
+    env: dict[str, str] = standin_speed_env(settings)
     if faults.start_delay_s:
         env["MSP_STANDIN_START_DELAY_S"] = str(faults.start_delay_s)
     if any(fnmatch.fnmatchcase(engine_id, pattern) for pattern in faults.fail_at_start):
@@ -326,6 +327,29 @@ def standin_fault_env(settings: SGLangDeployConf, engine_id: str) -> dict[str, s
     if faults.control_latency_s:
         env["MSP_STANDIN_CONTROL_LATENCY_S"] = str(faults.control_latency_s)
     return env
+
+
+def standin_speed_env(settings: SGLangDeployConf) -> dict[str, str]:
+    """``MSP_STANDIN_SPEED`` (the speed model's parameters as JSON) when ``sglang_deploy.standin.speed`` is on."""
+    speed = asdict(settings.standin.speed)
+    if not speed.pop("enabled"):
+        return {}
+    return {"MSP_STANDIN_SPEED": json.dumps(speed, sort_keys=True)}
+
+
+def standin_speed_problems(settings: SGLangDeployConf) -> list[Problem]:
+    """The speed model's values: finite, >= 0, rates > 0."""
+    out = []
+    for name, value in asdict(settings.standin.speed).items():
+        if name == "enabled":
+            continue
+        low_ok = value > 0 if name.endswith("_per_s") else value >= 0
+        if not (math.isfinite(value) and low_ok):
+            bound = "> 0" if name.endswith("_per_s") else ">= 0"
+            out.append(
+                Problem(f"sglang_deploy.standin.speed.{name}", f"{value!r} must be finite and {bound}")
+            )
+    return out
 
 
 def _worker_registration(launch: EngineProcessLaunch) -> WorkerRegistration:

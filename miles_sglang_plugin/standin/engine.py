@@ -23,6 +23,9 @@ Fault injection, read from the environment at start:
     answer 503 forever (``/liveness`` stays 200: the process is alive).
 ``MSP_STANDIN_CONTROL_LATENCY_S``
     float: each control call (memory, weights, pause, LoRA: :mod:`.control`) takes that long.
+``MSP_STANDIN_SPEED``
+    a JSON object: ``/generate`` takes as long as the speed model of ``speed.py`` says for this engine's
+    ``--tp-size`` (real waits; timing in ``meta_info`` as SGLang's). Unset: requests answer at once.
 
 ``MSP_ENGINE_NODE_ID`` (set by the backend that started it) is reported as ``node_id`` in ``/server_info``,
 ``/stand_in/stats`` and each response's stand-in metadata, next to the ``CUDA_VISIBLE_DEVICES`` it got.
@@ -95,6 +98,17 @@ from miles_sglang_plugin.standin.flags import (
     StandInArgs,
     StandInFlagError,
     parse_launch_argv,
+)
+from miles_sglang_plugin.standin.speed import (
+    PACER,
+    SpeedModel,
+    StreamPacing,
+    make_pacer,
+    pace_requests,
+    paced_meta,
+    pacer_for,
+    speed_from_env,
+    stream_pacing,
 )
 
 TAG = "[stand-in engine]"
@@ -491,11 +505,20 @@ def _rid(value: Any, index: int) -> str:
     return uuid.uuid4().hex
 
 
-async def _sse(request: web.Request, events: Iterable[dict[str, Any]]) -> web.StreamResponse:
+async def _sse(
+    request: web.Request, events: Iterable[dict[str, Any]], pacing: StreamPacing | None = None
+) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
-    for event in events:
-        await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+    try:
+        for index, event in enumerate(events):
+            timing = await pacing.before(index) if pacing is not None else None
+            if timing is not None:  # the last event: what the request waited, as SGLang reports it
+                event["meta_info"].update(timing.meta())
+            await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+    finally:
+        if pacing is not None:
+            pacing.cancel()
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response
@@ -658,11 +681,13 @@ async def generate(request: web.Request) -> web.StreamResponse:
             )
             for k in _stream_steps(max_new)
         )
-        return await _sse(request, events)
+        return await _sse(request, events, stream_pacing(pacer_for(request.app), len(prompt.ids), max_new))
+    timings = await pace_requests(pacer_for(request.app), [len(p.ids) for p in prompts], max_new)
     items = [
         _generate_item(state, body, p, g, rid=r, finished=True, started=started)
         for p, g, r in zip(prompts, results, rids, strict=True)
     ]
+    paced_meta(items, timings)
     return web.json_response(items if batch else items[0])
 
 
@@ -903,6 +928,7 @@ def build_app(
     *,
     cuda_visible_devices: str | None = None,
     node_id: str | None = None,
+    speed: SpeedModel | None = None,
 ) -> web.Application:
     """The aiohttp application of a stand-in engine (node_rank 0)."""
     app = web.Application(
@@ -914,6 +940,9 @@ def build_app(
         model_dir=local_model_dir(args.model_path),
         cuda_visible_devices=cuda_visible_devices,
         node_id=node_id,
+    )
+    app[PACER] = make_pacer(
+        speed, tp=args.tp_size, max_running=app[STATE].max_running_requests, mode=args.disaggregation_mode
     )
     get, post = web.get, web.post
     routes = [
@@ -983,6 +1012,16 @@ async def _run_until_stopped(stop: asyncio.Event, faults: FaultConfig) -> int:
     return EXIT_DIED
 
 
+def _serving_app(args: StandInArgs, faults: FaultConfig, env: Mapping[str, str]) -> web.Application:
+    return build_app(
+        args,
+        faults,
+        cuda_visible_devices=env.get("CUDA_VISIBLE_DEVICES"),
+        node_id=env.get(NODE_ID_ENV) or None,
+        speed=speed_from_env(env),
+    )
+
+
 async def serve(args: StandInArgs, faults: FaultConfig, env: Mapping[str, str]) -> int:
     """Run the stand-in until SIGTERM/SIGINT (or an injected fault); return the exit code."""
     stop = asyncio.Event()
@@ -1018,11 +1057,7 @@ async def serve(args: StandInArgs, faults: FaultConfig, env: Mapping[str, str]) 
     if args.node_rank > 0:
         return await _run_until_stopped(stop, faults)
     logging.getLogger("aiohttp.server").addFilter(_ProbeFilter())
-    runner = web.AppRunner(
-        build_app(args, faults, cuda_visible_devices=visible, node_id=env.get(NODE_ID_ENV) or None),
-        access_log=None,
-        shutdown_timeout=1.0,
-    )
+    runner = web.AppRunner(_serving_app(args, faults, env), access_log=None, shutdown_timeout=1.0)
     await runner.setup()
     try:
         try:
@@ -1057,6 +1092,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     try:
         args = parse_launch_argv(argv)
         faults = FaultConfig.from_env(env)
+        speed_from_env(env)  # a bad MSP_STANDIN_SPEED is a usage error, before anything binds
     except (StandInFlagError, ValueError) as exc:
         print(f"{TAG} error: {exc}", file=sys.stderr, flush=True)
         return EXIT_USAGE

@@ -1,0 +1,258 @@
+"""``hydra/launcher=sglang_packed``: GPU needs from plans, GPU claims across launches, and sweeps of the test app
+(tests/sweep_app) with stand-in engines: concurrent jobs on disjoint GPUs, never a GPU given twice (within a
+launch and across two launches at once), a failed job freeing its GPUs, a job larger than the launcher's GPUs
+marked failed, bad settings refused before any job runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from itertools import combinations
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from miles_sglang_plugin.app.hydra_edge import resolve_config
+from miles_sglang_plugin.config.compose import compose_config
+from miles_sglang_plugin.sweeps.gpu_claims import GpuClaims
+from miles_sglang_plugin.sweeps.packing import gpu_need, gpus_of_setting
+
+APP = Path(__file__).resolve().parent / "sweep_app" / "app.py"
+
+
+# --------------------------------------------------------------------------------------------------------
+# Needs and claims
+
+
+@pytest.mark.parametrize(
+    ("overrides", "need"),
+    [
+        (["debug_rollout_only=true", "sglang.actor.regular.num_gpus=4", "rollout_num_gpus_per_engine=2"], 4),
+        # 4 training GPUs on the node, then the rollout's local GPUs 4..7: the job needs all 8 of the node
+        (
+            ["actor_num_gpus_per_node=4", "sglang.actor.regular.num_gpus=4", "rollout_num_gpus_per_engine=2"],
+            8,
+        ),
+        # 8 training GPUs fill node 0; the rollout's 2 GPUs are local GPUs 0, 1 of node 1
+        (["sglang.actor.regular.num_gpus=2", "rollout_num_gpus_per_engine=2"], 2),
+        # a placeholder reserves GPUs too: actor 6 + placeholder 2 = local GPUs 0..7
+        (["debug_rollout_only=true", "sglang=placeholder"], 8),
+    ],
+)
+def test_a_jobs_gpu_need_is_the_highest_local_gpu_of_its_rollout_plus_one(
+    overrides: list[str], need: int
+) -> None:
+    plan = resolve_config(compose_config(["hf_checkpoint=/m", *overrides]))
+    assert gpu_need(plan) == need
+
+
+def test_gpu_claims_keep_launches_apart_and_are_all_or_none(tmp_path: Path) -> None:
+    first, second = GpuClaims(tmp_path), GpuClaims(tmp_path)
+    assert first.claim(["0", "1", "2", "3"], 2) == ["0", "1"]
+    assert second.claim(["0", "1", "2", "3"], 2) == ["2", "3"]
+    assert second.claim(["0", "1"], 1) is None  # held by the first launch
+    assert second.claim(["3", "4", "5"], 3) is None and set(second.fds) == {"2", "3"}  # none taken
+    first.release(["0"])
+    assert second.claim(["0", "1"], 1) == ["0"]
+    assert not first.try_claim("1")  # never given twice, even to the launch that holds it
+
+
+def test_a_released_gpu_is_free_although_a_forked_job_has_a_copy_of_its_lock(tmp_path: Path) -> None:
+    claims, other = GpuClaims(tmp_path), GpuClaims(tmp_path)
+    assert claims.claim(["7"], 1) == ["7"]
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the job: holds a copy of the descriptor until told to exit
+        os.close(write)
+        os.read(read, 1)
+        os._exit(0)
+    try:
+        assert not other.try_claim("7")
+        claims.release(["7"])
+        assert other.try_claim("7")
+    finally:
+        os.close(read)
+        os.close(write)
+        os.waitpid(pid, 0)
+
+
+def test_the_launchers_gpus_from_its_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    assert gpus_of_setting(None) == (["4", "5", "6", "7"], [])
+    assert gpus_of_setting(2) == (["4", "5"], [])
+    assert gpus_of_setting("1,3") == (["1", "3"], [])
+    assert gpus_of_setting(5)[1] == ["gpus: 5 GPUs asked for, but this machine shows 4: 4,5,6,7"]
+    assert gpus_of_setting([0, 0])[1] == ["gpus: [0, 0] names a GPU twice (a GPU is never given twice)"]
+    assert gpus_of_setting(0)[1] == ["gpus: 0 must be a count in 1..4096"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert gpus_of_setting(8) == ([str(i) for i in range(8)], [])  # none visible: stand-ins' ids 0..7
+    assert "none found" in gpus_of_setting(None)[1][0]
+
+
+# --------------------------------------------------------------------------------------------------------
+# Sweeps of the test app
+
+
+def run_sweep(sweep: Path, *args: str, lock_dir: Path, background: bool = False) -> Any:
+    env = {**os.environ, "MSP_GPU_LOCK_DIR": str(lock_dir)}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    argv = [sys.executable, str(APP), "-m", "hydra/launcher=sglang_packed", f"hydra.sweep.dir={sweep}", *args]
+    options: dict[str, Any] = {"cwd": APP.parent, "env": env, "stdin": subprocess.DEVNULL, "text": True}
+    if background:
+        return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **options)
+    return subprocess.run(argv, capture_output=True, timeout=300, **options)
+
+
+def records(sweep: Path) -> list[dict[str, Any]]:
+    return [json.loads(p.read_text()) for p in sorted(sweep.glob("*/job_record.json"))]
+
+
+def overlapping(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return a["start"] < b["end"] and b["start"] < a["end"]
+
+
+def gpu_set(record: dict[str, Any]) -> set[str]:
+    return set(record["cuda_visible_devices"].split(","))
+
+
+@pytest.fixture(scope="module")
+def packed_sweep(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """4 jobs of 4 GPUs each on 8 GPUs: two at a time."""
+    base = tmp_path_factory.mktemp("packed")
+    result = run_sweep(
+        base / "sweep", "hydra.launcher.gpus=8", "hold_s=1.5,1.5,1.5,1.5", lock_dir=base / "locks"
+    )
+    return base / "sweep", result
+
+
+@pytest.mark.slow
+def test_concurrent_jobs_run_on_disjoint_gpu_slices(packed_sweep: tuple[Path, Any]) -> None:
+    sweep, result = packed_sweep
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    jobs = records(sweep)
+    assert len(jobs) == 4
+    for job in jobs:
+        assert len(gpu_set(job)) == 4 and gpu_set(job) <= {str(i) for i in range(8)}
+        assert job["packed_gpus"] == job["cuda_visible_devices"]
+    pairs = [(a, b) for a, b in combinations(jobs, 2) if overlapping(a, b)]
+    assert len(pairs) >= 2  # they did run side by side
+    for a, b in pairs:
+        assert not gpu_set(a) & gpu_set(b), (a, b)
+    assert "needs 4 GPUs" in result.stderr + result.stdout
+
+
+@pytest.mark.slow
+def test_engines_report_their_jobs_gpus_disjoint_across_concurrent_jobs(
+    packed_sweep: tuple[Path, Any],
+) -> None:
+    sweep, result = packed_sweep
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    jobs = records(sweep)
+    for job in jobs:
+        slice_ = job["cuda_visible_devices"].split(",")
+        # plan local GPUs 0,1 and 2,3 index into the job's slice
+        assert sorted(e["reported"] for e in job["engines"]) == [",".join(slice_[0:2]), ",".join(slice_[2:4])]
+    for a, b in combinations(jobs, 2):
+        if overlapping(a, b):
+            reported_a = {g for e in a["engines"] for g in e["reported"].split(",")}
+            reported_b = {g for e in b["engines"] for g in e["reported"].split(",")}
+            assert not reported_a & reported_b
+
+
+@pytest.mark.slow
+def test_two_launches_at_once_never_share_a_gpu(tmp_path: Path) -> None:
+    """Each launch has GPUs 0..7 and jobs of 6: across both, only one job can hold GPUs at a time."""
+    args = ("hydra.launcher.gpus=8", "sglang.actor.regular.num_gpus=6", "hold_s=0.5,0.5")
+    first = run_sweep(tmp_path / "a", *args, lock_dir=tmp_path / "locks", background=True)
+    second = run_sweep(tmp_path / "b", *args, lock_dir=tmp_path / "locks", background=True)
+    outputs = [p.communicate(timeout=300)[0] for p in (first, second)]
+    assert [first.returncode, second.returncode] == [0, 0], "\n".join(o[-2000:] for o in outputs)
+    jobs = records(tmp_path / "a") + records(tmp_path / "b")
+    assert len(jobs) == 4 and all(len(gpu_set(j)) == 6 for j in jobs)
+    for a, b in combinations(jobs, 2):
+        assert not (overlapping(a, b) and gpu_set(a) & gpu_set(b)), (a, b)
+
+
+@pytest.mark.slow
+def test_a_failed_job_frees_its_gpus_and_the_sweep_goes_on(tmp_path: Path) -> None:
+    result = run_sweep(
+        tmp_path / "sweep",
+        "hydra.launcher.gpus=4",
+        "hold_s=0",
+        "fail_while_serving=true,false",
+        lock_dir=tmp_path,
+    )
+    assert result.returncode == 1  # the multirun fails at its end, after every job ran
+    status = json.loads((tmp_path / "sweep" / "0" / "job_status.json").read_text())
+    assert status == {"status": "FAILED", "error": "RuntimeError: asked to fail while serving"}
+    jobs = records(tmp_path / "sweep")
+    assert [j["cuda_visible_devices"] for j in jobs] == ["0,1,2,3", "0,1,2,3"] and "end" in jobs[1]
+    assert "asked to fail while serving" in result.stderr
+
+
+@pytest.mark.slow
+def test_a_job_larger_than_the_launchers_gpus_is_marked_failed_and_the_others_run(tmp_path: Path) -> None:
+    result = run_sweep(
+        tmp_path / "sweep",
+        "hydra.launcher.gpus=4",
+        "hold_s=0",
+        "sglang.actor.regular.num_gpus=8,4",
+        lock_dir=tmp_path,
+    )
+    assert result.returncode == 1
+    status = json.loads((tmp_path / "sweep" / "0" / "job_status.json").read_text())
+    assert status["status"] == "FAILED"
+    assert status["error"] == (
+        "PackedLaunchError: job #0 needs 8 GPUs for its deployment, but the launcher has 4 (hydra.launcher.gpus): "
+        "it cannot run"
+    )
+    assert not (tmp_path / "sweep" / "0" / "job_record.json").exists()  # never ran
+    assert [j["cuda_visible_devices"] for j in records(tmp_path / "sweep")] == ["0,1,2,3"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["hydra.launcher.gpus=[0,0]"], "gpus: [0, 0] names a GPU twice"),
+        (
+            ["hydra.launcher.gpus=2", "hydra.launcher.max_parallel=0"],
+            "max_parallel: 0 must be null or an integer >= 1",
+        ),
+        (["hydra.launcher.gpus=null"], "gpus: none found (no CUDA_VISIBLE_DEVICES, no nvidia-smi)"),
+    ],
+)
+def test_bad_launcher_settings_stop_the_sweep_before_any_job(
+    tmp_path: Path, args: list[str], message: str
+) -> None:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "MSP_GPU_LOCK_DIR": str(tmp_path / "locks")}
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(APP),
+            "-m",
+            "hydra/launcher=sglang_packed",
+            f"hydra.sweep.dir={tmp_path / 's'}",
+            *args,
+        ],
+        cwd=APP.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert not list((tmp_path / "s").glob("*/.hydra"))
+
+
+def test_the_plugin_module_hydra_imports_in_every_app_stays_light() -> None:
+    code = (
+        "import sys, hydra_plugins.miles_sglang_plugin.sglang_sweeps; "
+        "print(sorted(m for m in sys.modules if m.startswith('miles_sglang_plugin.'))); "
+        "print([m for m in ('matplotlib', 'httpx', 'rich', 'aiohttp', 'numpy') if m in sys.modules])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines() == ["['miles_sglang_plugin.sweeps', 'miles_sglang_plugin.sweeps.conf']", "[]"]

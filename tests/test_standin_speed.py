@@ -1,0 +1,156 @@
+"""The stand-in's speed model (``miles_sglang_plugin/standin/speed.py``): the documented formulas, real waits
+that a client measures, admission, streaming pace, and the timing it reports in ``meta_info``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from miles_sglang_plugin.standin.engine import build_app, main
+from miles_sglang_plugin.standin.flags import parse_launch_argv
+from miles_sglang_plugin.standin.speed import SPEED_ENV, Pacer, SpeedModel, speed_from_env
+
+
+def test_step_and_prefill_times_follow_the_documented_formulas() -> None:
+    model = SpeedModel()  # 20 ms step, 0.5 ms per sequence, 1 ms per extra TP rank, 20k prefill tok/s/GPU
+    # (0.020 + 8 * 0.0005) / 4 + 0.001 * 3 = 0.006 + 0.003
+    assert model.step_s(8, tp=4) == pytest.approx(0.009)
+    # (0.020 + 16 * 0.0005) / 8 + 0.001 * 7 = 0.0035 + 0.007
+    assert model.step_s(16, tp=8) == pytest.approx(0.0105)
+    assert model.step_s(1, tp=1) == pytest.approx(0.0205)
+    # 0.002 + 128 / (20000 * 2)
+    assert model.prefill_s(128, tp=2) == pytest.approx(0.0052)
+
+
+def test_speed_env_is_parsed_and_checked() -> None:
+    assert speed_from_env({}) is None
+    assert speed_from_env({SPEED_ENV: '{"decode_step_s": 0.01}'}) == SpeedModel(decode_step_s=0.01)
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['step'\]"):
+        speed_from_env({SPEED_ENV: '{"step": 1}'})
+    with pytest.raises(ValueError, match="latency_s must be a finite number >= 0"):
+        speed_from_env({SPEED_ENV: '{"latency_s": -1}'})
+    with pytest.raises(ValueError, match="prefill_tokens_per_s must be a finite number"):
+        speed_from_env({SPEED_ENV: '{"prefill_tokens_per_s": 0}'})
+    with pytest.raises(ValueError, match="must be a JSON object"):
+        speed_from_env({SPEED_ENV: "[1]"})
+
+
+def test_a_bad_speed_variable_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--model-path", "m", "--port", "1"], env={SPEED_ENV: "{oops"}) == 2
+    assert f"{SPEED_ENV} must be a JSON object" in capsys.readouterr().err
+
+
+#: One 50 ms step whatever the batch at TP 1, 20 ms before the first token: easy to time by hand.
+FLAT = SpeedModel(
+    latency_s=0.02, prefill_tokens_per_s=1e9, decode_step_s=0.05, decode_token_s=0.0, tp_comm_s=0.0
+)
+
+
+def test_one_request_waits_prefill_plus_one_step_per_further_token() -> None:
+    async def scenario() -> tuple[float, Any]:
+        pacer = Pacer(FLAT, tp=1, max_running=8)
+        start = time.perf_counter()
+        timing = await pacer.run(input_tokens=10, output_tokens=5)
+        return time.perf_counter() - start, timing
+
+    wall, timing = asyncio.run(scenario())
+    # 20 ms prefill (first token) + 4 steps of 50 ms
+    assert timing.first_token_latency == pytest.approx(0.02, abs=0.015)
+    assert timing.e2e_latency == pytest.approx(0.22, abs=0.04)
+    assert wall >= 0.22 and timing.queue_time < 0.005
+
+
+def test_a_full_engine_queues_requests_first_come_first_served() -> None:
+    async def scenario() -> list[Any]:
+        pacer = Pacer(FLAT, tp=1, max_running=1)
+        return list(await asyncio.gather(pacer.run(1, 3), pacer.run(1, 3)))
+
+    first, second = asyncio.run(scenario())
+    # each: 20 ms + 2 steps = 120 ms; the second waits for the first's slot
+    assert first.queue_time < 0.005
+    assert second.queue_time == pytest.approx(first.e2e_latency, abs=0.03)
+    assert second.e2e_latency == pytest.approx(0.24, abs=0.05)
+
+
+def test_tp_makes_a_step_faster_and_batching_shares_it() -> None:
+    model = SpeedModel(
+        latency_s=0.0, prefill_tokens_per_s=1e9, decode_step_s=0.08, decode_token_s=0.0, tp_comm_s=0
+    )
+
+    async def scenario(tp: int, concurrent: int) -> float:
+        pacer = Pacer(model, tp=tp, max_running=64)
+        start = time.perf_counter()
+        await asyncio.gather(*(pacer.run(1, 4) for _ in range(concurrent)))
+        return time.perf_counter() - start
+
+    # 3 steps of 80 ms at TP 1, of 20 ms at TP 4; 8 concurrent requests share each step
+    assert asyncio.run(scenario(1, 1)) == pytest.approx(0.24, abs=0.05)
+    assert asyncio.run(scenario(4, 1)) == pytest.approx(0.06, abs=0.03)
+    assert asyncio.run(scenario(4, 8)) == pytest.approx(0.06, abs=0.03)
+
+
+def _app(tp: int, *, mode: str = "null", speed: SpeedModel | None = FLAT) -> Any:
+    argv = ["--model-path", "m", "--tp-size", str(tp), "--disaggregation-mode", mode]
+    if mode == "prefill":
+        argv += ["--disaggregation-bootstrap-port", "8998"]
+    return build_app(parse_launch_argv(argv), speed=speed)
+
+
+async def _post(app: Any, body: dict[str, Any]) -> tuple[Any, float]:
+    async with TestClient(TestServer(app)) as client:
+        start = time.perf_counter()
+        response = await client.post("/generate", json=body)
+        return await response.json(), time.perf_counter() - start
+
+
+def test_generate_waits_and_reports_its_timing_in_meta_info() -> None:
+    body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4}}
+    out, wall = asyncio.run(_post(_app(1), body))
+    meta = out["meta_info"]
+    assert meta["completion_tokens"] == 4 and meta["prompt_tokens"] == 3
+    assert meta["first_token_latency"] == pytest.approx(0.02, abs=0.015)
+    assert meta["e2e_latency"] == pytest.approx(0.17, abs=0.04)  # 20 ms + 3 steps of 50 ms
+    assert meta["queue_time"] < 0.005 and wall >= 0.17
+
+
+def test_without_a_speed_model_generate_does_not_wait() -> None:
+    body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 64}}
+    out, wall = asyncio.run(_post(_app(1, speed=None), body))
+    assert "first_token_latency" not in out["meta_info"] and wall < 0.1
+
+
+def test_a_pd_prefill_engine_only_prefills() -> None:
+    body = {
+        "input_ids": [5, 6, 7],
+        "sampling_params": {"max_new_tokens": 8},
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": 8998,
+        "bootstrap_room": 1,
+    }
+    out, wall = asyncio.run(_post(_app(1, mode="prefill"), body))
+    assert out["meta_info"]["e2e_latency"] == pytest.approx(0.02, abs=0.015) and wall < 0.1
+
+
+def test_a_stream_sends_each_token_when_it_is_produced() -> None:
+    async def scenario() -> list[tuple[float, dict[str, Any]]]:
+        async with TestClient(TestServer(_app(1))) as client:
+            start = time.perf_counter()
+            body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 3}, "stream": True}
+            response = await client.post("/generate", json=body)
+            events = []
+            async for line in response.content:
+                text = line.decode().strip()
+                if text.startswith("data: {"):
+                    events.append((time.perf_counter() - start, json.loads(text[6:])))
+            return events
+
+    events = asyncio.run(scenario())
+    assert [len(e["output_ids"]) for _, e in events] == [1, 2, 3]
+    # token 1 after the 20 ms prefill, then one per 50 ms step
+    assert [round(t, 2) for t, _ in events] == pytest.approx([0.02, 0.07, 0.12], abs=0.03)
+    assert events[-1][1]["meta_info"]["first_token_latency"] == pytest.approx(0.02, abs=0.015)

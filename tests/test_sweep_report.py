@@ -1,0 +1,222 @@
+"""The rollout benchmark's arithmetic and settings, and the sweep report built from a sweep directory written
+by hand (values worked out here, not taken from the code): rows, columns, failed jobs, CSV, Markdown, plot,
+and the ``miles-sglang sweep-report`` command."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from miles_sglang_plugin.cli import main as cli_main
+from miles_sglang_plugin.errors import DeploymentConfigError
+from miles_sglang_plugin.sweeps.bench import (
+    BenchSettings,
+    RequestRecord,
+    percentile,
+    prompt_ids,
+    summarize_model,
+)
+from miles_sglang_plugin.sweeps.report import (
+    SweepReportError,
+    build_report,
+    collect_sweep,
+    swept_keys,
+    x_key,
+)
+
+# --------------------------------------------------------------------------------------------------------
+# The benchmark's numbers
+
+
+def test_percentiles_interpolate_between_ranks() -> None:
+    assert percentile([4, 1, 3, 2], 50) == 2.5
+    assert percentile([1, 2, 3, 4], 99) == pytest.approx(3.97)  # rank 2.97: 3 + 0.97
+    assert percentile([10, 20, 30, 40, 50], 90) == pytest.approx(46.0)  # rank 3.6
+    assert percentile([7.0], 99) == 7.0
+
+
+def test_a_models_summary_takes_the_engines_times_where_reported_else_the_clients() -> None:
+    records = [
+        RequestRecord(
+            ok=True,
+            client_latency=1.0,
+            client_ttft=0.3,
+            engine={"ttft": 0.1, "latency": 0.9},
+            output_tokens=10,
+        ),
+        RequestRecord(
+            ok=True, client_latency=2.0, client_ttft=0.4, engine={"latency": 1.9}, output_tokens=10
+        ),
+        RequestRecord(ok=False, error="HTTP 503: busy", client_latency=0.1),
+        RequestRecord(ok=False, error="ReadTimeout: timed out", client_latency=5.0),
+    ]
+    summary = summarize_model(records, wall_s=4.0)
+    assert (summary["requests"], summary["succeeded"], summary["failed"]) == (4, 2, 2)
+    assert summary["requests_per_s"] == 0.5 and summary["output_tokens_per_s"] == 5.0  # 20 tokens / 4 s
+    assert summary["ttft_s"]["p50"] == pytest.approx(0.25)  # engine 0.1, client 0.4
+    assert summary["ttft_source"] == "client+engine"
+    assert summary["latency_s"]["p50"] == pytest.approx(1.4) and summary["latency_source"] == "engine"
+    assert summary["client_latency_s"]["max"] == 2.0  # successful requests only
+    assert {(e["kind"], e["count"]) for e in summary["errors"]} == {("HTTP 503", 1), ("ReadTimeout", 1)}
+
+
+def test_prompts_have_exactly_the_input_length_and_are_seeded() -> None:
+    settings = BenchSettings(num_prompts=3, input_len=5, seed=7)
+    prompts = prompt_ids(settings)
+    assert [len(p) for p in prompts] == [5, 5, 5] and prompts == prompt_ids(settings)
+    assert all(1000 <= t < 20000 for p in prompts for t in p) and len({tuple(p) for p in prompts}) == 3
+
+
+def test_bad_bench_settings_are_all_reported_at_once() -> None:
+    with pytest.raises(DeploymentConfigError) as info:
+        BenchSettings.from_mapping(
+            {"num_prompts": 0, "concurrency": 5000, "output_len": "x", "timeout_s": -1}
+        )
+    message = str(info.value)
+    assert "4 problems" in message
+    assert "sglang_bench.num_prompts: 0 must be an integer in 1..100000" in message
+    assert "sglang_bench.concurrency: 5000 must be an integer in 1..4096" in message
+    assert "sglang_bench.output_len: 'x' must be an integer" in message
+    assert "sglang_bench.timeout_s: -1 must be a number of seconds > 0" in message
+    with pytest.raises(DeploymentConfigError, match=r"sglang_bench\.num_promts: is not a setting"):
+        BenchSettings.from_mapping({"num_promts": 8})
+
+
+# --------------------------------------------------------------------------------------------------------
+# A sweep directory written by hand
+
+
+def _model_metrics(rps: float, tps: float, p99: float, errors: int = 0) -> dict[str, Any]:
+    return {
+        "requests": 32,
+        "succeeded": 32 - errors,
+        "failed": errors,
+        "errors": [{"kind": "HTTP 503", "count": errors, "sample": "HTTP 503: busy"}] if errors else [],
+        "requests_per_s": rps,
+        "output_tokens_per_s": tps,
+        "ttft_s": {"p50": 0.01, "p90": 0.02, "p99": 0.03, "mean": 0.015, "max": 0.04},
+        "latency_s": {"p50": p99 / 2, "p90": p99 * 0.9, "p99": p99, "mean": p99 / 2, "max": p99},
+        "ttft_source": "engine",
+        "latency_source": "engine",
+    }
+
+
+def _job(
+    sweep: Path, num: int, overrides: list[str], metrics: dict[str, Any] | None, status: dict | None
+) -> None:
+    job = sweep / str(num)
+    (job / ".hydra").mkdir(parents=True)
+    (job / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+    (job / ".hydra" / "hydra.yaml").write_text(yaml.safe_dump({"hydra": {"job": {"num": num}}}))
+    if metrics is not None:
+        (job / "metrics.json").write_text(json.dumps(metrics))
+    if status is not None:
+        (job / "job_status.json").write_text(json.dumps(status))
+
+
+def _metrics(tp: int, actor: dict[str, Any]) -> dict[str, Any]:
+    shape = {
+        "actor": {"gpus": 16, "engines": 2 + 8 // tp, "groups": {
+            "prefill": {"worker_type": "prefill", "gpus": 8, "tp": 4, "engines": 2},
+            "decode": {"worker_type": "decode", "gpus": 8, "tp": tp, "engines": 8 // tp}}},
+        "ref": {"gpus": 4, "engines": 2, "groups": {"regular": {"worker_type": "regular", "gpus": 4, "tp": 2, "engines": 2}}},
+    }  # fmt: skip
+    return {
+        "simulated": True,
+        "speed_model": {"decode_step_s": 0.02},
+        "deployment": {"total_gpus": 20, "models": shape},
+        "models": {"actor": actor, "ref": _model_metrics(30.0, 480.0, 0.2)},
+    }
+
+
+KEY = "sglang.actor.decode.num_gpus_per_engine"
+
+
+@pytest.fixture
+def sweep(tmp_path: Path) -> Path:
+    sweep = tmp_path / "multirun" / "sweep"
+    common = ["sglang=pd_actor_ref", "sglang_deploy=simulated"]
+    _job(
+        sweep,
+        0,
+        [*common, f"{KEY}=2"],
+        _metrics(2, _model_metrics(31.5, 504.0, 0.25)),
+        {"status": "COMPLETED"},
+    )
+    _job(
+        sweep,
+        1,
+        [*common, f"{KEY}=3"],
+        None,
+        {"status": "FAILED", "error": "DeploymentConfigError: 8 GPUs do not split"},
+    )
+    _job(sweep, 2, [*common, f"{KEY}=4"], _metrics(4, _model_metrics(44.0, 704.0, 0.17, errors=2)), None)
+    _job(sweep, 10, [*common, f"{KEY}=8"], None, None)  # never finished
+    return sweep
+
+
+def test_jobs_are_collected_in_job_order_with_their_status(sweep: Path) -> None:
+    jobs = collect_sweep(sweep)
+    assert [(j.name, j.status) for j in jobs] == [
+        ("0", "ok"),
+        ("1", "failed"),
+        ("2", "ok"),
+        ("10", "unknown"),
+    ]
+    assert jobs[1].error == "DeploymentConfigError: 8 GPUs do not split"
+    assert "did not finish" in (jobs[3].error or "")
+    assert swept_keys(jobs) == [KEY] and x_key(jobs, [KEY]) == KEY
+
+
+def test_the_report_has_a_row_per_job_and_model_and_keeps_failed_jobs(sweep: Path) -> None:
+    files = build_report(sweep)
+    with files.csv.open() as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["job"], r[KEY], r["model"], r["status"]) for r in rows] == [
+        ("0", "2", "actor", "ok"),
+        ("0", "2", "ref", "ok"),
+        ("1", "3", "", "failed"),
+        ("2", "4", "actor", "ok"),
+        ("2", "4", "ref", "ok"),
+        ("10", "8", "", "unknown"),
+    ]
+    first = rows[0]
+    assert float(first["output_tokens_per_s"]) == 504.0 and float(first["latency_p99_s"]) == 0.25
+    assert first["groups"] == "prefill 2x TP4, decode 4x TP2" and first["engines"] == "6"
+    assert rows[3]["groups"] == "prefill 2x TP4, decode 2x TP4" and rows[3]["failed"] == "2"
+    assert rows[2]["error"] == "DeploymentConfigError: 8 GPUs do not split"
+    md = files.markdown.read_text()
+    assert "**Simulated numbers**" in md and "decode_step_s=0.02" in md
+    assert "| 1 | 3 | - | failed |" in md and "DeploymentConfigError: 8 GPUs do not split" in md
+    assert "| 2 | 4 | actor | ok | 16 | prefill 2x TP4, decode 2x TP4 | 44.00 | 704.0 |" in md
+    assert "2/32: 2x HTTP 503: busy" in md and "![throughput and p99 latency](sweep_report.png)" in md
+
+
+def test_the_plot_is_a_png(sweep: Path) -> None:
+    import matplotlib.image
+
+    files = build_report(sweep)
+    assert files.png is not None
+    image = matplotlib.image.imread(files.png)
+    assert image.shape[0] == 420 and image.shape[1] == 1100  # 11 x 4.2 inches at 100 dpi
+
+
+def test_the_command_rebuilds_the_report(sweep: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["sweep-report", str(sweep), "--no-plot"]) == 0
+    out = capsys.readouterr().out
+    assert "504.0" in out and "failed" in out and (sweep / "sweep_report.csv").exists()
+    assert not (sweep / "sweep_report.png").exists()
+
+
+def test_a_directory_without_jobs_is_a_clear_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SweepReportError, match="holds no Hydra jobs"):
+        collect_sweep(tmp_path)
+    assert cli_main(["sweep-report", str(tmp_path / "nowhere")]) == 2
+    assert "is not a directory" in capsys.readouterr().err

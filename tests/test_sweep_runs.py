@@ -1,0 +1,97 @@
+"""Sweeps end to end, as a user runs them: the example trainer's TP sweep with the report callback (the issue's
+command), and a sweep with a failing job, whose report still shows it."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+KEY = "sglang.actor.decode.num_gpus_per_engine"
+
+
+def run_app(app: Path, args: list[str], timeout: float = 400) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "HYDRA_FULL_ERROR": "0"}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    return subprocess.run(
+        [sys.executable, str(app), *args],
+        cwd=app.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+@pytest.mark.slow
+def test_the_example_tp_sweep_leaves_a_table_and_a_plot_of_its_jobs_metrics(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    result = run_app(
+        REPO / "examples" / "train.py",
+        [
+            "-m",
+            "sglang=pd_actor_ref",
+            f"{KEY}=2,4,8",
+            "sglang_deploy=simulated",
+            "hydra/callbacks=sglang_sweep_report",
+            f"hydra.sweep.dir={sweep}",
+            "sglang_bench.num_prompts=16",  # the example's load, halved: a quicker test
+        ],
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    with (sweep / "sweep_report.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    # 3 jobs x 2 models (actor, ref), in job order
+    assert [(r["job"], r[KEY], r["model"]) for r in rows] == [
+        (str(job), tp, model) for job, tp in enumerate(["2", "4", "8"]) for model in ("actor", "ref")
+    ]
+    for row in rows:
+        metrics = json.loads((sweep / row["job"] / "metrics.json").read_text())
+        model = metrics["models"][row["model"]]
+        assert float(row["output_tokens_per_s"]) == pytest.approx(model["output_tokens_per_s"])
+        assert float(row["latency_p99_s"]) == pytest.approx(model["latency_s"]["p99"])
+        assert (row["requests"], row["succeeded"], row["status"]) == ("16", "16", "ok")
+        assert row["simulated"] == "True" and model["latency_source"] == "engine"
+        assert (sweep / row["job"] / "plan.json").exists()
+    # decode engines: 8 GPUs / TP -> 4, 2, 1 (prefill: 8 GPUs of the trainer's TP 2 -> 4; the preset leaves
+    # TP to the trainer, examples/conf's rollout_num_gpus_per_engine=2)
+    actor_groups = [r["groups"] for r in rows if r["model"] == "actor"]
+    assert actor_groups == [f"prefill 4x TP2, decode {8 // tp}x TP{tp}" for tp in (2, 4, 8)]
+    md = (sweep / "sweep_report.md").read_text()
+    assert "**Simulated numbers**" in md and md.count("| ok |") == 6
+    import matplotlib.image
+
+    image = matplotlib.image.imread(sweep / "sweep_report.png")
+    assert image.shape[:2] == (420, 1100) and image.std() > 0.05  # drawn, not blank
+    assert "sweep_report.md" in result.stdout and "simulated" in result.stdout
+
+
+@pytest.mark.slow
+def test_a_failed_job_is_a_row_with_its_error_and_the_sweep_still_reports(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    result = run_app(
+        REPO / "tests" / "sweep_app" / "app.py",
+        [
+            "-m",
+            "sglang.actor.regular.num_gpus=4,3",  # 3 GPUs do not split into engines of TP 2
+            "hold_s=0",
+            "+sglang_bench=smoke",
+            "hydra/callbacks=sglang_sweep_report",
+            f"hydra.sweep.dir={sweep}",
+        ],
+    )
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    with (sweep / "sweep_report.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["job"], r["model"], r["status"]) for r in rows] == [("0", "actor", "ok"), ("1", "", "failed")]
+    assert rows[0]["requests"] == "8" and float(rows[0]["requests_per_s"]) > 0
+    assert rows[1]["error"].startswith("DeploymentConfigError: 1 problem with the SGLang deployment")
+    assert "sglang.actor.regular" in rows[1]["error"]
+    assert "the sweep ended with failed jobs" in result.stdout

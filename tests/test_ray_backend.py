@@ -541,6 +541,45 @@ def test_a_stopped_engine_process_starts_again_on_its_node_and_gpus(
         assert again.node == first.node and again.exit_code() is None
 
 
+def test_supervision_heals_an_engine_killed_on_its_ray_node(
+    clean_cluster: FakeCluster,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """Supervision on the ray backend: an engine process SIGKILLed on its node (not the node: its actor lives) is
+    noticed, restarted through the same actor with its same argv, GPUs and port, re-registered, and serves."""
+    cfg = compose_config(
+        ray_overrides(
+            "debug_rollout_only=true",
+            "sglang.actor.regular.num_gpus=4",
+            "sglang.actor.num_gpus_per_engine=2",
+            "sglang_deploy.router.policy=round_robin",
+            "sglang_deploy.supervision.health_interval_s=0.3",
+            "sglang_deploy.supervision.restart_backoff_s=0.1",
+        )
+    )
+    with launch_from_config(cfg, log_dir=tmp_path / "logs") as deployment:
+        victim = deployment.engines()[1]
+        before = httpx.get(victim.url + "/server_info", timeout=10).json()
+        since = len(deployment.events())
+        os.kill(before["pid"], signal.SIGKILL)  # the node is this machine: the stand-in's own pid
+        lost = deployment.wait_for_event("engine_lost", subject=victim.id, since=since, timeout_s=20)
+        assert "exited with code -9" in lost.message and "on node" in lost.message, lost.message
+        deployment.wait_for_event("engine_recovered", subject=victim.id, since=since, timeout_s=60)
+        after = httpx.get(victim.url + "/server_info", timeout=10).json()
+        assert after["pid"] != before["pid"]
+        assert (after["node_id"], after["cuda_visible_devices"], after["port"]) == (
+            before["node_id"],
+            "2,3",
+            before["port"],
+        )
+        assert deployment.state().status == "serving"
+        url = deployment.registry.get_model_url("actor")
+        for _ in range(4):  # both engines answer again through the router
+            body = {"text": "hi", "sampling_params": {"max_new_tokens": 2}}
+            assert httpx.post(url, json=body, timeout=30).status_code == 200
+    clean_cluster.assert_clean()
+
+
 # ------------------------------------------------------------------------------------------------ benchmark
 def test_benchmark_smoke_run_on_the_cluster(clean_cluster: FakeCluster) -> None:  # noqa: F811
     """benchmarks/bench_ray.py --smoke, on this session's cluster, so that the script cannot rot."""

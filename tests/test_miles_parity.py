@@ -1,4 +1,5 @@
-"""Parity with Miles (radixark/miles main at 31f1ca961; its refactor at 727f91769 where said), issue 11.
+"""Parity with Miles (radixark/miles main at 31f1ca961; its refactor at 727f91769, and its later state for
+debug_train_only, where said), issue 11.
 
 Every expected number below is worked out by hand from Miles' code, cited at each test, not taken from this
 project's output.

@@ -1,4 +1,5 @@
-"""Parity with Miles (radixark/miles main at 31f1ca961; its refactor at 727f91769 where said), issue 11.
+"""Parity with Miles (radixark/miles main at 31f1ca961; its refactor at 727f91769, and its later state for
+debug_train_only, where said), issue 11.
 
 Every expected number below is worked out by hand from Miles' code, cited at each test, not taken from this
 project's output.
@@ -272,19 +273,181 @@ def test_eval_gpus_per_engine_defaults_to_one():
     assert (ev.num_gpus_per_engine, [e.gpu_slots for e in ev.engines]) == (1, [(16,), (17,)])
 
 
-def test_debug_train_only_starts_no_eval_fleet_either():
-    # Issue 11 says newer Miles starts the eval fleet under --debug-train-only and counts it in rollout_offset
-    # (actor 2 x 8, eval 4 -> 16). Its code says otherwise, at 727f91769 and every later refactor branch:
-    # _compute_raw_sglang_config returns no models under debug_train_only, the inference controller's init
-    # returns before any server, test_debug_train_only_produces_no_engine_spec, and _compute_rollout_offset is 0
-    # (test_debug_train_only_has_zero_rollout_placement_offset). At 31f1ca961 start_engines starts none. So: none.
-    t = TrainerInputs(
-        hf_checkpoint="/c", actor_num_nodes=2, rollout_num_gpus=8, eval_num_gpus=4, debug_train_only=True
-    )
-    plan = resolve_deployment(None, t)
+# debug_train_only, after Miles' refactor in its later state (sglang_config.py at 058ccc1fb, arguments.py at
+# 00e365d95; 727f91769 still started nothing): miles_validate_args sets rollout_num_gpus = 0 under
+# --debug-train-only (after the colocate block) and starts_inference_engines = not debug_train_only or
+# eval_num_gpus > 0; _compute_raw_sglang_config gives no models without engines, else no rollout model
+# (rollout_num_gpus == 0) plus the eval model of eval_num_gpus; _compute_rollout_offset is 0 only when colocated,
+# rollout-only or without engines, so the eval fleet comes after the actor. Its tests (TestRolloutOffset):
+# actor 2 x 8 -> offset 0 without an eval fleet, 16 with eval_num_gpus=4.
+def dto_namespace(**kw: Any) -> argparse.Namespace:
+    """Miles' TestRolloutOffset run: --debug-train-only, the actor on 2 nodes x 8 GPUs, not colocated."""
+    return miles_namespace(debug_train_only=True, actor_num_nodes=2, rollout_num_gpus=8, **kw)
+
+
+def test_debug_train_only_without_an_eval_fleet_starts_nothing_at_offset_0():
+    # test_debug_train_only_without_eval_fleet_has_zero_rollout_placement_offset: offset 0; no models.
+    plan = resolve_namespace(dto_namespace())
     assert (plan.models, plan.rollout_offset, plan.megatron_num_gpus) == ((), 0, 16)
     assert plan.notes == (
-        "debug_train_only: no rollout engines are started (nor the eval fleet of eval_num_gpus)",
+        "rollout_num_gpus=0 (given 8): debug_train_only starts no rollout engines, so Miles sets it to 0 (an eval "
+        "fleet still starts)",
+        "debug_train_only: no rollout engines are started",
+    )
+
+
+def test_debug_train_only_starts_the_eval_fleet_alone_after_the_actor():
+    # test_debug_train_only_places_the_eval_fleet_after_the_actor_bundles: offset 2 x 8 = 16. The eval model of
+    # 4 GPUs, eval_num_gpus_per_engine Miles' default 1: 4 engines on slots 16..19 = node 2, GPUs 0..3; ranks
+    # from 0 (no rollout engine before them); megatron 16, so 16 + 0 < 16 is false: no offload, and with
+    # --offload-rollout enable_memory_saver false (offload_rollout and not needs_offload).
+    plan = resolve_namespace(dto_namespace(eval_num_gpus=4, offload_rollout=True))
+    assert [m.name for m in plan.models] == ["eval"]
+    assert (plan.rollout_offset, plan.megatron_num_gpus, plan.rollout_num_gpus, plan.total_gpus) == (
+        16,
+        16,
+        0,
+        4,
+    )
+    ev = plan.model("eval").group("regular")
+    assert (ev.num_gpus_per_engine, ev.gpu_offset, ev.needs_offload) == (1, 0, False)
+    assert ev.overrides["enable_memory_saver"] is False
+    assert [e.gpu_slots for e in ev.engines] == [(16,), (17,), (18,), (19,)]
+    assert [(p.node, p.local_gpu_ids) for e in ev.engines for p in e.processes] == [
+        (2, (0,)),
+        (2, (1,)),
+        (2, (2,)),
+        (2, (3,)),
+    ]
+    assert [e.rank for e in ev.engines] == [0, 1, 2, 3]
+    assert plan.model("eval").update_weights is False
+    assert plan.notes[-1] == (
+        "debug_train_only: only the eval fleet starts (eval_num_gpus=4, from GPU slot 16); no rollout engines "
+        "(rollout_num_gpus=0), as in Miles"
+    )
+    assert dict(plan.derived) == {"rollout_num_gpus": 0}
+
+
+def test_debug_train_only_colocated_puts_the_eval_fleet_on_the_actors_gpus_offloaded():
+    # Miles does not turn colocate off under --debug-train-only: the colocate block turns offload_rollout on,
+    # then rollout_num_gpus = 0; _compute_rollout_offset is 0 (colocate), so the eval groups start at slot 0 <
+    # megatron 16 and offload (needs_offload true, no enable_memory_saver injected).
+    plan = resolve_namespace(dto_namespace(eval_num_gpus=4, colocate=True))
+    ev = plan.model("eval").group("regular")
+    assert (plan.rollout_offset, plan.trainer.rollout_num_gpus, plan.trainer.offload_rollout) == (0, 0, True)
+    assert ([e.gpu_slots for e in ev.engines], ev.needs_offload) == ([(0,), (1,), (2,), (3,)], True)
+    assert "enable_memory_saver" not in ev.overrides
+    # Only critic training: the eval fleet comes after the critic's GPUs (1 x 4), megatron is the critic's.
+    plan = resolve_namespace(
+        dto_namespace(eval_num_gpus=4, critic_train_only=True, critic_num_nodes=1, critic_num_gpus_per_node=4)
+    )
+    assert (plan.rollout_offset, plan.megatron_num_gpus) == (4, 4)
+    assert [e.gpu_slots for e in plan.engines] == [(4,), (5,), (6,), (7,)]
+
+
+def test_debug_train_only_with_a_deployment_starts_only_its_eval_model(tmp_path):
+    # Miles' refactor reads a --sglang-config under --debug-train-only with an eval fleet and asserts its total
+    # equals rollout_num_gpus (0) + eval_num_gpus: a file holding only the eval model plans as without a file.
+    # A file that also holds rollout models Miles refuses; here they do not start, with a note (the deployment
+    # of the run being debugged need not be rewritten), and a deployment without an eval model is refused.
+    eval_only = tmp_path / "eval_only.yaml"
+    eval_only.write_text(
+        yaml.safe_dump(
+            {"sglang": [{"name": "eval", "server_groups": [{"worker_type": "regular", "num_gpus": 4}]}]}
+        )
+    )
+    guide = FIXTURES / "miles_actor_pd_ref.yaml"  # actor (PD, 16 GPUs) and ref (4 GPUs), no eval model
+    full = tmp_path / "full.yaml"
+    with_eval = yaml.safe_load(guide.read_text())
+    with_eval["sglang"].append(yaml.safe_load(eval_only.read_text())["sglang"][0])
+    full.write_text(yaml.safe_dump(with_eval, sort_keys=False))
+    without_file = resolve_namespace(dto_namespace(eval_num_gpus=4)).to_dict()
+    with_eval_only = resolve_namespace(dto_namespace(eval_num_gpus=4, sglang_config=str(eval_only))).to_dict()
+    for data in (without_file, with_eval_only):
+        data.pop("source")
+    assert with_eval_only == without_file
+    plan = resolve_namespace(
+        dto_namespace(eval_num_gpus=4, sglang_config=str(full)), server_arg_fields=FIELDS_0_5_23
+    )
+    assert [(m.name, m.num_gpus) for m in plan.models] == [("eval", 4)]
+    assert [e.gpu_slots for e in plan.engines] == [(16,), (17,), (18,), (19,)]
+    assert plan.notes[-1] == (
+        "debug_train_only: the deployment's model(s) actor, ref do not start, only its eval model (Miles' refactor "
+        "refuses a --sglang-config then unless its eval model holds all of its GPUs)"
+    )
+    with pytest.raises(DeploymentConfigError) as exc:
+        resolve_namespace(dto_namespace(eval_num_gpus=2, sglang_config=str(guide)))
+    assert problems_of(exc)["sglang"].startswith(
+        "debug_train_only with eval_num_gpus=2 starts only the eval fleet, but the deployment has no model named "
+        "'eval' (models: ['actor', 'ref'])"
+    )
+
+
+def test_debug_train_only_plans_the_same_on_the_hydra_path():
+    # The default preset sizes its actor by ${msp.rollout_num_gpus:8}, Miles' rollout_num_gpus after its rules:
+    # 0 under debug_train_only, so the actor has nothing to start; the eval model added on the command line
+    # starts alone, as the namespace's eval fleet without a --sglang-config.
+    hydra = [
+        "sglang=default",
+        "hf_checkpoint=/ckpt/actor",
+        "debug_train_only=true",
+        "actor_num_nodes=2",
+        "rollout_num_gpus=8",
+        "offload_rollout=true",
+    ]
+    for eval_gpus in (0, 4):
+        ns = dto_namespace(eval_num_gpus=eval_gpus, offload_rollout=True)
+        cfg = compose_config([*hydra, f"eval_num_gpus={eval_gpus}"] + (
+            ["+sglang_model@sglang.eval=base", f"sglang.eval.regular.num_gpus={eval_gpus}"] if eval_gpus else []
+        ))  # fmt: skip
+        assert cfg.sglang.actor.regular.num_gpus == 0
+        from_ns = resolve_namespace(ns, server_arg_fields=FIELDS_0_5_23).to_dict()
+        from_hydra = resolve_config(cfg, server_arg_fields=FIELDS_0_5_23).to_dict()
+        assert from_ns.pop("source") == "trainer arguments"
+        from_hydra.pop("source")
+        assert from_ns == from_hydra
+        assert (from_ns["rollout_offset"], from_ns["total_gpus"]) == ((16, 4) if eval_gpus else (0, 0))
+
+
+def test_miles_rules_under_debug_train_only():
+    # arguments.py: the colocate block first (offload_rollout on; rollout_num_gpus = the actor's), then
+    # rollout_num_gpus = 0. The colocate sizing is not noted here, since debug_train_only undoes it.
+    d = apply_miles_rules(TrainerInputs(debug_train_only=True, colocate=True, actor_num_nodes=2))
+    assert (d.trainer.rollout_num_gpus, d.trainer.offload_rollout, dict(d.derived)) == (
+        0,
+        True,
+        {"offload_rollout": True, "rollout_num_gpus": 0},
+    )
+    assert not any(note.startswith("rollout_num_gpus") for note in d.notes)
+    assert dict(apply_miles_rules(d.trainer).derived) == {}
+    # Miles' starts_inference_engines: not debug_train_only or eval_num_gpus > 0.
+    assert [
+        TrainerInputs(debug_train_only=dto, eval_num_gpus=eval_gpus).starts_inference_engines
+        for dto, eval_gpus in ((False, 0), (True, 0), (True, 4))
+    ] == [True, False, True]
+
+
+def test_export_of_a_debug_train_only_eval_fleet_writes_the_eval_model_alone(tmp_path):
+    # What Miles' refactor accepts then: a file of the eval model alone, with --debug-train-only and
+    # --rollout-num-gpus 0 (total 4 = 0 + eval_num_gpus); read back, it plans the same.
+    from miles_sglang_plugin.miles.sglang_config import miles_trainer_args, spec_to_miles_yaml
+
+    s = spec(model("actor", group("regular", 8)), model("eval", group("regular", 4)))
+    t = TrainerInputs(hf_checkpoint="/c", actor_num_nodes=2, eval_num_gpus=4, debug_train_only=True)
+    plan = resolve_deployment(s, t)
+    written = yaml.safe_load(spec_to_miles_yaml(s, plan))
+    assert [(m["name"], [g["num_gpus"] for g in m["server_groups"]]) for m in written["sglang"]] == [
+        ("eval", [4])
+    ]
+    args = miles_trainer_args(plan)
+    assert "--debug-train-only" in args and flag(args, "--rollout-num-gpus") == "0"
+    path = tmp_path / "eval.yaml"
+    path.write_text(yaml.safe_dump(written))
+    again = resolve_deployment(load_miles_config(path), t)
+    assert (
+        [e.gpu_slots for e in again.engines]
+        == [e.gpu_slots for e in plan.engines]
+        == [(16,), (17,), (18,), (19,)]
     )
 
 

@@ -25,7 +25,7 @@ DEFAULT_SGLANG_KEY = "sglang"
 #: enclosing node holds it, or it is null).
 TRAINER_RESOLVER = "msp.trainer"
 #: ``${msp.rollout_num_gpus:DEFAULT}``: the trainer's rollout_num_gpus after Miles' post-processing of its
-#: arguments (colocated: the actor's GPUs), DEFAULT when that leaves it unset (the ``default`` preset's size).
+#: arguments (colocated: the actor's GPUs; debug_train_only: 0), DEFAULT when that leaves it unset (the ``default`` preset's size).
 ROLLOUT_GPUS_RESOLVER = "msp.rollout_num_gpus"
 
 
@@ -77,6 +77,7 @@ _ROLLOUT_SIZE_INPUTS = (
     "rollout_num_gpus",
     "colocate",
     "debug_rollout_only",
+    "debug_train_only",
     "actor_num_nodes",
     "actor_num_gpus_per_node",
     "offload_rollout",

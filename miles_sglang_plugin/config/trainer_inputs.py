@@ -55,7 +55,8 @@ class TrainerInputs:
     debug_rollout_only: bool = False
     """Rollout without training (no Megatron GPUs; rollout starts at slot 0)."""
     debug_train_only: bool = False
-    """Training without rollout (no engines are started)."""
+    """Training without rollout: no rollout engines (Miles sets rollout_num_gpus to 0); an eval fleet
+    (eval_num_gpus > 0) still starts, alone, after the actor's GPUs."""
     use_critic: bool = False
     """A critic trains next to the actor (Miles gives it the actor's size, on the actor's GPUs)."""
     critic_train_only: bool = False
@@ -136,10 +137,18 @@ class TrainerInputs:
         return self.actor_num_nodes * self.actor_num_gpus_per_node
 
     @property
+    def starts_inference_engines(self) -> bool:
+        """Whether any engine starts (Miles' ``starts_inference_engines``): always but under
+        ``debug_train_only``, where only an eval fleet (``eval_num_gpus`` > 0) does."""
+        return not self.debug_train_only or self.eval_num_gpus > 0
+
+    @property
     def rollout_offset(self) -> int:
-        """First placement slot of rollout GPUs (Miles ``_compute_rollout_offset``). A PPO critic
-        (``use_critic``) shares the actor's GPUs, so it adds nothing."""
-        if self.debug_train_only or self.debug_rollout_only or self.colocate:
+        """First placement slot of rollout GPUs (Miles ``_compute_rollout_offset``): 0 when colocated, when only
+        rollout runs or when no engine starts; the critic's GPUs for critic-only training; else the actor's (so
+        the eval fleet of ``debug_train_only`` comes after the actor). A PPO critic (``use_critic``) shares the
+        actor's GPUs, so it adds nothing."""
+        if self.debug_rollout_only or self.colocate or not self.starts_inference_engines:
             return 0
         if self.critic_train_only:
             return self.critic_gpus
@@ -294,7 +303,7 @@ class _Rules:
             return
         if self.values["offload_rollout"] is None:
             self.fill("offload_rollout", True, "colocate turns it on unless given (Miles)")
-        if self.values["rollout_num_gpus"] != self.actor_gpus:
+        if self.values["rollout_num_gpus"] != self.actor_gpus and not self.values["debug_train_only"]:
             why = (
                 f"colocate: the actor's GPUs (actor_num_nodes={self.values['actor_num_nodes']} x "
                 f"actor_num_gpus_per_node={self.values['actor_num_gpus_per_node']}), as Miles sets it"
@@ -312,6 +321,13 @@ class _Rules:
                     f"colocate with {name}={self.user_defaults[name]!r} may run out of memory (NVLS); Miles warns "
                     f"the same and defaults it to {value!r}"
                 )
+
+    def debug_train_only(self) -> None:
+        """No rollout engines (Miles zeroes ``rollout_num_gpus`` after the colocate rule, which therefore does
+        not size it here); an eval fleet still starts."""
+        if self.values["debug_train_only"]:
+            why = "debug_train_only starts no rollout engines, so Miles sets it to 0 (an eval fleet still starts)"
+            self.set("rollout_num_gpus", 0, why)
 
     def fill(self, name: str, value: Any, why: str) -> None:
         """Set ``name`` and always note it (a value the plan now depends on)."""
@@ -332,13 +348,15 @@ def apply_miles_rules(
     Miles' order: ``use_critic`` gives the critic the actor's size; ``debug_rollout_only`` turns ``colocate``
     and ``offload_rollout`` off (and, colocated without ``rollout_num_gpus``, sizes rollout as the actor);
     ``colocate`` turns ``offload_rollout`` on unless given, sets ``rollout_num_gpus`` to the actor's GPUs and
-    ``cuda_graph_backend_prefill=disabled`` unless ``server_defaults`` (Miles' ``--sglang-*``) sets it; an
-    ``offload_rollout`` still unset is off. Applied to its own result's ``trainer`` it derives no further
+    ``cuda_graph_backend_prefill=disabled`` unless ``server_defaults`` (Miles' ``--sglang-*``) sets it;
+    ``debug_train_only`` sets ``rollout_num_gpus`` to 0 (only an eval fleet starts); an ``offload_rollout`` still
+    unset is off. Applied to its own result's ``trainer`` it derives no further
     trainer argument."""
     rules = _Rules(trainer, server_defaults or {})
     rules.critic()
     rules.debug_rollout_only()
     rules.colocate()
+    rules.debug_train_only()
     if rules.values["offload_rollout"] is None:
         rules.set("offload_rollout", False, "", derived=False)
     return MilesDerivation(

@@ -49,7 +49,7 @@ from miles_sglang_plugin.miles.bounded_yaml import (
     too_big_message,
 )
 from miles_sglang_plugin.planning.plan import DeploymentPlan, ModelPlan
-from miles_sglang_plugin.planning.resolution import legacy_spec, normalise_overrides
+from miles_sglang_plugin.planning.resolution import eval_fleet_alone, legacy_spec, normalise_overrides
 
 #: Miles' inline form of ``--sglang-config``: ``base64:<base64 of the YAML text>``.
 BASE64_PREFIX = "base64:"
@@ -804,6 +804,8 @@ def spec_to_miles_yaml(spec: DeploymentSpec | None, plan: DeploymentPlan) -> str
         )
         problems.raise_if_any()
     spec = _legacy_or_given(spec, plan)
+    if trainer.debug_train_only:
+        spec = eval_fleet_alone(spec)[0]  # what started, as Miles wants the file then: the eval model alone
     if [model.name for model in spec.models] != [model.name for model in plan.models]:
         problems.add(
             "sglang",
@@ -849,6 +851,7 @@ _TRAINER_FLAGS: tuple[tuple[str, str], ...] = (
     ("critic_num_gpus_per_node", "--critic-num-gpus-per-node"),
     ("critic_train_only", "--critic-train-only"),
     ("debug_rollout_only", "--debug-rollout-only"),
+    ("debug_train_only", "--debug-train-only"),
     ("use_rollout_routing_replay", "--use-rollout-routing-replay"),
     ("use_rollout_indexer_replay", "--use-rollout-indexer-replay"),
     ("fp16", "--fp16"),

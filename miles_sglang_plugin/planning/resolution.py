@@ -93,7 +93,7 @@ def legacy_spec(trainer: TrainerInputs, problems: ProblemCollector) -> Deploymen
     models: list[ModelSpec] = []
     total = trainer.rollout_num_gpus
     if total == 0:
-        pass  # no rollout engines (newer Miles: no models; the eval fleet, if any, alone)
+        pass  # no rollout engines (debug_train_only, or 0 given; newer Miles: the eval fleet, if any, alone)
     elif total is None or total < 1:
         problems.add(
             "rollout_num_gpus",
@@ -633,11 +633,9 @@ NO_ENGINES_ZERO_ROLLOUT = (
 def _plan_without_engines(
     derivation: MilesDerivation, source: str, note: str = NO_ENGINES_DEBUG_TRAIN_ONLY
 ) -> DeploymentPlan:
-    """The plan of ``debug_train_only`` (the eval fleet's engines neither: Miles starts none either), or of
-    ``rollout_num_gpus=0`` without a deployment: no engines."""
+    """The plan of ``debug_train_only`` without an eval fleet, or of ``rollout_num_gpus=0`` without a
+    deployment: no engines (Miles resolves no models)."""
     trainer = derivation.trainer
-    if note == NO_ENGINES_DEBUG_TRAIN_ONLY and trainer.eval_num_gpus:
-        note += " (nor the eval fleet of eval_num_gpus)"
     return DeploymentPlan(
         models=(),
         trainer=trainer,
@@ -649,6 +647,45 @@ def _plan_without_engines(
         notes=(*derivation.notes, note),
         derived=derivation.derived,
     )
+
+
+def eval_fleet_alone(spec: DeploymentSpec) -> tuple[DeploymentSpec, tuple[str, ...]]:
+    """What starts of ``spec`` under ``debug_train_only`` with an eval fleet: its model(s) named ``eval``; and
+    the names of the others that hold engines (GPUs or external ones), which do not start (Miles' newer
+    refactor: ``rollout_num_gpus`` is 0, so only the eval fleet starts; a model of no GPUs is no matter)."""
+    kept = tuple(model for model in spec.models if model.name == "eval")
+    left_out = tuple(
+        str(model.name) for model in spec.models if model.name != "eval" and (model.groups or model.external)
+    )
+    return dataclasses.replace(spec, models=kept), left_out
+
+
+def _debug_train_only_spec(
+    spec: DeploymentSpec, trainer: TrainerInputs, problems: ProblemCollector
+) -> tuple[DeploymentSpec, tuple[str, ...]]:
+    """``spec`` as it starts (under ``debug_train_only``: the eval fleet alone), and the notes saying so. A
+    deployment without an ``eval`` model is refused at once, with any problem found before."""
+    if not trainer.debug_train_only:
+        return spec, ()
+    started, left_out = eval_fleet_alone(spec)
+    notes = [
+        f"debug_train_only: only the eval fleet starts (eval_num_gpus={trainer.eval_num_gpus}, from GPU slot "
+        f"{trainer.rollout_offset}); no rollout engines (rollout_num_gpus=0), as in Miles"
+    ]
+    if left_out:
+        notes.append(
+            f"debug_train_only: the deployment's model(s) {', '.join(left_out)} do not start, only its eval model "
+            "(Miles' refactor refuses a --sglang-config then unless its eval model holds all of its GPUs)"
+        )
+    if not started.models:
+        problems.add(
+            "sglang",
+            f"debug_train_only with eval_num_gpus={trainer.eval_num_gpus} starts only the eval fleet, but the "
+            f"deployment has no model named 'eval' (models: {[m.name for m in spec.models]}); add one of "
+            f"{trainer.eval_num_gpus} GPUs, or set eval_num_gpus=0 to start no engines",
+        )
+        problems.raise_if_any()
+    return started, tuple(notes)
 
 
 def _given_or_legacy_spec(
@@ -698,8 +735,11 @@ def without_unknown_override_keys(
 def _check_total(
     derivation: MilesDerivation, models: tuple[ModelPlan, ...], total: int, problems: ProblemCollector
 ) -> None:
-    """A pinned ``rollout_num_gpus`` (plus eval) must equal the groups' total; eval cannot exceed it."""
+    """A pinned ``rollout_num_gpus`` (plus eval) must equal the groups' total; eval cannot exceed it. Under
+    ``debug_train_only`` only the eval fleet starts, which the eval check sizes."""
     trainer = derivation.trainer
+    if trainer.debug_train_only:
+        return
     if trainer.rollout_num_gpus is not None and trainer.rollout_num_gpus + trainer.eval_num_gpus != total:
         breakdown = ", ".join(f"{model.name}={model.num_gpus}" for model in models)
         if "rollout_num_gpus" in derivation.derived:
@@ -777,7 +817,9 @@ def resolve_deployment(
     field names) turns on the check of override keys; without it override keys are not checked here (a spec
     read from a Miles file drops unknown ones instead, with a note, as Miles does). ``server_defaults``
     (``sglang_deploy.server_defaults``, Miles' ``--sglang-*`` values) take part in each engine's tp/pp/dp
-    sizes, below every override.
+    sizes, below every override. Under ``debug_train_only`` no rollout engine starts: with an eval fleet
+    (``eval_num_gpus`` > 0) the eval model alone (of ``spec``, or the legacy one), after the actor's GPUs;
+    without one, nothing.
     """
     source = spec.source if spec is not None else "trainer arguments"
     problems = ProblemCollector(source)
@@ -785,12 +827,13 @@ def resolve_deployment(
     problems.raise_if_any()
     derivation = apply_miles_rules(trainer, server_defaults)
     trainer = derivation.trainer
-    if trainer.debug_train_only:
+    if not trainer.starts_inference_engines:
         return _plan_without_engines(derivation, source)
     if spec is None and trainer.rollout_num_gpus == 0 and trainer.eval_num_gpus == 0:
         return _plan_without_engines(derivation, source, NO_ENGINES_ZERO_ROLLOUT)
 
     spec = _given_or_legacy_spec(spec, trainer, problems)
+    spec, started = _debug_train_only_spec(spec, trainer, problems)
     if not _check_gpu_bounds(spec, trainer, problems):  # before any engine is enumerated
         problems.raise_if_any()
     dropped: tuple[str, ...] = ()
@@ -810,7 +853,7 @@ def resolve_deployment(
         rollout_offset=resolver.rollout_offset,
         megatron_num_gpus=trainer.megatron_num_gpus,
         source=spec.source,
-        notes=(*derivation.notes, *dropped),
+        notes=(*derivation.notes, *started, *dropped),
         derived=derivation.derived,
         derived_server_defaults=derivation.server_defaults,
     )

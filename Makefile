@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench mutation clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,13 @@ lint: $(VENV)/.base-installed
 bench: $(VENV)/.sglang-installed
 	$(BIN)/python benchmarks/bench_resolve.py --subprocess-runs 3
 	$(BIN)/python benchmarks/bench_launch.py
+
+# Mutation testing, by hand (not in `make test` or CI; about an hour on two cores): mutmut over resolution,
+# masking, ports, process handling and launch specs, each with its fast tests (scripts/mutation.sh says how).
+# MUTATION_SETS picks sets, e.g. `make mutation MUTATION_SETS="masking ports"`.
+mutation: $(VENV)/.sglang-installed
+	$(BIN)/python -m pip install --quiet 'mutmut==3.8.1'
+	bash scripts/mutation.sh $(MUTATION_SETS)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# Mutation testing with mutmut 3 (`make mutation`; by hand, not part of `make test` or CI).
+#
+#   scripts/mutation.sh [SET...]     sets: resolution masking ports processes launch_specs (the default),
+#                                     router_specs
+#
+# mutmut copies the package into mutants/, mutates functions there and runs, for each mutant, the tests of the
+# set's selection that call the mutated function (the package is imported from mutants/, never from the
+# checkout). Each set runs in its own scratch copy of the tracked files (build/mutation/SET), so that each has
+# its own fast test selection: the tests that start whole deployments would otherwise run for every mutant
+# of every function they touch. One worker (`--max-children 1`): the machines are shared.
+#
+# Afterwards: `cd build/mutation/SET && ../../../.venv/bin/mutmut results` lists the survivors and
+# `mutmut show NAME` shows one; `MUTANT_UNDER_TEST=NAME` plus `pytest` from build/mutation/SET/mutants
+# reruns one mutant's tests by hand.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+MUTMUT="${MUTMUT:-$ROOT/.venv/bin/mutmut}"
+[ "$#" -gt 0 ] || set -- resolution masking ports processes launch_specs
+#: Each set stops after this many minutes (mutmut keeps what it has checked; the rest stays "not checked").
+MINUTES="${MUTATION_MINUTES_PER_SET:-30}"
+
+# Per set: the modules mutated, the tests run, and a per-test timeout (seconds) that stops a mutant that hangs.
+config_for() {
+    case "$1" in
+    resolution)
+        modules="miles_sglang_plugin/planning/resolution.py"
+        tests="tests/test_resolution.py tests/test_resolution_properties.py tests/test_miles_yaml.py"
+        timeout=120 ;;
+    masking)
+        modules="miles_sglang_plugin/masking.py"
+        tests="tests/test_masking.py tests/test_rendering.py tests/test_standin.py::test_mask_argv
+               tests/test_standin.py::test_api_key_never_in_errors"
+        timeout=120 ;;
+    ports)
+        modules="miles_sglang_plugin/rendering/ports.py"
+        tests="tests/test_rendering.py"
+        timeout=120 ;;
+    launch_specs)
+        modules="miles_sglang_plugin/rendering/launch_specs.py"
+        tests="tests/test_rendering.py"
+        timeout=120 ;;
+    processes)
+        modules="miles_sglang_plugin/backends/processes.py"
+        tests="tests/test_processes.py tests/test_launcher_faults.py tests/test_teardown.py"
+        timeout=60 ;;
+    router_specs)
+        modules="miles_sglang_plugin/rendering/router_specs.py"
+        tests="tests/test_registry.py tests/test_routers.py tests/test_schema.py"
+        timeout=120 ;;
+    *)
+        echo "unknown set '$1' (resolution, masking, ports, launch_specs, processes, router_specs)" >&2
+        exit 2 ;;
+    esac
+    # Only tests that exist (a set may name a test file that a branch has not got yet).
+    tests="$(for t in $tests; do [ -e "$ROOT/${t%%::*}" ] && echo "$t"; done)"
+}
+
+lines() { for word in $1; do printf '    %s\n' "$word"; done; }
+
+for set_name in "$@"; do
+    config_for "$set_name"
+    work="$ROOT/build/mutation/$set_name"
+    rm -rf "$work"
+    mkdir -p "$work"
+    (cd "$ROOT" && git ls-files -z --cached --others --exclude-standard | xargs -0 cp --parents -t "$work")
+    rm -f "$work/setup.cfg"
+    # setup.cfg: mutmut reads it when pyproject.toml has no [tool.mutmut] table.
+    {
+        echo "[mutmut]"
+        echo "source_paths ="
+        echo "    miles_sglang_plugin/"
+        echo "only_mutate ="
+        lines "$modules"
+        echo "also_copy ="
+        echo "    conf/"
+        echo "    hydra_plugins/"
+        echo "pytest_add_cli_args ="
+        echo "    -p"
+        echo "    no:cacheprovider"
+        echo "    --timeout=$timeout"
+        echo "pytest_add_cli_args_test_selection ="
+        lines "$tests"
+        echo "timeout_multiplier = 5.0"
+        # Message text is not mutated: problems' and errors' wording is prose, not behaviour (the conditions
+        # that raise them are mutated).
+        echo "do_not_mutate_patterns ="
+        echo '    problems\.add\('
+        echo '    raise \w+Error\('
+    } >"$work/setup.cfg"
+    echo "== mutation set $set_name: $modules"
+    start=$(date +%s)
+    rc=0
+    (cd "$work" && timeout --signal=INT "${MINUTES}m" "$MUTMUT" run --max-children 1 >mutmut-run.log 2>&1) || rc=$?
+    if [ "$rc" -eq 124 ]; then
+        echo "   stopped after $MINUTES minutes"
+    elif [ "$rc" -ne 0 ]; then
+        tail -n 40 "$work/mutmut-run.log"
+        exit 1
+    fi
+    (cd "$work" && "$MUTMUT" results --all true >results.txt 2>&1 || true)
+    echo "   $(($(date +%s) - start)) s; $(grep -c ': killed' "$work/results.txt" || true) killed," \
+        "$(grep -c ': survived' "$work/results.txt" || true) survived;" \
+        "survivors: (cd $work && $MUTMUT results)"
+done

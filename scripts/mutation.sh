@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Mutation testing with mutmut 3 (`make mutation`; by hand, not part of `make test` or CI).
 #
-#   scripts/mutation.sh [SET...]     sets: resolution masking ports processes launch_specs (the default),
-#                                     router_specs
+#   scripts/mutation.sh [SET...]     sets: resolution resolution_more masking ports processes launch_specs
+#                                     (the default), router_specs
+#   MUTANTS="NAME..." scripts/mutation.sh SET      only these mutants (mutmut names or globs), e.g. to show that
+#                                                  a new test kills them
 #
 # mutmut copies the package into mutants/, mutates functions there and runs, for each mutant, the tests of the
 # set's selection that call the mutated function (the package is imported from mutants/, never from the
@@ -17,16 +19,26 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 MUTMUT="${MUTMUT:-$ROOT/.venv/bin/mutmut}"
-[ "$#" -gt 0 ] || set -- resolution masking ports processes launch_specs
+[ "$#" -gt 0 ] || set -- resolution resolution_more masking ports processes launch_specs
 #: Each set stops after this many minutes (mutmut keeps what it has checked; the rest stays "not checked").
 MINUTES="${MUTATION_MINUTES_PER_SET:-30}"
 
 # Per set: the modules mutated, the tests run, and a per-test timeout (seconds) that stops a mutant that hangs.
 config_for() {
+    survivors_of=""
     case "$1" in
     resolution)
         modules="miles_sglang_plugin/planning/resolution.py"
         tests="tests/test_resolution.py tests/test_resolution_properties.py tests/test_miles_yaml.py"
+        timeout=120 ;;
+    resolution_more)
+        # The survivors of `resolution` once more, against the tests that reach resolution through rendering
+        # and the argparse bridge (too slow to run for every mutant; the hypothesis rendering property, 10
+        # random deployments through the whole render, is left out).
+        modules="miles_sglang_plugin/planning/resolution.py"
+        tests="tests/test_rendering.py tests/test_argparse_bridge.py
+               --deselect=tests/test_rendering.py::test_random_deployments_render_and_parse"
+        survivors_of=resolution
         timeout=120 ;;
     masking)
         modules="miles_sglang_plugin/masking.py"
@@ -54,7 +66,7 @@ config_for() {
         exit 2 ;;
     esac
     # Only tests that exist (a set may name a test file that a branch has not got yet).
-    tests="$(for t in $tests; do [ -e "$ROOT/${t%%::*}" ] && echo "$t"; done)"
+    tests="$(for t in $tests; do [[ "$t" == --* || -e "$ROOT/${t%%::*}" ]] && echo "$t"; done)"
 }
 
 lines() { for word in $1; do printf '    %s\n' "$word"; done; }
@@ -91,8 +103,14 @@ for set_name in "$@"; do
     } >"$work/setup.cfg"
     echo "== mutation set $set_name: $modules"
     start=$(date +%s)
+    mutants="${MUTANTS:-}"
+    if [ -z "$mutants" ] && [ -n "$survivors_of" ]; then
+        mutants="$(grep ': survived' "$ROOT/build/mutation/$survivors_of/results.txt" | cut -d: -f1 | tr -d ' ')" ||
+            { echo "   no survivors of $survivors_of to rerun"; continue; }
+    fi
     rc=0
-    (cd "$work" && timeout --signal=INT "${MINUTES}m" "$MUTMUT" run --max-children 1 >mutmut-run.log 2>&1) || rc=$?
+    # shellcheck disable=SC2086  # one argument per mutant name
+    (cd "$work" && timeout --signal=INT "${MINUTES}m" "$MUTMUT" run --max-children 1 $mutants >mutmut-run.log 2>&1) || rc=$?
     if [ "$rc" -eq 124 ]; then
         echo "   stopped after $MINUTES minutes"
     elif [ "$rc" -ne 0 ]; then

@@ -8,7 +8,16 @@ from miles_sglang_plugin.masking import mask_argv, mask_env
 
 def test_only_the_value_of_a_secret_flag_is_masked_not_the_program_or_the_words_after_it() -> None:
     argv = ["python", "-m", "sglang.launch_server", "--api-key", "k1", "stray", "--port", "1"]
-    assert mask_argv(argv) == ["python", "-m", "sglang.launch_server", "--api-key", "***", "stray", "--port", "1"]
+    assert mask_argv(argv) == [
+        "python",
+        "-m",
+        "sglang.launch_server",
+        "--api-key",
+        "***",
+        "stray",
+        "--port",
+        "1",
+    ]
 
 
 def test_a_secret_flag_without_a_value_leaves_the_next_flag_alone() -> None:

@@ -76,7 +76,13 @@ for set_name in "$@"; do
     work="$ROOT/build/mutation/$set_name"
     rm -rf "$work"
     mkdir -p "$work"
-    (cd "$ROOT" && git ls-files -z --cached --others --exclude-standard | xargs -0 cp --parents -t "$work")
+    (
+        cd "$ROOT"
+        mapfile -d '' files < <(git ls-files -z --cached --others --exclude-standard)
+        present=()
+        for file in "${files[@]}"; do [ -e "$file" ] && present+=("$file"); done  # not the deleted ones
+        cp --parents -t "$work" "${present[@]}"
+    )
     rm -f "$work/setup.cfg"
     # setup.cfg: mutmut reads it when pyproject.toml has no [tool.mutmut] table.
     {

@@ -94,6 +94,60 @@ def test_a_model_level_num_gpus_per_engine_of_one_is_valid():
     assert [e.gpu_slots for e in plan.model("actor").engines] == [(0,), (1,)]
 
 
+def test_regular_mixed_with_only_prefill_or_only_decode_is_both_problems():
+    for wt, missing in (("prefill", "decode"), ("decode", "prefill")):
+        s = spec(model("actor", group("regular", 2), group(wt, 2)))
+        with pytest.raises(DeploymentConfigError) as exc:
+            resolve_deployment(s, T(colocate=True))
+        assert problem_keys(exc) == ["sglang.actor", "sglang.actor"]
+        mixed, unpaired = (p.message for p in exc.value.problems)
+        assert mixed.startswith("mixes regular groups with prefill/decode groups")
+        assert unpaired == f"has {wt} groups but no {missing} group; PD disaggregation needs both"
+
+
+def test_a_bad_num_gpus_per_engine_is_reported_once_at_the_level_that_set_it():
+    # A group's value is reported at the group ...
+    with pytest.raises(DeploymentConfigError) as exc:
+        resolve_deployment(spec(model("actor", group("regular", 2, gpe=0))), T(colocate=True))
+    assert [(p.key, p.message) for p in exc.value.problems] == [
+        ("sglang.actor.regular.num_gpus_per_engine", "must be an integer >= 1, got 0")
+    ]
+    # ... a model's at the model only (the group then counts engines of 1 GPU: 3 GPUs are 3 whole engines).
+    with pytest.raises(DeploymentConfigError) as exc:
+        resolve_deployment(spec(model("actor", group("regular", 3), gpe=0)), T(colocate=True))
+    assert problem_keys(exc) == ["sglang.actor.num_gpus_per_engine"]
+
+
+def test_groups_without_engines_report_one_engine_wide_sizes():
+    s = spec(model("actor", group("regular", 4, gpe=2), group("placeholder", 2, gpe=2)))
+    plan = resolve_deployment(s, T(colocate=True))
+    assert [(g.name, g.tp_size, g.pp_size, g.dp_size) for g in plan.model("actor").groups] == [
+        ("regular", 2, 1, 1),
+        ("placeholder", 2, 1, 1),
+    ]
+
+
+def test_an_eval_fleet_with_the_rollout_tp_keeps_its_parallel_sizes():
+    # The dp/pp/ep/attn_cp resets to 1 apply only when the eval TP differs from rollout_num_gpus_per_engine.
+    s = spec(model("actor", group("regular", 4)), model("eval", group("regular", 2)))
+    t = T(colocate=True, rollout_num_gpus_per_engine=2, eval_num_gpus=2)
+    overrides = resolve_deployment(s, t).model("eval").groups[0].overrides
+    assert dict(overrides) == {
+        "model_path": HF,
+        "enable_return_routed_experts": False,
+        "enable_return_indexer_topk": False,
+    }
+
+
+def test_an_unknown_key_without_close_fields_gets_no_suggestion():
+    s = spec(model("actor", group("regular", 2, zzz=1)))
+    with pytest.raises(DeploymentConfigError) as exc:
+        resolve_deployment(s, T(colocate=True), server_arg_fields={"mem_fraction_static", "tp_size"})
+    assert [(p.key, p.message) for p in exc.value.problems] == [
+        ("sglang.actor.regular.overrides.zzz", "is not a ServerArgs field of the installed SGLang")
+    ]
+
+
 # ----------------------------------------------------------------------------------------- overrides
 def test_a_field_given_twice_does_not_hide_the_problems_of_the_keys_after_it():
     s = spec(
@@ -202,3 +256,4 @@ def test_the_debug_train_only_plan_keeps_the_trainers_placement():
     )
     assert plan.source == "test"
     assert len(plan.notes) == 1 and "debug_train_only" in plan.notes[0]
+    assert resolve_deployment(None, t).source == "trainer arguments"

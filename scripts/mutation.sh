@@ -29,7 +29,8 @@ config_for() {
     case "$1" in
     resolution)
         modules="miles_sglang_plugin/planning/resolution.py"
-        tests="tests/test_resolution.py tests/test_resolution_properties.py tests/test_miles_yaml.py"
+        tests="tests/test_resolution.py tests/test_resolution_boundaries.py tests/test_resolution_properties.py
+               tests/test_miles_yaml.py"
         timeout=120 ;;
     resolution_more)
         # The survivors of `resolution` once more, against the tests that reach resolution through rendering

@@ -202,6 +202,53 @@ def test_a_bad_pp_size_is_its_only_problem(pp_size):
     assert problem_keys(exc) == ["sglang.actor.regular.overrides.pp_size"]
 
 
+def test_disaggregation_mode_may_repeat_what_the_worker_type_implies():
+    # SGLang's value for a regular engine is "null"; a prefill or decode group's is its own type.
+    s = spec(
+        model(
+            "actor",
+            group("prefill", 2, disaggregation_mode="prefill"),
+            group("decode", 2, disaggregation_mode="decode"),
+        ),
+        model("ref", group("regular", 2, disaggregation_mode="null"), path="/ref"),
+    )
+    assert [g.worker_type.value for _, g in resolve_deployment(s, T(colocate=True)).groups()] == [
+        "prefill",
+        "decode",
+        "regular",
+    ]
+    with pytest.raises(DeploymentConfigError) as exc:
+        resolve_deployment(
+            spec(model("actor", group("regular", 2, disaggregation_mode="prefill"))), T(colocate=True)
+        )
+    assert problem_keys(exc) == ["sglang.actor.regular.overrides.disaggregation_mode"]
+    assert "contradicts worker_type 'regular' (which implies 'null')" in exc.value.problems[0].message
+
+
+def test_dp_and_ep_sizes_from_a_group_override_are_bounded_by_the_engine():
+    s = spec(model("actor", group("regular", 8, gpe=4, pp_size=2, dp_size=2, ep_size=4)))
+    g = resolve_deployment(s, T(colocate=True)).model("actor").groups[0]
+    assert (g.tp_size, g.pp_size, g.dp_size) == (2, 2, 2)
+    assert all(type(size) is int for size in (g.tp_size, g.pp_size, g.dp_size))  # printed as 2, not 2.0
+    for bad in (
+        {"dp_size": 5},
+        {"dp_size": 0},
+        {"dp_size": "2"},
+        {"ep_size": 5},
+        {"ep_size": 0},
+        {"ep_size": "2"},
+    ):
+        with pytest.raises(DeploymentConfigError) as exc:
+            resolve_deployment(spec(model("actor", group("regular", 4, gpe=4, **bad))), T(colocate=True))
+        ((name, value),) = bad.items()
+        assert [(p.key, p.message) for p in exc.value.problems] == [
+            (
+                f"sglang.actor.regular.overrides.{name}",
+                f"must be an integer between 1 and num_gpus_per_engine=4, got {value!r}",
+            )
+        ]
+
+
 # --------------------------------------------------------------------------------- engine placement
 def test_a_node_wide_engine_may_not_straddle_two_nodes():
     # num_gpus_per_node=4: the placeholder takes slots 0-1, so the 4-GPU engine would take slots 2..5.

@@ -8,6 +8,8 @@ just before the grace period ends, and be gone shortly after it.
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 import textwrap
 import threading
@@ -189,3 +191,43 @@ def test_a_process_tail_is_its_own_output_and_as_many_lines_as_asked(tmp_path: P
     assert proc.log_offset == len(b"earlier run\n")
     assert proc.tail(2) == "b\nc"
     assert proc.tail() == "a\nb\nc"
+
+
+def test_a_cooperative_group_is_stopped_without_waiting_out_the_grace_period(tmp_path: Path) -> None:
+    proc = ManagedProcess(name="polite", argv=[sys.executable, "-c", SLEEPER, MARKER], env={},
+                          log_path=tmp_path / "polite.log")  # fmt: skip
+    proc.start()
+    t0 = time.monotonic()
+    assert stop_processes([proc], grace_s=10.0) == {"polite": -15}  # SIGTERM was enough
+    assert time.monotonic() - t0 < 5.0  # not the 10 s grace period
+    proc.signal_group(signal.SIGTERM)  # a group that is gone: nothing to signal, nothing raised
+
+
+#: Reports where its stdin comes from and whether the fd given as argv[1] is open in it.
+REPORT_FDS = """
+import os, sys
+try:
+    os.fstat(int(sys.argv[1]))
+    inherited = "open"
+except OSError:
+    inherited = "closed"
+print(os.readlink("/proc/self/fd/0"), inherited, flush=True)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="reads /proc/self/fd")
+def test_a_child_reads_no_terminal_and_inherits_no_descriptors_of_the_launcher(tmp_path: Path) -> None:
+    read_end, write_end = os.pipe()
+    saved_stdin = os.dup(0)
+    os.set_inheritable(write_end, True)  # a descriptor a library left inheritable
+    os.dup2(read_end, 0)  # the launcher's stdin: a pipe (a terminal, in real use)
+    try:
+        proc = ManagedProcess(name="fds", argv=[sys.executable, "-c", REPORT_FDS, str(write_end)], env={},
+                              log_path=tmp_path / "logs" / "nested" / "fds.log")  # fmt: skip
+        proc.start()  # creates the log directory and its parents
+    finally:
+        os.dup2(saved_stdin, 0)
+        for fd in (saved_stdin, read_end, write_end):
+            os.close(fd)
+    assert proc.popen is not None and proc.popen.wait(timeout=20) == 0
+    assert proc.tail(1) == "/dev/null closed"

@@ -52,7 +52,7 @@ config_for() {
         timeout=120 ;;
     launch_specs)
         modules="miles_sglang_plugin/rendering/launch_specs.py"
-        tests="tests/test_rendering.py"
+        tests="tests/test_launch_specs.py tests/test_rendering.py"
         timeout=120 ;;
     processes)
         modules="miles_sglang_plugin/backends/processes.py"

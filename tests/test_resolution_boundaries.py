@@ -51,6 +51,11 @@ def test_legacy_problems_name_the_legacy_models_keys():
     with pytest.raises(DeploymentConfigError) as exc:
         resolve_deployment(None, TrainerInputs(rollout_num_gpus=2, eval_num_gpus=2))  # no hf_checkpoint
     assert problem_keys(exc) == ["sglang.default.model_path", "sglang.eval.model_path"]
+    with pytest.raises(DeploymentConfigError) as exc:
+        resolve_deployment(
+            None, TrainerInputs(rollout_num_gpus=2, prefill_num_servers=1)
+        )  # PD, no checkpoint
+    assert problem_keys(exc) == ["sglang.default.model_path"]
     # prefill 1 x 2 GPUs leaves 3 for decode, which do not split into engines of 2
     with pytest.raises(DeploymentConfigError) as exc:
         resolve_deployment(None, T(rollout_num_gpus=5, rollout_num_gpus_per_engine=2, prefill_num_servers=1))
@@ -249,6 +254,14 @@ def test_dp_and_ep_sizes_from_a_group_override_are_bounded_by_the_engine():
         ]
 
 
+def test_a_bad_eval_override_is_reported_at_eval_sglang_overrides():
+    s = spec(model("actor", group("regular", 4)), model("eval", group("regular", 2)))
+    t = T(colocate=True, eval_num_gpus=2, eval_num_gpus_per_engine=2, eval_sglang_overrides={"dp_size": 5})
+    with pytest.raises(DeploymentConfigError) as exc:
+        resolve_deployment(s, t)
+    assert problem_keys(exc) == ["eval_sglang_overrides.dp_size"]
+
+
 # --------------------------------------------------------------------------------- engine placement
 def test_a_node_wide_engine_may_not_straddle_two_nodes():
     # num_gpus_per_node=4: the placeholder takes slots 0-1, so the 4-GPU engine would take slots 2..5.
@@ -281,6 +294,15 @@ def test_a_misplaced_group_is_reported_once_not_once_per_engine():
         resolve_deployment(s, T(colocate=True, num_gpus_per_node=4))
     assert problem_keys(exc) == ["sglang.actor.regular"]
     assert "starts at GPU slot 2" in exc.value.problems[0].message
+
+
+def test_gpus_that_do_not_split_into_engines_are_one_problem_not_also_a_misplaced_engine():
+    # Nodes of 2 after a 1-GPU placeholder: 3 GPUs in engines of 2 do not split; no engine is placed at all
+    # (the first would otherwise straddle slots 1..2).
+    s = spec(model("actor", group("placeholder", 1), group("regular", 3, gpe=2)))
+    with pytest.raises(DeploymentConfigError) as exc:
+        resolve_deployment(s, T(colocate=True, num_gpus_per_node=2))
+    assert problem_keys(exc) == ["sglang.actor.regular.num_gpus"]
 
 
 def test_an_engine_of_partial_nodes_is_one_problem():

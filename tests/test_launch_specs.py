@@ -37,17 +37,16 @@ def test_the_whole_command_line_of_one_engine():
 
 
 def test_server_args_become_flags_by_type():
-    values = {"a_b": {"x": [1]}, "c": [1, 2], "d": True, "e": False, "f": None, "g": 3}
-    assert server_args_to_argv(values) == ["--a-b", '{"x": [1]}', "--c", "1", "2", "--d", "--g", "3"]
+    values = {"c": [1, 2], "a_b": {"x": [1]}, "d": True, "e": False, "f": None, "g": 3}
+    assert server_args_to_argv(values) == ["--c", "1", "2", "--a-b", '{"x": [1]}', "--d", "--g", "3"]
 
 
 def test_server_defaults_in_dash_spelling_are_the_same_fields_and_below_group_overrides():
     prep = prepare_from_config(compose_config([*ONE_ENGINE, "+sglang_deploy.server_defaults.mem-fraction-static=0.8",
                                                "+sglang.actor.regular.overrides.mem_fraction_static=0.7"]))  # fmt: skip
     (launch,) = prep.launch.engines
-    assert (
-        launch.server_args["mem_fraction_static"] == 0.7 and "mem-fraction-static" not in launch.server_args
-    )
+    assert launch.server_args["mem_fraction_static"] == 0.7
+    assert [key for key in launch.server_args if "fraction" in key] == ["mem_fraction_static"]  # one field
     assert launch.argv.count("--mem-fraction-static") == 1
     settings = deploy_settings_from_config(compose_config(["+sglang_deploy.server_defaults.random-seed=1"]))
     assert [(p.key, p.message) for p in check_deploy_settings(settings, None)] == [
@@ -70,7 +69,18 @@ def test_server_defaults_keys_and_port_base_bounds_are_checked():
     ):
         launch = replace(settings.launch, port_base=port_base, port_max=port_max)
         problems = check_deploy_settings(replace(settings, server_defaults={}, launch=launch), None)
-        assert [p.key for p in problems] == ([] if ok else ["sglang_deploy.launch.port_base"]), port_base
+        expected = f"{port_base} must be >= 1024 and below port_max={port_max}"
+        assert [(p.key, p.message) for p in problems] == (
+            [] if ok else [("sglang_deploy.launch.port_base", expected)]
+        ), port_base
+
+
+def test_router_settings_are_checked_and_reach_the_router_spec():
+    settings = deploy_settings_from_config(compose_config(["sglang_deploy.router.policy=nope"]))
+    ((key, message),) = [(p.key, p.message) for p in check_deploy_settings(settings, None)]
+    assert key == "sglang_deploy.router" and "'nope'" in message
+    prep = prepare_from_config(compose_config([*ONE_ENGINE, "sglang_deploy.router.policy=round_robin"]))
+    assert prep.launch.routers[0].spec.settings.policy == "round_robin"
 
 
 def test_miles_values_for_fields_sglang_may_lack_are_rendered_without_a_field_list():

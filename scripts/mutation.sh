@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Mutation testing with mutmut 3 (`make mutation`; by hand, not part of `make test` or CI).
 #
-#   scripts/mutation.sh [SET...]     sets: resolution resolution_more masking ports processes launch_specs
-#                                     (the default), router_specs
+#   scripts/mutation.sh [SET...]     sets: resolution resolution_more masking ports processes processes_child
+#                                     launch_specs (the default), router_specs
 #   MUTANTS="NAME..." scripts/mutation.sh SET      only these mutants (mutmut names or globs), e.g. to show that
 #                                                  a new test kills them
 #
@@ -19,7 +19,7 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 MUTMUT="${MUTMUT:-$ROOT/.venv/bin/mutmut}"
-[ "$#" -gt 0 ] || set -- resolution resolution_more masking ports processes launch_specs
+[ "$#" -gt 0 ] || set -- resolution resolution_more masking ports processes processes_child launch_specs
 #: Each set stops after this many minutes (mutmut keeps what it has checked; the rest stays "not checked").
 MINUTES="${MUTATION_MINUTES_PER_SET:-30}"
 
@@ -79,7 +79,37 @@ config_for() {
 
 lines() { for word in $1; do printf '    %s\n' "$word"; done; }
 
+# Mutants mutmut cannot run itself: _arm_parent_death_signal runs in the child between fork and exec (mutmut
+# never sees a test reach it: "no tests"), _load_prctl once at import (before a mutant is switched on). Each is
+# switched on by hand (MUTANT_UNDER_TEST) in the processes set's mutants/ and run against tests/test_processes.py
+# (or an import). Needs the processes set to have run.
+processes_child() {
+    local mutants_dir="$ROOT/build/mutation/processes/mutants" module=miles_sglang_plugin.backends.processes
+    local source=miles_sglang_plugin/backends/processes.py name verdict
+    [ -d "$mutants_dir" ] || { echo "   run the processes set first" >&2; exit 2; }
+    echo "== mutation set processes_child: $module (run by hand, one by one)"
+    (
+        cd "$mutants_dir"
+        for name in $(grep -o "x__arm_parent_death_signal__mutmut_[0-9]*\b" "$source" | sort -uV); do
+            verdict=survived
+            MUTANT_UNDER_TEST="$module.$name" timeout 120 "$ROOT/.venv/bin/python" -m pytest -q -x \
+                -p no:cacheprovider tests/test_processes.py >/dev/null 2>&1 || verdict=killed
+            echo "    $module.$name: $verdict"
+        done
+        for name in $(grep -o "x__load_prctl__mutmut_[0-9]*\b" "$source" | sort -uV); do
+            verdict=survived
+            MUTANT_UNDER_TEST="$module.$name" "$ROOT/.venv/bin/python" -c \
+                "import $module as m; assert m._PRCTL is not None" >/dev/null 2>&1 || verdict=killed
+            echo "    $module.$name: $verdict"
+        done
+    ) | tee "$ROOT/build/mutation/processes/results-child.txt"
+}
+
 for set_name in "$@"; do
+    if [ "$set_name" = processes_child ]; then
+        processes_child
+        continue
+    fi
     config_for "$set_name"
     work="$ROOT/build/mutation/$set_name"
     rm -rf "$work"

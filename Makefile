@@ -35,7 +35,7 @@ bench: $(VENV)/.sglang-installed
 	$(BIN)/python benchmarks/bench_resolve.py --subprocess-runs 3
 	$(BIN)/python benchmarks/bench_launch.py
 
-# Mutation testing, by hand (not in `make test` or CI; about an hour on two cores): mutmut over resolution,
+# Mutation testing, by hand (not in `make test` or CI; about 90 minutes on two cores): mutmut over resolution,
 # masking, ports, process handling and launch specs, each with its fast tests (scripts/mutation.sh says how).
 # MUTATION_SETS picks sets, e.g. `make mutation MUTATION_SETS="masking ports"`.
 mutation: $(VENV)/.sglang-installed

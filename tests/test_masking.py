@@ -20,9 +20,14 @@ def test_only_the_value_of_a_secret_flag_is_masked_not_the_program_or_the_words_
     ]
 
 
-def test_a_secret_flag_without_a_value_leaves_the_next_flag_alone() -> None:
-    assert mask_argv(["--api-key", "--port", "1"]) == ["--api-key", "--port", "1"]
-    assert mask_argv(["--admin-api-key", "--host=h", "k"]) == ["--admin-api-key", "--host=h", "k"]
+def test_the_token_after_a_secret_flag_is_masked_whatever_its_shape_and_only_that_one() -> None:
+    # By position: a key may look like a flag ("--port", "--host=h"); the token after it is a plain word again.
+    assert mask_argv(["--api-key", "--port", "1"]) == ["--api-key", "***", "1"]
+    assert mask_argv(["--admin-api-key", "--host=h", "k"]) == ["--admin-api-key", "***", "k"]
+    assert mask_argv(["--api-key", "--api-key", "k"]) == ["--api-key", "***", "k"]
+    assert mask_argv(["--API_KEY=--x", "--port", "1"]) == ["--API_KEY=***", "--port", "1"]
+    # A secret flag at the end has no value to mask.
+    assert mask_argv(["--port", "1", "--api-key"]) == ["--port", "1", "--api-key"]
 
 
 def test_mask_env_masks_the_variables_whose_names_hold_a_secret_word_in_any_case() -> None:

@@ -33,7 +33,7 @@ ONE_ENGINE_PORTS = 36
 
 def one_engine_plan():
     return resolve_deployment(
-        spec(model("actor", group("regular", 1))), TrainerInputs(hf_checkpoint="/c", colocate=True)
+        spec(model("actor", group("regular", 1))), TrainerInputs(hf_checkpoint="/c", debug_rollout_only=True)
     )
 
 
@@ -41,7 +41,7 @@ def test_each_host_has_its_own_cursor_and_only_rank_0_and_prefill_take_the_extra
     # Nodes of 8 GPUs: a 16-GPU prefill engine on nodes 0+1, an 8-GPU decode engine on node 2.
     plan = resolve_deployment(
         spec(model("actor", group("prefill", 16, gpe=16), group("decode", 8, gpe=8))),
-        TrainerInputs(hf_checkpoint="/c", colocate=True),
+        TrainerInputs(hf_checkpoint="/c", debug_rollout_only=True),
     )
     hosts = {0: "n0", 1: "n1", 2: "n2"}
     ports = assign_ports(plan, host_of_node=hosts.__getitem__, router_host="r", port_base=15000)

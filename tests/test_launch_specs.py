@@ -1,6 +1,10 @@
 """Launch specs as data (``rendering/launch_specs.py``): the ``plan --json`` entries of an engine process and
 a router field by field, and the stand-in's fault variables per engine. Values worked out by hand from the
-defaults: ports from 15000 (the router's two first, then the engine's), host 127.0.0.1, policy cache_aware."""
+defaults: ports from 15000 (the router's two first, then the engine's), host 127.0.0.1, policy cache_aware.
+
+Rollout starts at GPU slot 0 through ``debug_rollout_only`` where the test is not about colocation (Miles'
+colocate rule sizes rollout to the actor's GPUs, 8 by default, and turns offload on); the tests of what
+colocation changes keep ``colocate`` and size the actor to the deployment."""
 
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ from miles_sglang_plugin.rendering.launch_specs import (
 from miles_sglang_plugin.rendering.ports import assign_ports
 from miles_sglang_plugin.rendering.prepared import prepare_deployment
 
-ONE_ENGINE = ["hf_checkpoint=/c", "colocate=true", "sglang.actor.regular.num_gpus=1"]
+ONE_ENGINE = ["hf_checkpoint=/c", "debug_rollout_only=true", "sglang.actor.regular.num_gpus=1"]
 
 
 def test_the_whole_command_line_of_one_engine():
@@ -32,6 +36,24 @@ def test_the_whole_command_line_of_one_engine():
         "--random-seed", "1234", "--host", "127.0.0.1", "--port", "15002", "--nccl-port", "15003",
         "--dist-init-addr", "127.0.0.1:15004", "--nnodes", "1", "--node-rank", "0", "--base-gpu-id", "0",
         "--gpu-id-step", "1", "--tp-size", "1", "--skip-server-warmup", "--enable-metrics",
+        "--enable-draft-weights-cpu-backup", "--engine-info-bootstrap-port", "15035",
+    )  # fmt: skip
+
+
+def test_the_command_line_of_one_colocated_engine_adds_what_miles_derives():
+    # Colocated with a 1-GPU actor (actor_num_nodes=1 x actor_num_gpus_per_node=1 = rollout_num_gpus=1):
+    # offload_rollout turns on, and the engine's GPU (slot 0) is below Megatron's 1 GPU, so it needs offload:
+    # --enable-memory-saver in the plan's place (after --tp-size). cuda_graph_backend_prefill=disabled is
+    # Miles' colocate default, the lowest layer, so its flag comes first.
+    cfg = compose_config(["hf_checkpoint=/c", "colocate=true", "actor_num_gpus_per_node=1",
+                          "sglang.actor.regular.num_gpus=1"])  # fmt: skip
+    (launch,) = prepare_from_config(cfg).launch.engines
+    assert launch.argv == (
+        sys.executable, "-m", "sglang.launch_server", "--cuda-graph-backend-prefill", "disabled",
+        "--model-path", "/c", "--trust-remote-code", "--random-seed", "1234", "--host", "127.0.0.1",
+        "--port", "15002", "--nccl-port", "15003", "--dist-init-addr", "127.0.0.1:15004", "--nnodes", "1",
+        "--node-rank", "0", "--base-gpu-id", "0", "--gpu-id-step", "1", "--tp-size", "1",
+        "--enable-memory-saver", "--skip-server-warmup", "--enable-metrics",
         "--enable-draft-weights-cpu-backup", "--engine-info-bootstrap-port", "15035",
     )  # fmt: skip
 
@@ -61,18 +83,18 @@ def test_server_defaults_keys_and_port_base_bounds_are_checked():
     assert [p.key for p in check_deploy_settings(settings, {"mem_fraction_static"})] == [
         "sglang_deploy.server_defaults.mem_fraction_statc"
     ]
-    for port_base, port_max, ok in (
-        (1024, 2000, True),
-        (1023, 2000, False),
-        (2000, 2000, False),
-        (80, 70, False),
+    # Each bound is its own problem: both ports integers >= 1024, then port_base below port_max (checked only
+    # when both are in range).
+    base, top = "sglang_deploy.launch.port_base", "sglang_deploy.launch.port_max"
+    for port_base, port_max, expected in (
+        (1024, 2000, []),
+        (1023, 2000, [(base, "must be an integer >= 1024, got 1023")]),
+        (2000, 2000, [(base, "2000 must be below port_max=2000")]),
+        (80, 70, [(base, "must be an integer >= 1024, got 80"), (top, "must be an integer >= 1024, got 70")]),
     ):
         launch = replace(settings.launch, port_base=port_base, port_max=port_max)
         problems = check_deploy_settings(replace(settings, server_defaults={}, launch=launch), None)
-        expected = f"{port_base} must be >= 1024 and below port_max={port_max}"
-        assert [(p.key, p.message) for p in problems] == (
-            [] if ok else [("sglang_deploy.launch.port_base", expected)]
-        ), port_base
+        assert [(p.key, p.message) for p in problems] == expected, port_base
 
 
 def test_router_settings_are_checked_and_reach_the_router_spec():
@@ -85,7 +107,7 @@ def test_router_settings_are_checked_and_reach_the_router_spec():
 
 def test_miles_values_for_fields_sglang_may_lack_are_rendered_without_a_field_list():
     cfg = compose_config(
-        ["sglang=pd", "hf_checkpoint=/c", "colocate=true", "use_rollout_indexer_replay=true"]
+        ["sglang=pd", "hf_checkpoint=/c", "debug_rollout_only=true", "use_rollout_indexer_replay=true"]
     )
     prep = prepare_deployment(
         resolve_config(cfg), deploy_settings_from_config(cfg)
@@ -96,8 +118,16 @@ def test_miles_values_for_fields_sglang_may_lack_are_rendered_without_a_field_li
 
 
 def test_custom_all_reduce_is_off_only_for_colocated_multi_gpu_engines():
-    # Miles: SGLANG_OPT_USE_CUSTOM_ALL_REDUCE_V2=0 when colocated with engines of more than one GPU.
-    cases = ((["colocate=true"], 2, "0"), (["colocate=true"], 1, "1"), ([], 2, "1"))
+    # Miles: SGLANG_OPT_USE_CUSTOM_ALL_REDUCE_V2=0 when colocated with engines of more than one GPU. Colocated,
+    # the actor is sized to the deployment's 2 GPUs (1 node x 2; Miles sets rollout_num_gpus to them);
+    # debug_rollout_only turns colocate off (Miles' rule), so its engines keep the custom all-reduce.
+    colocated = ["colocate=true", "actor_num_gpus_per_node=2"]
+    cases = (
+        (colocated, 2, "0"),
+        (colocated, 1, "1"),
+        ([], 2, "1"),
+        ([*colocated, "debug_rollout_only=true"], 2, "1"),
+    )
     for extra, gpe, expected in cases:
         cfg = compose_config(["hf_checkpoint=/c", "sglang.actor.regular.num_gpus=2",
                               f"sglang.actor.regular.num_gpus_per_engine={gpe}", *extra])  # fmt: skip
@@ -106,7 +136,7 @@ def test_custom_all_reduce_is_off_only_for_colocated_multi_gpu_engines():
 
 
 def test_each_process_of_a_multi_node_engine_binds_its_own_node_and_shares_the_first_nodes_address():
-    cfg = compose_config(["hf_checkpoint=/c", "colocate=true", "sglang.actor.regular.num_gpus=16",
+    cfg = compose_config(["hf_checkpoint=/c", "debug_rollout_only=true", "sglang.actor.regular.num_gpus=16",
                           "sglang.actor.regular.num_gpus_per_engine=16"])  # fmt: skip
     plan, settings = resolve_config(cfg), deploy_settings_from_config(cfg)
     hosts = {0: "10.0.0.1", 1: "10.0.0.2"}
@@ -120,7 +150,7 @@ def test_each_process_of_a_multi_node_engine_binds_its_own_node_and_shares_the_f
 
 def test_plan_json_entries_of_an_engine_process_and_its_router():
     prep = prepare_from_config(
-        compose_config(["hf_checkpoint=/c", "colocate=true", "sglang.actor.regular.num_gpus=1"])
+        compose_config(["hf_checkpoint=/c", "debug_rollout_only=true", "sglang.actor.regular.num_gpus=1"])
     )
     actor = prep.to_dict()["models"]["actor"]
     (launch,) = actor["groups"]["regular"]["engines"][0]["launch"]
@@ -149,15 +179,18 @@ def test_only_node_rank_0_of_a_multi_node_engine_has_a_url():
         compose_config(
             [
                 "hf_checkpoint=/c",
-                "colocate=true",
+                "debug_rollout_only=true",
                 "sglang.actor.regular.num_gpus=16",
                 "sglang.actor.regular.num_gpus_per_engine=16",
             ]
         )
     )
     launches = prep.to_dict()["models"]["actor"]["groups"]["regular"]["engines"][0]["launch"]
+    # Real engines over two nodes: the plan writes each node's address as "<node N address>" (the launch
+    # decides it) and counts ports per node, so node 0's engine has the first port, 15000 (the router's
+    # ports are the driver's).
     assert [(entry["name"], entry["node_rank"], entry["url"]) for entry in launches] == [
-        ("actor.regular.0.node0", 0, f"http://127.0.0.1:{launches[0]['port']}"),
+        ("actor.regular.0.node0", 0, "http://<node 0 address>:15000"),
         ("actor.regular.0.node1", 1, None),
     ]
 

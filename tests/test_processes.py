@@ -9,6 +9,7 @@ just before the grace period ends, and be gone shortly after it.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import textwrap
@@ -196,7 +197,16 @@ def test_a_process_tail_is_its_own_output_and_as_many_lines_as_asked(tmp_path: P
                           log_path=log)  # fmt: skip
     proc.start()
     assert proc.popen is not None and proc.popen.wait(timeout=20) == 0
-    assert proc.log_offset == len(b"earlier run\n")
+    # The launcher writes one line marking the run's start before the process starts (a full disk fails
+    # there, with a word), then the run's output begins: 12 bytes of the earlier run + the marker's 51
+    # ("[miles_sglang_plugin] " 22, the date and time 19, " starting\n" 10).
+    content = log.read_bytes()
+    assert proc.log_offset == len(b"earlier run\n") + 51
+    assert re.fullmatch(
+        rb"earlier run\n\[miles_sglang_plugin\] \d{4}-\d\d-\d\d \d\d:\d\d:\d\d starting\n",
+        content[: proc.log_offset],
+    )
+    assert content[proc.log_offset :] == b"a\nb\nc\n"
     assert proc.tail(2) == "b\nc"
     assert proc.tail() == "a\nb\nc"
 

@@ -29,8 +29,15 @@ config_for() {
     case "$1" in
     resolution)
         modules="miles_sglang_plugin/planning/resolution.py"
+        # test_miles_parity.py: Miles' rules (ranks, eval fleet, critic, colocate), without its hypothesis
+        # property through Hydra (20 s a run); test_bad_input.py: the GPU bounds and the model path check.
         tests="tests/test_resolution.py tests/test_resolution_boundaries.py tests/test_resolution_properties.py
-               tests/test_miles_yaml.py"
+               tests/test_miles_yaml.py tests/test_miles_parity.py
+               --deselect=tests/test_miles_parity.py::test_the_namespace_and_the_hydra_path_give_the_same_plan
+               tests/test_bad_input.py::test_a_model_path_that_is_not_a_string_is_refused_where_it_was_set
+               tests/test_bad_input.py::test_gpu_counts_are_bounded_before_engines_are_enumerated
+               tests/test_bad_input.py::test_gpu_counts_against_the_cluster_when_its_size_is_known
+               tests/test_bad_input.py::test_the_gpu_limit_itself_still_plans"
         timeout=120 ;;
     resolution_more)
         # The survivors of `resolution` once more, against the tests that reach resolution through rendering
@@ -44,22 +51,43 @@ config_for() {
     masking)
         modules="miles_sglang_plugin/masking.py"
         tests="tests/test_masking.py tests/test_rendering.py tests/test_standin.py::test_mask_argv
-               tests/test_standin.py::test_api_key_never_in_errors"
+               tests/test_standin.py::test_api_key_never_in_errors
+               tests/test_bad_input.py::test_mask_argv_masks_by_position
+               tests/test_bad_input.py::test_an_api_key_that_starts_with_dashes_is_passed_whole_and_never_shown
+               tests/test_bad_input.py::test_env_values_from_config_are_masked_unless_known_safe"
         timeout=120 ;;
     ports)
         modules="miles_sglang_plugin/rendering/ports.py"
-        tests="tests/test_ports.py tests/test_rendering.py"
+        # test_bad_input.py: the lock directory (0700, symlinks, another user's, a launch it refuses).
+        tests="tests/test_ports.py tests/test_rendering.py
+               tests/test_bad_input.py::test_the_lock_directory_is_made_0700
+               tests/test_bad_input.py::test_a_symlinked_lock_directory_is_refused
+               tests/test_bad_input.py::test_a_lock_file_that_is_a_symlink_is_not_followed
+               tests/test_bad_input.py::test_a_lock_directory_of_another_user_is_refused
+               tests/test_bad_input.py::test_a_refused_lock_directory_fails_the_launch_saying_why"
         timeout=120 ;;
     launch_specs)
         modules="miles_sglang_plugin/rendering/launch_specs.py"
-        tests="tests/test_launch_specs.py tests/test_rendering.py"
+        # test_miles_parity.py: Miles' server args (LoRA, colocate defaults, fields this SGLang lacks);
+        # test_bad_input.py: a key starting with dashes, the deploy settings' checks, env masking.
+        tests="tests/test_launch_specs.py tests/test_rendering.py tests/test_miles_parity.py
+               --deselect=tests/test_miles_parity.py::test_the_namespace_and_the_hydra_path_give_the_same_plan
+               tests/test_bad_input.py::test_an_api_key_that_starts_with_dashes_is_passed_whole_and_never_shown
+               tests/test_bad_input.py::test_sglangs_parser_takes_such_a_key_as_rendered
+               tests/test_bad_input.py::test_server_defaults_are_checked_as_well
+               tests/test_bad_input.py::test_launch_settings_are_checked_on_every_path
+               tests/test_bad_input.py::test_settings_given_in_code_are_checked_too
+               tests/test_bad_input.py::test_env_values_from_config_are_masked_unless_known_safe"
         timeout=120 ;;
     processes)
         modules="miles_sglang_plugin/backends/processes.py"
         # Not the tests whose launcher runs in a child Python (test_teardown.py, the script_run tests of
         # test_launcher_faults.py): that child imports the mutated package outside mutmut's run and fails.
         # Nor the 10 s readiness timeout: a mutant of this module cannot change when it fires.
+        # test_bad_input.py: the bounded log tail, a log that cannot be written.
         tests="tests/test_processes.py tests/test_launcher_faults.py
+               tests/test_bad_input.py::test_log_tail_reads_a_bounded_amount
+               tests/test_bad_input.py::test_a_process_whose_log_cannot_be_written_is_not_started
                --deselect=tests/test_launcher_faults.py::test_engine_never_healthy_times_out_naming_it
                --deselect=tests/test_launcher_faults.py::test_ctrl_c_during_startup_stops_everything
                --deselect=tests/test_launcher_faults.py::test_sigterm_to_running_launcher_stops_everything

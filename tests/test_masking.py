@@ -26,6 +26,8 @@ def test_the_token_after_a_secret_flag_is_masked_whatever_its_shape_and_only_tha
     assert mask_argv(["--admin-api-key", "--host=h", "k"]) == ["--admin-api-key", "***", "k"]
     assert mask_argv(["--api-key", "--api-key", "k"]) == ["--api-key", "***", "k"]
     assert mask_argv(["--API_KEY=--x", "--port", "1"]) == ["--API_KEY=***", "--port", "1"]
+    # Another flag whose name merely holds the word is not one: only the leading dashes are dropped from a name.
+    assert mask_argv(["--Xapi-key", "v"]) == ["--Xapi-key", "v"]
     # A secret flag at the end has no value to mask.
     assert mask_argv(["--port", "1", "--api-key"]) == ["--port", "1", "--api-key"]
 

@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-ray lint bench clean
+.PHONY: demo test test-ray lint bench mutation clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,13 @@ bench: $(VENV)/.sglang-installed $(VENV)/.ray-installed
 	$(BIN)/python benchmarks/bench_launch.py
 	$(BIN)/python benchmarks/bench_sweep.py
 	bash scripts/in-loopback-netns.sh $(BIN)/python benchmarks/bench_ray.py
+
+# Mutation testing, by hand (not in `make test` or CI; about 90 minutes on two cores): mutmut over resolution,
+# masking, ports, process handling and launch specs, each with its fast tests (scripts/mutation.sh says how).
+# MUTATION_SETS picks sets, e.g. `make mutation MUTATION_SETS="masking ports"`.
+mutation: $(VENV)/.sglang-installed
+	$(BIN)/python -m pip install --quiet 'mutmut==3.8.1'
+	bash scripts/mutation.sh $(MUTATION_SETS)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

@@ -1,4 +1,5 @@
-"""Child processes (``backends/processes.py``): stopping a process group that ignores SIGTERM.
+"""Child processes (``backends/processes.py``): stopping a process group that ignores SIGTERM, the
+parent-death signal, and the log tail that goes into error messages.
 
 ``stop_processes`` sends SIGTERM to each process group, waits up to the grace period, then SIGKILLs what is
 left. Here the child and its grandchild (one process group) both ignore SIGTERM: they must still be running
@@ -7,13 +8,19 @@ just before the grace period ends, and be gone shortly after it.
 
 from __future__ import annotations
 
+import os
+import re
+import signal
 import sys
 import textwrap
 import threading
 import time
 from pathlib import Path
 
-from miles_sglang_plugin.backends.processes import ManagedProcess, stop_processes
+import pytest
+
+from miles_sglang_plugin.backends import processes
+from miles_sglang_plugin.backends.processes import ManagedProcess, log_tail, stop_processes
 from tests.launch_helpers import LeakTracker, process_alive
 
 #: Ignores SIGTERM, forks a grandchild that ignores it too (same process group), prints both PIDs, sleeps.
@@ -44,6 +51,17 @@ def _wait_ready(proc: ManagedProcess, timeout_s: float = 20.0) -> tuple[int, int
         assert proc.running, f"the child exited early ({proc.exit_code()}):\n{proc.tail()}"
         time.sleep(0.05)
     raise AssertionError(f"the child never said ready:\n{proc.tail()}")
+
+
+def _gone_soon(pid: int, timeout_s: float = 2.0) -> bool:
+    """Whether ``pid`` is gone within ``timeout_s``: a SIGKILLed process (a grandchild especially, which no
+    ``wait`` of ours reaps) can still be seen for a moment on a loaded machine."""
+    deadline = time.monotonic() + timeout_s
+    while process_alive(pid, MARKER):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def test_a_group_that_ignores_sigterm_is_killed_when_the_grace_period_ends(tmp_path: Path) -> None:
@@ -78,6 +96,156 @@ def test_a_group_that_ignores_sigterm_is_killed_when_the_grace_period_ends(tmp_p
             f"stopped after {elapsed:.2f} s (grace {grace_s} s)"
         )
         assert codes == {"stubborn": -9}  # killed by SIGKILL, reaped
-        assert not process_alive(child, MARKER) and not process_alive(grandchild, MARKER)
+        assert _gone_soon(child) and _gone_soon(grandchild)
     finally:
         tracker.assert_nothing_left(wait_s=2.0)
+
+
+SLEEPER = "import time\nwhile True: time.sleep(0.1)"
+
+
+@pytest.mark.skipif(processes._PRCTL is None, reason="parent-death signals need Linux's prctl")
+def test_a_child_is_killed_when_the_thread_that_started_it_exits(tmp_path: Path) -> None:
+    # PR_SET_PDEATHSIG fires when the thread that forked the child ends (prctl(2)): the same signal that
+    # takes engines down with a SIGKILLed launcher, observed here without killing the test process.
+    proc = ManagedProcess(name="orphan", argv=[sys.executable, "-c", SLEEPER, MARKER], env={},
+                          log_path=tmp_path / "orphan.log")  # fmt: skip
+    tracker = LeakTracker()
+    starter = threading.Thread(target=proc.start)
+    starter.start()
+    starter.join()
+    try:
+        assert proc.popen is not None
+        tracker.add_process(proc.popen.pid, "orphaned child", MARKER)
+        assert proc.popen.wait(timeout=10) == -9  # SIGKILL, from the kernel
+    finally:
+        stop_processes([proc], grace_s=0.5)
+        tracker.assert_nothing_left(wait_s=2.0)
+
+
+def test_log_tail_is_the_last_lines_from_the_offset_joined_by_newlines(tmp_path: Path) -> None:
+    log = tmp_path / "engine.log"
+    log.write_bytes(b"earlier run\n" + b"".join(b"line %d\n" % i for i in range(1, 6)))
+    assert log_tail(log, lines=3, start=len(b"earlier run\n")) == "line 3\nline 4\nline 5"
+    assert log_tail(log, lines=10, start=len(b"earlier run\n")).splitlines()[0] == "line 1"
+    assert log_tail(tmp_path / "missing.log", lines=3) == ""
+
+
+def test_log_tail_reads_a_bounded_end_of_the_file_and_survives_bytes_that_are_not_utf8(
+    tmp_path: Path,
+) -> None:
+    log = tmp_path / "engine.log"
+    content = b"x" * (200 * 1024) + b"\xff\xfe broken \xe2\x82 end"  # one 200 KiB line, then bad UTF-8
+    log.write_bytes(content)
+    tail = log_tail(log, lines=1)
+    assert tail.endswith("\ufffd\ufffd broken \ufffd end")
+    # At most the last 64 KiB are read (each byte decodes to at most one character), not the whole line.
+    assert len(tail) <= 64 * 1024 < len(content)
+
+
+#: The leader exits at SIGTERM; its grandchild (same process group) ignores SIGTERM and reports any SIGHUP.
+LEADER_WITH_STUBBORN_GRANDCHILD = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    if os.fork() == 0:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGHUP, lambda *_: print("grandchild got SIGHUP", flush=True))
+        print(f"ready {os.getppid()} {os.getpid()}", flush=True)
+        while True:
+            time.sleep(0.1)
+    while True:
+        time.sleep(0.1)
+    """
+)
+
+
+def test_a_group_whose_leader_is_gone_is_probed_without_signals_and_killed_at_the_end(tmp_path: Path) -> None:
+    grace_s = 1.0
+    proc = ManagedProcess(name="leader", argv=[sys.executable, "-c", LEADER_WITH_STUBBORN_GRANDCHILD, MARKER],
+                          env={}, log_path=tmp_path / "leader.log")  # fmt: skip
+    tracker = LeakTracker()
+    proc.start()
+    try:
+        assert proc.pid is not None
+        tracker.add_process(proc.pid, "leader", MARKER)
+        leader, grandchild = _wait_ready(proc)
+        assert leader == proc.pid
+        tracker.add_process(grandchild, "stubborn grandchild", MARKER)
+        t0 = time.monotonic()
+        codes = stop_processes([proc], grace_s=grace_s)
+        elapsed = time.monotonic() - t0
+        assert codes == {"leader": -15}  # the leader went at SIGTERM ...
+        assert grace_s - 0.05 <= elapsed <= grace_s + 1.5  # ... the grandchild only at the SIGKILL
+        assert _gone_soon(grandchild)
+        assert "SIGHUP" not in proc.tail(50)  # checking that the group lives sends it no signal
+    finally:
+        tracker.assert_nothing_left(wait_s=2.0)
+
+
+def test_a_process_never_started_has_no_pid_exit_code_or_running_state(tmp_path: Path) -> None:
+    proc = ManagedProcess(
+        name="idle", argv=[sys.executable, "-c", "pass"], env={}, log_path=tmp_path / "x.log"
+    )
+    assert (proc.pid, proc.exit_code(), proc.running) == (None, None, False)
+    assert stop_processes([proc]) == {}
+
+
+def test_a_process_tail_is_its_own_output_and_as_many_lines_as_asked(tmp_path: Path) -> None:
+    log = tmp_path / "engine.log"
+    log.write_bytes(b"earlier run\n")
+    proc = ManagedProcess(name="p", argv=[sys.executable, "-c", "print('a'); print('b'); print('c')"], env={},
+                          log_path=log)  # fmt: skip
+    proc.start()
+    assert proc.popen is not None and proc.popen.wait(timeout=20) == 0
+    # The launcher writes one line marking the run's start before the process starts (a full disk fails
+    # there, with a word), then the run's output begins: 12 bytes of the earlier run + the marker's 51
+    # ("[miles_sglang_plugin] " 22, the date and time 19, " starting\n" 10).
+    content = log.read_bytes()
+    assert proc.log_offset == len(b"earlier run\n") + 51
+    assert re.fullmatch(
+        rb"earlier run\n\[miles_sglang_plugin\] \d{4}-\d\d-\d\d \d\d:\d\d:\d\d starting\n",
+        content[: proc.log_offset],
+    )
+    assert content[proc.log_offset :] == b"a\nb\nc\n"
+    assert proc.tail(2) == "b\nc"
+    assert proc.tail() == "a\nb\nc"
+
+
+def test_a_cooperative_group_is_stopped_without_waiting_out_the_grace_period(tmp_path: Path) -> None:
+    proc = ManagedProcess(name="polite", argv=[sys.executable, "-c", SLEEPER, MARKER], env={},
+                          log_path=tmp_path / "polite.log")  # fmt: skip
+    proc.start()
+    t0 = time.monotonic()
+    assert stop_processes([proc], grace_s=10.0) == {"polite": -15}  # SIGTERM was enough
+    assert time.monotonic() - t0 < 5.0  # not the 10 s grace period
+    proc.signal_group(signal.SIGTERM)  # a group that is gone: nothing to signal, nothing raised
+
+
+#: Reports where its stdin comes from and whether the fd given as argv[1] is open in it.
+REPORT_FDS = """
+import os, sys
+try:
+    os.fstat(int(sys.argv[1]))
+    inherited = "open"
+except OSError:
+    inherited = "closed"
+print(os.readlink("/proc/self/fd/0"), inherited, flush=True)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="reads /proc/self/fd")
+def test_a_child_reads_no_terminal_and_inherits_no_descriptors_of_the_launcher(tmp_path: Path) -> None:
+    read_end, write_end = os.pipe()
+    saved_stdin = os.dup(0)
+    os.set_inheritable(write_end, True)  # a descriptor a library left inheritable
+    os.dup2(read_end, 0)  # the launcher's stdin: a pipe (a terminal, in real use)
+    try:
+        proc = ManagedProcess(name="fds", argv=[sys.executable, "-c", REPORT_FDS, str(write_end)], env={},
+                              log_path=tmp_path / "logs" / "nested" / "fds.log")  # fmt: skip
+        proc.start()  # creates the log directory and its parents
+    finally:
+        os.dup2(saved_stdin, 0)
+        for fd in (saved_stdin, read_end, write_end):
+            os.close(fd)
+    assert proc.popen is not None and proc.popen.wait(timeout=20) == 0
+    assert proc.tail(1) == "/dev/null closed"

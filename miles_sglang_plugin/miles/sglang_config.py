@@ -770,7 +770,9 @@ def _miles_server_groups(
         if group_spec is None:
             problems.add(f"{model_key}.{group_plan.name}", "is in the plan but not in the spec")
             continue
-        user = normalise_overrides(group_spec.overrides, _group_location(group_spec, model_spec), problems)
+        user = normalise_overrides(
+            group_spec.overrides, f"{_group_location(group_spec, model_spec)}.overrides", problems
+        )
         if model_plan.is_eval:
             eval_overrides = normalise_overrides(
                 trainer.eval_sglang_overrides, "eval_sglang_overrides", problems

@@ -70,15 +70,19 @@ def suggest(name: str, candidates: Collection[str], n: int = 3) -> list[str]:
     return difflib.get_close_matches(normalised, list(candidates), n=n, cutoff=0.6)
 
 
-def normalise_overrides(overrides: Mapping[str, Any], key: str, problems: ProblemCollector) -> dict[str, Any]:
-    """``-`` and ``_`` spellings are both accepted; both spellings of one field at once are an error."""
+def normalise_overrides(
+    overrides: Mapping[str, Any], where: str, problems: ProblemCollector
+) -> dict[str, Any]:
+    """``-`` and ``_`` spellings are both accepted; both spellings of one field at once are an error, reported
+    at ``where`` (the key of the mapping itself: ``sglang.<model>.<group>.overrides``,
+    ``sglang_deploy.server_defaults``, ``eval_sglang_overrides``) + the second spelling."""
     out: dict[str, Any] = {}
     spelled: dict[str, str] = {}
     for raw_key, value in overrides.items():
         norm = str(raw_key).replace("-", "_")
         if norm in out:
             problems.add(
-                f"{key}.overrides.{raw_key}",
+                f"{where}.{raw_key}",
                 f"the same ServerArgs field as {spelled[norm]!r}; give it once",
             )
             continue
@@ -349,7 +353,7 @@ class _Resolver:
         worker_type = self.worker_type(group, key)
         num_gpus = self.group_num_gpus(group, key)
         gpus_per_engine = self.gpus_per_engine(model, group, key, is_eval)
-        user = normalise_overrides(group.overrides, key, self.problems)
+        user = normalise_overrides(group.overrides, f"{key}.overrides", self.problems)
         gpu_offset, rank_offset = self.cursor, self.rank
         self.cursor += num_gpus
         self.rank += num_gpus // min(gpus_per_engine, self.trainer.num_gpus_per_node)

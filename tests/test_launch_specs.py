@@ -1,0 +1,221 @@
+"""Launch specs as data (``rendering/launch_specs.py``): the ``plan --json`` entries of an engine process and
+a router field by field, and the stand-in's fault variables per engine. Values worked out by hand from the
+defaults: ports from 15000 (the router's two first, then the engine's), host 127.0.0.1, policy cache_aware.
+
+Rollout starts at GPU slot 0 through ``debug_rollout_only`` where the test is not about colocation (Miles'
+colocate rule sizes rollout to the actor's GPUs, 8 by default, and turns offload on); the tests of what
+colocation changes keep ``colocate`` and size the actor to the deployment."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+
+from miles_sglang_plugin.app.hydra_edge import prepare_from_config, resolve_config
+from miles_sglang_plugin.config.compose import compose_config
+from miles_sglang_plugin.config.reading import deploy_settings_from_config
+from miles_sglang_plugin.rendering.launch_specs import (
+    check_deploy_settings,
+    render_launch,
+    server_args_to_argv,
+    standin_fault_env,
+)
+from miles_sglang_plugin.rendering.ports import assign_ports
+from miles_sglang_plugin.rendering.prepared import prepare_deployment
+
+ONE_ENGINE = ["hf_checkpoint=/c", "debug_rollout_only=true", "sglang.actor.regular.num_gpus=1"]
+
+
+def test_the_whole_command_line_of_one_engine():
+    # README "Engine command lines": seed 1234 + rank 0; ports: router 15000-15001, engine http 15002,
+    # nccl 15003, a dist-init run of 31 from 15004, the engine-info bootstrap port after it (15035).
+    (launch,) = prepare_from_config(compose_config(ONE_ENGINE)).launch.engines
+    assert (launch.model, launch.group, launch.engine_id) == ("actor", "regular", "actor.regular.0")
+    assert launch.argv == (
+        sys.executable, "-m", "sglang.launch_server", "--model-path", "/c", "--trust-remote-code",
+        "--random-seed", "1234", "--host", "127.0.0.1", "--port", "15002", "--nccl-port", "15003",
+        "--dist-init-addr", "127.0.0.1:15004", "--nnodes", "1", "--node-rank", "0", "--base-gpu-id", "0",
+        "--gpu-id-step", "1", "--tp-size", "1", "--skip-server-warmup", "--enable-metrics",
+        "--enable-draft-weights-cpu-backup", "--engine-info-bootstrap-port", "15035",
+    )  # fmt: skip
+
+
+def test_the_command_line_of_one_colocated_engine_adds_what_miles_derives():
+    # Colocated with a 1-GPU actor (actor_num_nodes=1 x actor_num_gpus_per_node=1 = rollout_num_gpus=1):
+    # offload_rollout turns on, and the engine's GPU (slot 0) is below Megatron's 1 GPU, so it needs offload:
+    # --enable-memory-saver in the plan's place (after --tp-size). cuda_graph_backend_prefill=disabled is
+    # Miles' colocate default, the lowest layer, so its flag comes first.
+    cfg = compose_config(["hf_checkpoint=/c", "colocate=true", "actor_num_gpus_per_node=1",
+                          "sglang.actor.regular.num_gpus=1"])  # fmt: skip
+    (launch,) = prepare_from_config(cfg).launch.engines
+    assert launch.argv == (
+        sys.executable, "-m", "sglang.launch_server", "--cuda-graph-backend-prefill", "disabled",
+        "--model-path", "/c", "--trust-remote-code", "--random-seed", "1234", "--host", "127.0.0.1",
+        "--port", "15002", "--nccl-port", "15003", "--dist-init-addr", "127.0.0.1:15004", "--nnodes", "1",
+        "--node-rank", "0", "--base-gpu-id", "0", "--gpu-id-step", "1", "--tp-size", "1",
+        "--enable-memory-saver", "--skip-server-warmup", "--enable-metrics",
+        "--enable-draft-weights-cpu-backup", "--engine-info-bootstrap-port", "15035",
+    )  # fmt: skip
+
+
+def test_server_args_become_flags_by_type():
+    values = {"c": [1, 2], "a_b": {"x": [1]}, "d": True, "e": False, "f": None, "g": 3}
+    assert server_args_to_argv(values) == ["--c", "1", "2", "--a-b", '{"x": [1]}', "--d", "--g", "3"]
+
+
+def test_server_defaults_in_dash_spelling_are_the_same_fields_and_below_group_overrides():
+    prep = prepare_from_config(compose_config([*ONE_ENGINE, "+sglang_deploy.server_defaults.mem-fraction-static=0.8",
+                                               "+sglang.actor.regular.overrides.mem_fraction_static=0.7"]))  # fmt: skip
+    (launch,) = prep.launch.engines
+    assert launch.server_args["mem_fraction_static"] == 0.7
+    assert [key for key in launch.server_args if "fraction" in key] == ["mem_fraction_static"]  # one field
+    assert launch.argv.count("--mem-fraction-static") == 1
+    settings = deploy_settings_from_config(compose_config(["+sglang_deploy.server_defaults.random-seed=1"]))
+    assert [(p.key, p.message) for p in check_deploy_settings(settings, None)] == [
+        ("sglang_deploy.server_defaults.random-seed", "cannot be set deployment-wide: each engine gets the trainer's seed + its rank")
+    ]  # fmt: skip
+
+
+def test_server_defaults_keys_and_port_base_bounds_are_checked():
+    settings = deploy_settings_from_config(
+        compose_config(["+sglang_deploy.server_defaults.mem_fraction_statc=1"])
+    )
+    assert [p.key for p in check_deploy_settings(settings, {"mem_fraction_static"})] == [
+        "sglang_deploy.server_defaults.mem_fraction_statc"
+    ]
+    # Each bound is its own problem: both ports integers >= 1024, then port_base below port_max (checked only
+    # when both are in range).
+    base, top = "sglang_deploy.launch.port_base", "sglang_deploy.launch.port_max"
+    for port_base, port_max, expected in (
+        (1024, 2000, []),
+        (1023, 2000, [(base, "must be an integer >= 1024, got 1023")]),
+        (2000, 2000, [(base, "2000 must be below port_max=2000")]),
+        (80, 70, [(base, "must be an integer >= 1024, got 80"), (top, "must be an integer >= 1024, got 70")]),
+    ):
+        launch = replace(settings.launch, port_base=port_base, port_max=port_max)
+        problems = check_deploy_settings(replace(settings, server_defaults={}, launch=launch), None)
+        assert [(p.key, p.message) for p in problems] == expected, port_base
+
+
+def test_router_settings_are_checked_and_reach_the_router_spec():
+    settings = deploy_settings_from_config(compose_config(["sglang_deploy.router.policy=nope"]))
+    ((key, message),) = [(p.key, p.message) for p in check_deploy_settings(settings, None)]
+    assert key == "sglang_deploy.router" and "'nope'" in message
+    prep = prepare_from_config(compose_config([*ONE_ENGINE, "sglang_deploy.router.policy=round_robin"]))
+    assert prep.launch.routers[0].spec.settings.policy == "round_robin"
+
+
+def test_miles_values_for_fields_sglang_may_lack_are_rendered_without_a_field_list():
+    cfg = compose_config(
+        ["sglang=pd", "hf_checkpoint=/c", "debug_rollout_only=true", "use_rollout_indexer_replay=true"]
+    )
+    prep = prepare_deployment(
+        resolve_config(cfg), deploy_settings_from_config(cfg)
+    )  # no field list: all kept
+    decode = next(e for e in prep.launch.engines if e.worker_type.value == "decode")
+    assert decode.server_args["prefill_round_robin_balance"] is True
+    assert decode.server_args["enable_return_indexer_topk"] is True
+
+
+def test_custom_all_reduce_is_off_only_for_colocated_multi_gpu_engines():
+    # Miles: SGLANG_OPT_USE_CUSTOM_ALL_REDUCE_V2=0 when colocated with engines of more than one GPU. Colocated,
+    # the actor is sized to the deployment's 2 GPUs (1 node x 2; Miles sets rollout_num_gpus to them);
+    # debug_rollout_only turns colocate off (Miles' rule), so its engines keep the custom all-reduce.
+    colocated = ["colocate=true", "actor_num_gpus_per_node=2"]
+    cases = (
+        (colocated, 2, "0"),
+        (colocated, 1, "1"),
+        ([], 2, "1"),
+        ([*colocated, "debug_rollout_only=true"], 2, "1"),
+    )
+    for extra, gpe, expected in cases:
+        cfg = compose_config(["hf_checkpoint=/c", "sglang.actor.regular.num_gpus=2",
+                              f"sglang.actor.regular.num_gpus_per_engine={gpe}", *extra])  # fmt: skip
+        prep = prepare_deployment(resolve_config(cfg), deploy_settings_from_config(cfg))
+        assert prep.launch.engines[0].env["SGLANG_OPT_USE_CUSTOM_ALL_REDUCE_V2"] == expected, (extra, gpe)
+
+
+def test_each_process_of_a_multi_node_engine_binds_its_own_node_and_shares_the_first_nodes_address():
+    cfg = compose_config(["hf_checkpoint=/c", "debug_rollout_only=true", "sglang.actor.regular.num_gpus=16",
+                          "sglang.actor.regular.num_gpus_per_engine=16"])  # fmt: skip
+    plan, settings = resolve_config(cfg), deploy_settings_from_config(cfg)
+    hosts = {0: "10.0.0.1", 1: "10.0.0.2"}
+    ports = assign_ports(plan, host_of_node=hosts.__getitem__, router_host="10.0.0.9", port_base=15000)
+    first, second = render_launch(
+        plan, settings, ports, host_of_node=hosts.__getitem__, router_host="10.0.0.9"
+    ).engines
+    assert (first.host, second.host) == ("10.0.0.1", "10.0.0.2")
+    assert first.server_args["dist_init_addr"] == second.server_args["dist_init_addr"] == "10.0.0.1:15002"
+
+
+def test_plan_json_entries_of_an_engine_process_and_its_router():
+    prep = prepare_from_config(
+        compose_config(["hf_checkpoint=/c", "debug_rollout_only=true", "sglang.actor.regular.num_gpus=1"])
+    )
+    actor = prep.to_dict()["models"]["actor"]
+    (launch,) = actor["groups"]["regular"]["engines"][0]["launch"]
+    assert {key: value for key, value in launch.items() if key not in ("argv", "env")} == {
+        "name": "actor.regular.0",
+        "node": 0,
+        "node_rank": 0,
+        "host": "127.0.0.1",
+        "port": 15002,
+        "url": "http://127.0.0.1:15002",
+        "bootstrap_port": None,
+    }
+    assert launch["env"]["CUDA_VISIBLE_DEVICES"] == "0"
+    assert launch["argv"][launch["argv"].index("--port") + 1] == "15002"
+    assert actor["router"] == {
+        "url": "http://127.0.0.1:15000",
+        "prometheus_port": 15001,
+        "pd_disaggregation": False,
+        "policy": "cache_aware",
+        "workers": [{"url": "http://127.0.0.1:15002", "worker_type": "regular", "bootstrap_port": None}],
+    }
+
+
+def test_only_node_rank_0_of_a_multi_node_engine_has_a_url():
+    prep = prepare_from_config(
+        compose_config(
+            [
+                "hf_checkpoint=/c",
+                "debug_rollout_only=true",
+                "sglang.actor.regular.num_gpus=16",
+                "sglang.actor.regular.num_gpus_per_engine=16",
+            ]
+        )
+    )
+    launches = prep.to_dict()["models"]["actor"]["groups"]["regular"]["engines"][0]["launch"]
+    # Real engines over two nodes: the plan writes each node's address as "<node N address>" (the launch
+    # decides it) and counts ports per node, so node 0's engine has the first port, 15000 (the router's
+    # ports are the driver's).
+    assert [(entry["name"], entry["node_rank"], entry["url"]) for entry in launches] == [
+        ("actor.regular.0.node0", 0, "http://<node 0 address>:15000"),
+        ("actor.regular.0.node1", 1, None),
+    ]
+
+
+def test_standin_faults_reach_the_engines_their_patterns_match():
+    settings = deploy_settings_from_config(
+        compose_config(
+            [
+                "hf_checkpoint=/c",
+                "sglang_deploy=simulated",
+                "sglang_deploy.standin.start_delay_s=2.5",
+                "sglang_deploy.standin.fail_at_start=[actor.prefill.*]",
+                "sglang_deploy.standin.never_healthy=['*.decode.1']",
+                "+sglang_deploy.standin.die_after_s={actor.*: 3.5}",
+            ]
+        )
+    )
+    assert standin_fault_env(settings, "actor.decode.1") == {
+        "MSP_STANDIN_START_DELAY_S": "2.5",
+        "MSP_STANDIN_NEVER_HEALTHY": "1",
+        "MSP_STANDIN_DIE_AFTER_S": "3.5",
+    }
+    assert standin_fault_env(settings, "actor.prefill.0") == {
+        "MSP_STANDIN_START_DELAY_S": "2.5",
+        "MSP_STANDIN_FAIL_AT_START": "1",
+        "MSP_STANDIN_DIE_AFTER_S": "3.5",
+    }
+    assert standin_fault_env(settings, "ref.regular.0") == {"MSP_STANDIN_START_DELAY_S": "2.5"}

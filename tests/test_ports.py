@@ -1,0 +1,137 @@
+"""Port assignment (``rendering/ports.py``) to the exact port: one cursor per host, the ports only a node
+rank 0 or a prefill engine takes, the last usable port, a run of ports broken by a port in use, and the
+claims a launch keeps and gives back. Expected numbers worked out by hand from the order of assignment:
+routers first, then per engine process ``http``, ``nccl`` and, on node rank 0, a ``dist_init`` run of
+``DIST_INIT_SPAN + dp_size`` ports, ``engine_info_bootstrap`` and (prefill) ``disaggregation_bootstrap``."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from miles_sglang_plugin.config.trainer_inputs import TrainerInputs
+from miles_sglang_plugin.planning.resolution import resolve_deployment
+from miles_sglang_plugin.rendering.ports import (
+    EnginePorts,
+    PortClaims,
+    PortExhaustedError,
+    RouterPorts,
+    assign_ports,
+    default_lock_dir,
+    port_is_free,
+)
+from tests.conftest import group, model, spec
+from tests.launch_helpers import random_port_base
+
+#: One regular engine of one GPU: 2 router ports + http, nccl, 31 dist-init ports, engine-info bootstrap.
+ONE_ENGINE_PORTS = 36
+
+
+def one_engine_plan():
+    return resolve_deployment(
+        spec(model("actor", group("regular", 1))), TrainerInputs(hf_checkpoint="/c", debug_rollout_only=True)
+    )
+
+
+def test_each_host_has_its_own_cursor_and_only_rank_0_and_prefill_take_the_extra_ports():
+    # Nodes of 8 GPUs: a 16-GPU prefill engine on nodes 0+1, an 8-GPU decode engine on node 2.
+    plan = resolve_deployment(
+        spec(model("actor", group("prefill", 16, gpe=16), group("decode", 8, gpe=8))),
+        TrainerInputs(hf_checkpoint="/c", debug_rollout_only=True),
+    )
+    hosts = {0: "n0", 1: "n1", 2: "n2"}
+    ports = assign_ports(plan, host_of_node=hosts.__getitem__, router_host="r", port_base=15000)
+    assert ports.routers == {"actor": RouterPorts(http=15000, prometheus=15001)}
+    assert ports.engines == {
+        ("actor.prefill.0", 0): EnginePorts(
+            http=15000,
+            nccl=15001,
+            dist_init=15002,
+            engine_info_bootstrap=15033,
+            disaggregation_bootstrap=15034,
+        ),
+        ("actor.prefill.0", 1): EnginePorts(http=15000, nccl=15001),
+        ("actor.decode.0", 0): EnginePorts(
+            http=15000, nccl=15001, dist_init=15002, engine_info_bootstrap=15033
+        ),
+    }
+
+
+def test_the_last_port_below_port_max_is_used_and_no_further():
+    kw = dict(host_of_node=lambda _node: "h", router_host="h")
+    ports = assign_ports(one_engine_plan(), port_base=20000, port_max=20000 + ONE_ENGINE_PORTS - 1, **kw)
+    assert ports.engines[("actor.regular.0", 0)].engine_info_bootstrap == 20035
+    with pytest.raises(PortExhaustedError, match="below 20035"):
+        assign_ports(one_engine_plan(), port_base=20000, port_max=20000 + ONE_ENGINE_PORTS - 2, **kw)
+
+
+def test_port_max_at_the_ephemeral_start_is_lowered_below_it():
+    kw = dict(host_of_node=lambda _node: "h", router_host="h", port_max=32768)
+    # 36 ports from 32732 end at 32767, the last port below the ephemeral range; from 32733 they would not.
+    assert (
+        assign_ports(one_engine_plan(), port_base=32732, **kw).engines[("actor.regular.0", 0)].http == 32734
+    )
+    with pytest.raises(PortExhaustedError, match="below 32768"):
+        assign_ports(one_engine_plan(), port_base=32733, **kw)
+
+
+def _free_run(length: int) -> int:
+    """A port base whose next ``length`` ports are free on loopback now."""
+    for base in iter(random_port_base, None):
+        if all(port_is_free("127.0.0.1", port) for port in range(base, base + length)):
+            return base
+    raise AssertionError("unreachable")
+
+
+def test_a_run_broken_by_a_port_in_use_starts_after_it_and_gives_back_its_claims(tmp_path):
+    base = _free_run(ONE_ENGINE_PORTS + 10)
+    claims = PortClaims(tmp_path)
+    with socket.socket() as other_program:
+        other_program.bind(("127.0.0.1", base + 10))  # inside the dist-init run, which would start at base+4
+        other_program.listen()
+        ports = assign_ports(one_engine_plan(), host_of_node=lambda _node: "127.0.0.1", router_host="127.0.0.1",
+                             port_base=base, port_max=base + 2000, probe=True, claims=claims)  # fmt: skip
+    try:
+        assert ports.routers["actor"] == RouterPorts(http=base, prometheus=base + 1)
+        assert ports.engines[("actor.regular.0", 0)] == EnginePorts(
+            http=base + 2, nccl=base + 3, dist_init=base + 11, engine_info_bootstrap=base + 42
+        )
+        # Claimed: what was assigned; not base+4..base+9 (the broken run) nor base+10 (in use).
+        assigned = {base, base + 1, base + 2, base + 3, *range(base + 11, base + 42), base + 42}
+        assert set(claims.fds) == assigned
+        other_launch = PortClaims(tmp_path)
+        assert all(other_launch.try_claim(port) for port in range(base + 4, base + 11))
+        assert not any(other_launch.try_claim(port) for port in sorted(assigned))
+        other_launch.release()
+    finally:
+        claims.release()
+
+
+def test_a_lock_directory_is_created_with_its_parents(tmp_path):
+    claims = PortClaims(tmp_path / "new" / "locks")
+    try:
+        assert claims.try_claim(20000)
+        assert (tmp_path / "new" / "locks" / "20000.lock").is_file()
+    finally:
+        claims.release()
+
+
+def test_the_lock_directory_is_per_user_unless_msp_port_lock_dir_says_otherwise(monkeypatch, tmp_path):
+    monkeypatch.delenv("MSP_PORT_LOCK_DIR", raising=False)
+    assert default_lock_dir() == Path(tempfile.gettempdir()) / f"miles-sglang-ports-{os.getuid()}"
+    monkeypatch.setenv("MSP_PORT_LOCK_DIR", str(tmp_path))
+    assert default_lock_dir() == tmp_path
+
+
+@pytest.mark.parametrize("host", ["::1", "[::1]"])
+def test_port_is_free_on_ipv6_loopback_bare_or_bracketed(host):
+    with socket.socket(socket.AF_INET6) as listener:
+        listener.bind(("::1", 0))
+        listener.listen()
+        taken = listener.getsockname()[1]
+        assert port_is_free(host, taken) is False
+    assert port_is_free(host, taken) is True

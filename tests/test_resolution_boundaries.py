@@ -331,8 +331,9 @@ def test_the_debug_train_only_plan_keeps_the_trainers_placement():
     t = T(debug_train_only=True, actor_num_nodes=2, actor_num_gpus_per_node=4)
     plan = resolve_deployment(spec(model("actor", group("regular", 8))), t)
     # The plan holds the trainer's inputs after Miles' rules: without colocate an unset offload_rollout is off
-    # (a plain default, not noted); nothing else changes. Megatron: the actor's 2 x 4 = 8 GPUs.
-    assert plan.trainer == dataclasses.replace(t, offload_rollout=False)
+    # (a plain default, not noted); debug_train_only sets rollout_num_gpus to 0 (Miles' later refactor);
+    # nothing else changes. Megatron: the actor's 2 x 4 = 8 GPUs.
+    assert plan.trainer == dataclasses.replace(t, offload_rollout=False, rollout_num_gpus=0)
     assert (plan.total_gpus, plan.rollout_num_gpus, plan.rollout_offset, plan.megatron_num_gpus) == (
         0,
         0,

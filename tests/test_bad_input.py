@@ -149,7 +149,10 @@ def test_launch_with_a_host_that_does_not_resolve_starts_nothing(run: Run, leak_
 def test_launch_with_a_negative_poll_interval_starts_nothing(run: Run, leak_check: LeakTracker) -> None:  # noqa: F811
     code, _, err = run("launch", *launch_overrides("sglang_deploy.launch.poll_interval_s=-1"))
     assert code == 2
-    assert _one_problem(err) == "sglang_deploy.launch.poll_interval_s: must be a number > 0, got -1.0"
+    assert _one_problem(err) == (
+        "sglang_deploy.launch.poll_interval_s: must be a number > 0 and <= 60 "
+        "(an engine that exits is noticed at the next poll), got -1.0"
+    )
     assert leak_check.launchers == []
 
 
@@ -476,7 +479,7 @@ def test_a_launch_of_real_engines_runs_every_argv_through_sglangs_parser(
         ),
         (
             "sglang_deploy.launch.startup_timeout_s=nan",
-            "sglang_deploy.launch.startup_timeout_s: must be a number > 0, got nan",
+            "sglang_deploy.launch.startup_timeout_s: must be a finite number > 0, got nan",
         ),
         (
             "sglang_deploy.launch.shutdown_grace_s=-5",
@@ -484,7 +487,7 @@ def test_a_launch_of_real_engines_runs_every_argv_through_sglangs_parser(
         ),
         (
             "sglang_deploy.launch.poll_interval_s=120",
-            "sglang_deploy.launch.poll_interval_s: must be at most 60 s (an engine that exits is noticed at the next poll), got 120.0",
+            "sglang_deploy.launch.poll_interval_s: must be a number > 0 and <= 60 (an engine that exits is noticed at the next poll), got 120.0",
         ),
         (
             "sglang_deploy.launch.live=bogus",

@@ -369,3 +369,26 @@ def test_the_launchers_own_requests_stay_out_of_the_apps_log(caplog):
         server.server_close()
     lines = [r.getMessage() for r in caplog.records if r.name == "httpx"]
     assert lines == [f'HTTP Request: GET {url}/workers "HTTP/1.1 200 OK"']
+
+
+def test_the_request_filter_comes_with_the_first_request_not_with_an_import() -> None:
+    """Importing what a Hydra app imports leaves the app's logging as it is; the package's first request
+    (a router helper, called on its own here) installs the filter, once."""
+    code = textwrap.dedent(
+        """
+        import logging
+        import miles_sglang_plugin.app.hydra_edge
+        from miles_sglang_plugin.serving.routers import RouterRequestError, router_workers
+        print(logging.getLogger("httpx").filters)
+        for _ in range(2):
+            try:
+                router_workers("http://127.0.0.1:9", timeout_s=1)
+            except RouterRequestError:
+                pass
+        print([type(f).__name__ for f in logging.getLogger("httpx").filters])
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.splitlines() == ["[]", "['OwnRequestsFilter']"]

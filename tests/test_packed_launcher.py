@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 import sys
 from itertools import combinations
@@ -17,7 +18,7 @@ import pytest
 
 from miles_sglang_plugin.app.hydra_edge import resolve_config
 from miles_sglang_plugin.config.compose import compose_config
-from miles_sglang_plugin.sweeps.gpu_claims import GpuClaims
+from miles_sglang_plugin.sweeps.gpu_claims import GpuClaims, GpuLockDirError
 from miles_sglang_plugin.sweeps.packing import gpu_need, gpus_of_setting
 
 APP = Path(__file__).resolve().parent / "sweep_app" / "app.py"
@@ -77,6 +78,33 @@ def test_a_released_gpu_is_free_although_a_forked_job_has_a_copy_of_its_lock(tmp
         os.close(read)
         os.close(write)
         os.waitpid(pid, 0)
+
+
+def test_the_gpu_lock_directory_is_as_safe_as_the_ports_one(tmp_path: Path) -> None:
+    """Made 0700, refused when a symlink (nothing written where it points), lock files never followed."""
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    loose.chmod(0o777)
+    GpuClaims(loose).check_usable()
+    assert stat.S_IMODE(os.stat(loose).st_mode) == 0o700
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "elsewhere")
+    refused = (
+        f"the GPU lock directory {tmp_path / 'link'} is not usable: it is a symlink; use a real directory"
+    )
+    with pytest.raises(GpuLockDirError) as info:
+        GpuClaims(tmp_path / "link").check_usable()
+    assert str(info.value) == refused
+    linked = GpuClaims(tmp_path / "link")
+    assert not linked.try_claim("0") and str(linked.unusable) == "it is a symlink; use a real directory"
+    assert list((tmp_path / "elsewhere").iterdir()) == []
+    locks = tmp_path / "locks"
+    locks.mkdir(mode=0o700)
+    (locks / "gpu-3.lock").symlink_to(tmp_path / "victim")
+    claims = GpuClaims(locks)
+    assert not claims.try_claim("3") and "Too many levels of symbolic links" in str(claims.unusable)
+    assert not (tmp_path / "victim").exists()
+    assert claims.claim(["3", "4"], 1) == ["4"]
 
 
 def test_the_launchers_gpus_from_its_setting(monkeypatch: pytest.MonkeyPatch) -> None:

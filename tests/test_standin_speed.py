@@ -40,6 +40,24 @@ def test_speed_env_is_parsed_and_checked() -> None:
         speed_from_env({SPEED_ENV: "[1]"})
 
 
+def test_the_schemas_speed_settings_are_the_stand_ins_parameters() -> None:
+    """The stand-in stays apart (it imports no config), so ``sglang_deploy.standin.speed`` declares the same
+    parameters again: same names, same defaults (an 8B model on one GPU: 2 ms, 20k tok/s, 20 ms, 0.5 ms, 1 ms)."""
+    from dataclasses import fields
+
+    from miles_sglang_plugin.config.schema import StandInSpeedConf
+
+    expected = {
+        "latency_s": 0.002,
+        "prefill_tokens_per_s": 20000.0,
+        "decode_step_s": 0.020,
+        "decode_token_s": 0.0005,
+        "tp_comm_s": 0.001,
+    }
+    assert {f.name: f.default for f in fields(SpeedModel)} == expected
+    assert {f.name: f.default for f in fields(StandInSpeedConf) if f.name != "enabled"} == expected
+
+
 def test_a_bad_speed_variable_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--model-path", "m", "--port", "1"], env={SPEED_ENV: "{oops"}) == 2
     assert f"{SPEED_ENV} must be a JSON object" in capsys.readouterr().err

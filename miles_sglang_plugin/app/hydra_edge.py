@@ -16,7 +16,6 @@ from typing import Any
 from hydra.errors import CompactHydraException
 from omegaconf import DictConfig
 
-from miles_sglang_plugin.app import quiet_http
 from miles_sglang_plugin.backends import Backend, get_backend
 from miles_sglang_plugin.config.reading import read_config
 from miles_sglang_plugin.config.schema import BackendKind, EngineKind, SGLangDeployConf
@@ -26,8 +25,6 @@ from miles_sglang_plugin.planning.resolution import resolve_deployment
 from miles_sglang_plugin.rendering.prepared import PreparedDeployment, prepare_deployment
 from miles_sglang_plugin.rendering.server_arg_fields import known_server_arg_fields
 from miles_sglang_plugin.serving.deployment import Deployment
-
-quiet_http.install()  # the launcher's health polls and registrations stay out of the app's log
 
 #: How a printed plan shows an address that the launch decides (each node's, the routers' node).
 NODE_ADDRESS = "<node {} address>"

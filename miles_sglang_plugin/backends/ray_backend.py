@@ -55,6 +55,7 @@ from miles_sglang_plugin.config.schema import RayConf, SGLangDeployConf
 from miles_sglang_plugin.engine_env import NODE_ID_ENV
 from miles_sglang_plugin.errors import DeploymentConfigError, Problem, ProblemCollector, first_line
 from miles_sglang_plugin.planning.plan import DeploymentPlan
+from miles_sglang_plugin.rendering.deploy_checks import Bounds, bounds_problems
 from miles_sglang_plugin.rendering.launch_specs import EngineProcessLaunch, check_deploy_settings
 from miles_sglang_plugin.rendering.ports import PortClaims, default_lock_dir
 from miles_sglang_plugin.rendering.prepared import PreparedDeployment, prepare_deployment
@@ -82,16 +83,20 @@ def import_ray() -> Any:
     return ray
 
 
+#: The numeric settings of ``sglang_deploy.launch.ray`` and their bounds.
+_RAY_BOUNDS = {
+    "placement_timeout_s": Bounds(0, inclusive=False),
+    "engine_num_cpus": Bounds(0),
+    "bundle_gpu_share": Bounds(0, inclusive=False, maximum=1),
+}
+
+
 def ray_conf_problems(conf: RayConf) -> list[Problem]:
     """Problems with ``sglang_deploy.launch.ray`` (values, not only keys)."""
     key = "sglang_deploy.launch.ray"
     out = []
-    if not conf.placement_timeout_s > 0:
-        out.append(Problem(f"{key}.placement_timeout_s", f"{conf.placement_timeout_s} must be > 0 (seconds)"))
-    if not conf.engine_num_cpus >= 0:
-        out.append(Problem(f"{key}.engine_num_cpus", f"{conf.engine_num_cpus} must be >= 0"))
-    if not 0 < conf.bundle_gpu_share <= 1:
-        out.append(Problem(f"{key}.bundle_gpu_share", f"{conf.bundle_gpu_share} must be in (0, 1]"))
+    for name, bounds in _RAY_BOUNDS.items():
+        out += bounds_problems(f"{key}.{name}", getattr(conf, name), bounds)
     if conf.address is not None and not str(conf.address).strip():
         out.append(
             Problem(f"{key}.address", "must be null (find the cluster) or an address like 10.0.0.1:6379")

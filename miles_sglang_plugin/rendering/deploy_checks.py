@@ -1,18 +1,24 @@
-"""Checks of the deployment-wide launch settings (``sglang_deploy.launch``, ``.lora``, ``.env``, ``.standin``,
-``.api_key``): every value, before anything is rendered or started.
+"""Checks of the deployment-wide settings (``sglang_deploy``: launch, LoRA's switches and paths, env, stand-in,
+API key, supervision, control): every value, before anything is rendered or started.
 
 They run in :func:`~miles_sglang_plugin.rendering.launch_specs.check_deploy_settings`, hence on every path
 that renders a deployment (``plan``, ``export``, ``resolve_config``'s callers, ``launch``). The settings may come
 from a composed Hydra config (typed by the schema: a wrong type fails there already) or from code (anything):
 both are checked the same way. A secret (the API key) is never shown in a message.
+
+A numeric setting is checked by its :class:`Bounds` (one message shape for every one: ``must be an integer >= 1,
+got 0``); the router's numbers (:mod:`~miles_sglang_plugin.rendering.router_specs`), LoRA's
+(:mod:`~miles_sglang_plugin.rendering.lora`) and the ray backend's use the same.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from miles_sglang_plugin.config.schema import (
@@ -22,10 +28,13 @@ from miles_sglang_plugin.config.schema import (
     LoraConf,
     SGLangDeployConf,
     StandInFaultsConf,
+    SupervisionConf,
 )
 from miles_sglang_plugin.errors import Problem
 
 LIVE_MODES = ("auto", "always", "never")
+#: What supervision may poll.
+HEALTH_ENDPOINTS = ("/health", "/health_generate")
 #: A host name of RFC 1123 labels (letters, digits, ``-``; dot separated), at most 253 characters.
 _HOST_NAME_RE = re.compile(
     r"^(?=.{1,253}\.?$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?$"
@@ -36,18 +45,115 @@ _ADAPTER_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
 MAX_POLL_INTERVAL_S = 60.0
 
 
-def _number(
-    path: str, value: Any, *, minimum: float, inclusive: bool, integer: bool = False
-) -> list[Problem]:
-    """``value`` is a finite number (an integer where ``integer``) at or above (or above) ``minimum``."""
-    kinds = (int,) if integer else (int, float)
-    what = "an integer" if integer else "a number"
-    bound = f"{'>=' if inclusive else '>'} {minimum:g}"
-    if isinstance(value, bool) or not isinstance(value, kinds):
-        return [Problem(path, f"must be {what} {bound}, got {value!r}")]
-    if not math.isfinite(value) or value < minimum or (value == minimum and not inclusive):
-        return [Problem(path, f"must be {what} {bound}, got {value!r}")]
-    return []
+@dataclass(frozen=True)
+class Bounds:
+    """What a numeric setting may hold: a finite number (an integer where ``integer``) at or above ``minimum``
+    (above it where not ``inclusive``) and, where ``maximum`` is given, at most ``maximum``; ``why`` (optional)
+    says what the bounds protect."""
+
+    minimum: float
+    inclusive: bool = True
+    integer: bool = False
+    maximum: float | None = None
+    why: str = ""
+
+    def _range(self) -> str:
+        if self.maximum is None:
+            return f"{'>=' if self.inclusive else '>'} {self.minimum:g}"
+        if self.inclusive:
+            return f"in {self.minimum:g}..{self.maximum:g}"
+        return f"> {self.minimum:g} and <= {self.maximum:g}"
+
+    def problem(self, value: Any) -> str | None:
+        """What is wrong with ``value`` (``must be a number > 0, got -1.0``), or None when it is fine."""
+        kinds = (int,) if self.integer else (int, float)
+        ok = not isinstance(value, bool) and isinstance(value, kinds)
+        finite = not ok or math.isfinite(value)
+        if ok and finite:
+            low_ok = value > self.minimum or (self.inclusive and value == self.minimum)
+            if low_ok and (self.maximum is None or value <= self.maximum):
+                return None
+        what = "an integer" if self.integer else "a number" if finite else "a finite number"
+        why = f" ({self.why})" if self.why else ""
+        return f"must be {what} {self._range()}{why}, got {value!r}"
+
+
+def bounds_problems(key: str, value: Any, bounds: Bounds) -> list[Problem]:
+    """``value`` of the setting ``key`` against its ``bounds``: no problem, or one with the key."""
+    message = bounds.problem(value)
+    return [] if message is None else [Problem(key, message)]
+
+
+def flag_problem(value: Any) -> str | None:
+    """A switch is ``true`` or ``false`` (not 1, not ``"yes"``)."""
+    return None if isinstance(value, bool) else f"must be true or false, got {value!r}"
+
+
+def choice_problem(value: Any, valid: Collection[str]) -> str | None:
+    """``value`` is one of the strings ``valid`` (a member of a string enum counts as its value)."""
+    if isinstance(value, str) and str(value) in valid:
+        return None
+    return f"{value!r} is not one of {', '.join(valid)}"
+
+
+def _problems(key: str, message: str | None) -> list[Problem]:
+    return [] if message is None else [Problem(key, message)]
+
+
+#: The numeric settings under ``sglang_deploy`` (dotted, below it) and their bounds.
+SETTING_BOUNDS: Mapping[str, Bounds] = {
+    "launch.startup_timeout_s": Bounds(0, inclusive=False),
+    "launch.poll_interval_s": Bounds(
+        0,
+        inclusive=False,
+        maximum=MAX_POLL_INTERVAL_S,
+        why="an engine that exits is noticed at the next poll",
+    ),
+    "launch.shutdown_grace_s": Bounds(0),
+    "launch.port_base": Bounds(1024, integer=True),
+    "launch.port_max": Bounds(1024, integer=True),
+    "standin.start_delay_s": Bounds(0),
+    "standin.control_latency_s": Bounds(0),
+    "supervision.health_interval_s": Bounds(0, inclusive=False),
+    "supervision.health_timeout_s": Bounds(0, inclusive=False),
+    "supervision.failure_threshold": Bounds(1, integer=True),
+    "supervision.max_restarts": Bounds(0, integer=True),
+    "supervision.restart_backoff_s": Bounds(0),
+    "supervision.restart_backoff_max_s": Bounds(0),
+    "supervision.restart_budget_reset_s": Bounds(0, inclusive=False),
+    "supervision.kill_grace_s": Bounds(0),
+    "supervision.router_max_restarts": Bounds(0, integer=True),
+    "control.timeout_s": Bounds(0, inclusive=False),
+    "control.max_concurrency": Bounds(1, integer=True),
+}
+
+
+def _setting(settings: SGLangDeployConf, dotted: str) -> Any:
+    node: Any = settings
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def _in_bounds(settings: SGLangDeployConf, dotted: str) -> bool:
+    return SETTING_BOUNDS[dotted].problem(_setting(settings, dotted)) is None
+
+
+def _bounded_setting_problems(settings: SGLangDeployConf) -> list[Problem]:
+    """Every numeric setting of :data:`SETTING_BOUNDS`, the stand-in's per-engine death times and its speed
+    model (finite, >= 0, rates > 0)."""
+    out: list[Problem] = []
+    for dotted, bounds in SETTING_BOUNDS.items():
+        out += bounds_problems(f"sglang_deploy.{dotted}", _setting(settings, dotted), bounds)
+    die_after = settings.standin.die_after_s
+    for pattern, seconds in die_after.items() if isinstance(die_after, Mapping) else ():
+        out += bounds_problems(f"sglang_deploy.standin.die_after_s.{pattern}", seconds, Bounds(0))
+    for speed in dataclasses.fields(settings.standin.speed):
+        if speed.name != "enabled":
+            bounds = Bounds(0, inclusive=not speed.name.endswith("_per_s"))
+            value = getattr(settings.standin.speed, speed.name)
+            out += bounds_problems(f"sglang_deploy.standin.speed.{speed.name}", value, bounds)
+    return out
 
 
 def host_problem(path: str, host: Any) -> list[Problem]:
@@ -77,48 +183,24 @@ def _command_problems(key: str, command: Any) -> list[Problem]:
     ]
 
 
-def _timing_problems(key: str, launch: LaunchConf) -> list[Problem]:
-    out = _number(f"{key}.startup_timeout_s", launch.startup_timeout_s, minimum=0, inclusive=False)
-    poll = _number(f"{key}.poll_interval_s", launch.poll_interval_s, minimum=0, inclusive=False)
-    if not poll and launch.poll_interval_s > MAX_POLL_INTERVAL_S:
-        poll.append(
-            Problem(
-                f"{key}.poll_interval_s",
-                f"must be at most {MAX_POLL_INTERVAL_S:g} s (an engine that exits is noticed at the next poll), "
-                f"got {launch.poll_interval_s!r}",
-            )
-        )
-    return out + poll + _number(f"{key}.shutdown_grace_s", launch.shutdown_grace_s, minimum=0, inclusive=True)
-
-
-def _port_problems(key: str, launch: LaunchConf) -> list[Problem]:
-    out = _number(f"{key}.port_base", launch.port_base, minimum=1024, inclusive=True, integer=True)
-    out += _number(f"{key}.port_max", launch.port_max, minimum=1024, inclusive=True, integer=True)
-    if not out and launch.port_base >= launch.port_max:
+def _launch_problems(settings: SGLangDeployConf) -> list[Problem]:
+    """What is not a number in ``sglang_deploy.launch``, and the port range as a whole."""
+    key = "sglang_deploy.launch"
+    launch: LaunchConf = settings.launch
+    out: list[Problem] = []
+    for name, kind in (("engine", EngineKind), ("backend", BackendKind)):
+        out += _problems(f"{key}.{name}", choice_problem(getattr(launch, name), [m.value for m in kind]))
+    out += _command_problems(f"{key}.command", launch.command)
+    out += host_problem(f"{key}.host", launch.host)
+    ports_ok = _in_bounds(settings, "launch.port_base") and _in_bounds(settings, "launch.port_max")
+    if ports_ok and launch.port_base >= launch.port_max:
         out.append(
             Problem(f"{key}.port_base", f"{launch.port_base} must be below port_max={launch.port_max}")
         )
-    return out
-
-
-def _launch_problems(launch: LaunchConf) -> list[Problem]:
-    key = "sglang_deploy.launch"
-    out: list[Problem] = []
-    for name, kind in (("engine", EngineKind), ("backend", BackendKind)):
-        value = getattr(launch, name)
-        valid = [member.value for member in kind]
-        if str(value) not in valid:
-            out.append(Problem(f"{key}.{name}", f"{value!r} is not one of {', '.join(valid)}"))
-    out += _command_problems(f"{key}.command", launch.command)
-    out += host_problem(f"{key}.host", launch.host)
-    out += _timing_problems(key, launch)
-    out += _port_problems(key, launch)
     log_dir = launch.log_dir
     if log_dir is not None and (not isinstance(log_dir, str) or not log_dir or "\0" in log_dir):
         out.append(Problem(f"{key}.log_dir", f"must be a directory path or null, got {log_dir!r}"))
-    if launch.live not in LIVE_MODES:
-        out.append(Problem(f"{key}.live", f"{launch.live!r} is not one of {', '.join(LIVE_MODES)}"))
-    return out
+    return out + _problems(f"{key}.live", choice_problem(launch.live, LIVE_MODES))
 
 
 def _lora_problems(lora: LoraConf) -> list[Problem]:
@@ -127,8 +209,7 @@ def _lora_problems(lora: LoraConf) -> list[Problem]:
     key = "sglang_deploy.lora"
     out: list[Problem] = []
     for name in ("enabled", "base_cpu_backup"):
-        if not isinstance(getattr(lora, name), bool):
-            out.append(Problem(f"{key}.{name}", f"must be true or false, got {getattr(lora, name)!r}"))
+        out += _problems(f"{key}.{name}", flag_problem(getattr(lora, name)))
     paths = lora.paths if isinstance(lora.paths, Mapping) else None
     if paths is None:
         out.append(Problem(f"{key}.paths", f"must map adapter names to paths, got {lora.paths!r}"))
@@ -171,21 +252,39 @@ def _env_problems(env: Any) -> list[Problem]:
 
 
 def _standin_problems(faults: StandInFaultsConf) -> list[Problem]:
+    """The engine id patterns (the delays and the speed model: :data:`SETTING_BOUNDS`)."""
     key = "sglang_deploy.standin"
-    out = _number(f"{key}.start_delay_s", faults.start_delay_s, minimum=0, inclusive=True)
+    out = []
     for name in ("fail_at_start", "never_healthy"):
         patterns = getattr(faults, name)
         if not isinstance(patterns, list | tuple) or not all(isinstance(p, str) for p in patterns):
             out.append(Problem(f"{key}.{name}", f"must be a list of engine id patterns, got {patterns!r}"))
-    die_after = faults.die_after_s if isinstance(faults.die_after_s, Mapping) else {}
     if not isinstance(faults.die_after_s, Mapping):
         out.append(
             Problem(
                 f"{key}.die_after_s", f"must map engine id patterns to seconds, got {faults.die_after_s!r}"
             )
         )
-    for pattern, seconds in die_after.items():
-        out += _number(f"{key}.die_after_s.{pattern}", seconds, minimum=0, inclusive=True)
+    return out
+
+
+def _supervision_problems(settings: SGLangDeployConf) -> list[Problem]:
+    """The switch, the endpoint, and the backoff cap against the first wait."""
+    key = "sglang_deploy.supervision"
+    supervision: SupervisionConf = settings.supervision
+    out = _problems(f"{key}.health_endpoint", choice_problem(supervision.health_endpoint, HEALTH_ENDPOINTS))
+    out += _problems(f"{key}.enabled", flag_problem(supervision.enabled))
+    backoff, cap = supervision.restart_backoff_s, supervision.restart_backoff_max_s
+    in_bounds = _in_bounds(settings, "supervision.restart_backoff_s") and _in_bounds(
+        settings, "supervision.restart_backoff_max_s"
+    )
+    if in_bounds and cap < backoff:
+        out.append(
+            Problem(
+                f"{key}.restart_backoff_max_s",
+                f"{cap!r} is below restart_backoff_s={backoff!r}; the cap must be at least the first wait",
+            )
+        )
     return out
 
 
@@ -205,15 +304,29 @@ def _api_key_problems(api_key: Any) -> list[Problem]:
     ]
 
 
-def launch_setting_problems(settings: SGLangDeployConf) -> list[Problem]:
-    """Every problem with the launch, LoRA, environment, stand-in and API key settings (empty: fine)."""
+def deploy_setting_problems(settings: SGLangDeployConf) -> list[Problem]:
+    """Every problem with the launch, LoRA (but its numbers), environment, stand-in, API key, supervision and
+    control settings (empty: fine)."""
     return [
-        *_launch_problems(settings.launch),
+        *_bounded_setting_problems(settings),
+        *_launch_problems(settings),
         *_lora_problems(settings.lora),
         *_env_problems(settings.env),
         *_standin_problems(settings.standin),
         *_api_key_problems(settings.api_key),
+        *_supervision_problems(settings),
     ]
 
 
-__all__ = ["LIVE_MODES", "MAX_POLL_INTERVAL_S", "host_problem", "launch_setting_problems"]
+__all__ = [
+    "HEALTH_ENDPOINTS",
+    "LIVE_MODES",
+    "MAX_POLL_INTERVAL_S",
+    "SETTING_BOUNDS",
+    "Bounds",
+    "bounds_problems",
+    "choice_problem",
+    "deploy_setting_problems",
+    "flag_problem",
+    "host_problem",
+]

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import fnmatch
 import json
-import math
 import shlex
 import sys
 from collections.abc import Callable, Collection, Mapping
@@ -37,10 +36,15 @@ from miles_sglang_plugin.planning.plan import (
     ModelPlan,
 )
 from miles_sglang_plugin.planning.resolution import PLAN_OWNED_OVERRIDES, suggest
-from miles_sglang_plugin.rendering.deploy_checks import launch_setting_problems
+from miles_sglang_plugin.rendering.deploy_checks import deploy_setting_problems
 from miles_sglang_plugin.rendering.lora import lora_server_args
 from miles_sglang_plugin.rendering.ports import EnginePorts, PortAssignment
-from miles_sglang_plugin.rendering.router_specs import RouterLaunchSpec, RouterSettings, WorkerRegistration
+from miles_sglang_plugin.rendering.router_specs import (
+    RouterLaunchSpec,
+    RouterSettings,
+    WorkerRegistration,
+    validate_router_settings,
+)
 
 STANDIN_COMMAND = ("{python}", "-m", "miles_sglang_plugin.standin")
 
@@ -191,11 +195,8 @@ class LaunchSpecs:
 
 
 def check_deploy_settings(settings: SGLangDeployConf, fields: Collection[str] | None) -> list[Problem]:
-    """Problems with ``sglang_deploy`` (server defaults, router settings, every launch setting); empty when
-    fine."""
-    from miles_sglang_plugin.rendering.router_specs import validate_router_settings
-    from miles_sglang_plugin.rendering.runtime_settings import runtime_settings_problems
-
+    """Problems with ``sglang_deploy`` (server defaults, router settings, and every other setting:
+    :func:`~miles_sglang_plugin.rendering.deploy_checks.deploy_setting_problems`); empty when fine."""
     out: list[Problem] = []
     for key in settings.server_defaults:
         norm = key.replace("-", "_")
@@ -212,8 +213,7 @@ def check_deploy_settings(settings: SGLangDeployConf, fields: Collection[str] | 
         out.append(Problem("sglang_deploy.router", str(exc)))
     else:
         out += [Problem("sglang_deploy.router", msg) for msg in validate_router_settings(router)]
-    out += list(runtime_settings_problems(settings))
-    return out + launch_setting_problems(settings) + standin_speed_problems(settings)
+    return out + deploy_setting_problems(settings)
 
 
 def _placement_args(
@@ -335,21 +335,6 @@ def standin_speed_env(settings: SGLangDeployConf) -> dict[str, str]:
     if not speed.pop("enabled"):
         return {}
     return {"MSP_STANDIN_SPEED": json.dumps(speed, sort_keys=True)}
-
-
-def standin_speed_problems(settings: SGLangDeployConf) -> list[Problem]:
-    """The speed model's values: finite, >= 0, rates > 0."""
-    out = []
-    for name, value in asdict(settings.standin.speed).items():
-        if name == "enabled":
-            continue
-        low_ok = value > 0 if name.endswith("_per_s") else value >= 0
-        if not (math.isfinite(value) and low_ok):
-            bound = "> 0" if name.endswith("_per_s") else ">= 0"
-            out.append(
-                Problem(f"sglang_deploy.standin.speed.{name}", f"{value!r} must be finite and {bound}")
-            )
-    return out
 
 
 def _worker_registration(launch: EngineProcessLaunch) -> WorkerRegistration:

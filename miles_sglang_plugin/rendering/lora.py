@@ -18,9 +18,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from miles_sglang_plugin.config.deployment_spec import is_int
 from miles_sglang_plugin.config.schema import LoraConf
 from miles_sglang_plugin.errors import Problem
+from miles_sglang_plugin.rendering.deploy_checks import Bounds, bounds_problems
 
 #: Megatron LoRA module names -> the HF names SGLang serves (Miles ``lora_utils.py``): standard LoRA (merged
 #: q/k/v and gate/up), CanonicalLoRA (split), GDN linear attention, and MLA / the DSA indexer.
@@ -90,10 +90,8 @@ def lora_problems(lora: LoraConf, *, colocate: bool) -> list[Problem]:
     out: list[Problem] = []
     for name, minimum in (("multi_lora_n_adapters", 0), ("max_lora_rank", 1), ("max_loras_per_batch", 1)):
         value = getattr(lora, name)
-        if value is None and name == "max_loras_per_batch":
-            continue
-        if not is_int(value) or value < minimum:
-            out.append(Problem(f"{KEY}.{name}", f"must be an integer >= {minimum}, got {value!r}"))
+        if value is not None or name != "max_loras_per_batch":
+            out += bounds_problems(f"{KEY}.{name}", value, Bounds(minimum, integer=True))
     if out or not lora.multi_lora_n_adapters:
         return out
     n = lora.multi_lora_n_adapters

@@ -18,19 +18,17 @@ process there needs, in order, and returns their first ports, e.g. with :func:`f
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import fcntl
 import os
 import socket
-import stat
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from miles_sglang_plugin.config.deployment_spec import WorkerType
 from miles_sglang_plugin.planning.plan import DeploymentPlan
+from miles_sglang_plugin.rendering.claims import LockClaims
 
 #: Linux's default ephemeral range starts here; SGLang's own defaults (30000, 8998) stay outside our range too.
 EPHEMERAL_START = 32768
@@ -77,85 +75,13 @@ def default_lock_dir() -> Path:
     return Path(os.environ.get("MSP_PORT_LOCK_DIR", default))
 
 
-class UnsafeLockDirError(PermissionError):
-    """The port lock directory could be controlled by someone else: refused (``str()`` says why)."""
-
-
-def _check_parents(path: Path) -> None:
-    """No directory above ``path`` is a symlink that another user (not root, not this user) could redirect."""
-    for parent in path.parents:
-        try:
-            info = os.lstat(parent)
-        except FileNotFoundError:
-            continue  # made below, by this user
-        if stat.S_ISLNK(info.st_mode) and info.st_uid not in (0, os.getuid()):
-            raise UnsafeLockDirError(f"it is reached through {parent}, a symlink owned by uid {info.st_uid}")
-
-
-def open_lock_dir(path: Path) -> int:
-    """The lock directory, opened (a file descriptor): created 0700 if missing; refused when it is a symlink,
-    reached through another user's symlink, or owned by another user; made 0700 if it is this user's and
-    looser (another user could otherwise create lock files in it and hold ports)."""
-    path = Path(os.path.abspath(path))
-    _check_parents(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:  # a file is in the way somewhere above
-        raise NotADirectoryError(errno.ENOTDIR, "Not a directory", str(path.parent)) from None
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(path, 0o700)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.islink(path):
-            raise UnsafeLockDirError("it is a symlink; use a real directory") from None
-        raise
-    info = os.fstat(fd)
-    if info.st_uid != os.getuid():
-        os.close(fd)
-        raise UnsafeLockDirError(f"it is owned by uid {info.st_uid}, not by this user (uid {os.getuid()})")
-    if stat.S_IMODE(info.st_mode) != 0o700:
-        os.fchmod(fd, 0o700)
-    return fd
-
-
 @dataclass
-class PortClaims:
-    """flock claims held for a launch; :meth:`release` (or process exit) frees them. Lock files are opened
-    inside the checked lock directory (:func:`open_lock_dir`) without following symlinks."""
-
-    lock_dir: Path
-    fds: dict[int, int] = field(default_factory=dict)
-    #: The last reason a lock file could not be opened at all (not: another launch holds it).
-    unusable: OSError | None = None
-    _dir_fd: int | None = field(default=None, repr=False)
-
-    def _directory(self) -> int:
-        if self._dir_fd is None:
-            self._dir_fd = open_lock_dir(self.lock_dir)
-        return self._dir_fd
-
-    def try_claim(self, port: int) -> bool:
-        try:
-            flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
-            fd = os.open(f"{port}.lock", flags, 0o600, dir_fd=self._directory())
-        except OSError as exc:
-            self.unusable = exc
-            return False  # cannot take part in claims here: treat the port as taken
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            return False
-        self.fds[port] = fd
-        return True
+class PortClaims(LockClaims[int]):
+    """flock claims of ports held for a launch (lock files ``<port>.lock`` in the checked lock directory, see
+    :mod:`~miles_sglang_plugin.rendering.claims`); :meth:`release` (or process exit) frees them."""
 
     def release(self) -> None:
-        for fd in [*self.fds.values(), *([self._dir_fd] if self._dir_fd is not None else [])]:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        self.fds.clear()
-        self._dir_fd = None
+        self.close()
 
     def __del__(self) -> None:  # best effort; the kernel drops the locks at exit anyway
         self.release()
@@ -188,7 +114,7 @@ class _Cursor:
             return False
         if not port_is_free(self.host, port):
             if self.claims is not None:
-                os.close(self.claims.fds.pop(port))
+                self.claims.drop(port)
             return False
         return True
 
@@ -208,7 +134,7 @@ class _Cursor:
             # Give back a partial run and continue after the blocked port.
             if self.claims is not None:
                 for port in usable:
-                    os.close(self.claims.fds.pop(port))
+                    self.claims.drop(port)
             self.next = start + len(usable) + 1
         claims = self.claims
         if claims is not None and claims.unusable is not None and not claims.fds:

@@ -22,6 +22,7 @@ from typing import Any
 from miles_sglang_plugin.addresses import http_base_url, strip_brackets
 from miles_sglang_plugin.config.schema import RouterConf
 from miles_sglang_plugin.config.shared_fields import dict_as_mapping, fields_of
+from miles_sglang_plugin.rendering.deploy_checks import Bounds, choice_problem, flag_problem
 
 __all__ = [
     "DECODE_POLICIES",
@@ -292,20 +293,26 @@ def _policy_problem(key: str, value: Any, valid: tuple[str, ...]) -> str | None:
     return msg
 
 
-_INT_MINIMUMS = {
-    "request_timeout_secs": 1,
-    "health_check_interval_secs": 1,
-    "health_failure_threshold": 1,
-    "health_success_threshold": 1,
-    "health_check_timeout_secs": 1,
-    "retry_max_retries": 1,
-    "cb_failure_threshold": 1,
-    "cb_timeout_duration_secs": 1,
-    "retry_initial_backoff_ms": 1,
-    "retry_max_backoff_ms": 1,
+#: The numeric settings and their bounds.
+_SETTING_BOUNDS = {
+    **{
+        name: Bounds(1, integer=True)
+        for name in (
+            "request_timeout_secs",
+            "health_check_interval_secs",
+            "health_failure_threshold",
+            "health_success_threshold",
+            "health_check_timeout_secs",
+            "retry_max_retries",
+            "cb_failure_threshold",
+            "cb_timeout_duration_secs",
+            "retry_initial_backoff_ms",
+            "retry_max_backoff_ms",
+        )
+    },
+    "retry_backoff_multiplier": Bounds(1.0, maximum=100.0),
+    "retry_jitter_factor": Bounds(0.0, maximum=1.0),
 }
-#: Float settings: name -> (lowest, highest) allowed.
-_FLOAT_RANGES = {"retry_backoff_multiplier": (1.0, 100.0), "retry_jitter_factor": (0.0, 1.0)}
 _BOOL_SETTINGS = ("disable_health_check", "disable_retries", "disable_circuit_breaker")
 #: The settings with a field of their own (anything else goes under ``extra``).
 _TYPED_SETTINGS = frozenset(f.name for f in dataclasses.fields(RouterSettings)) - {"extra"}
@@ -322,26 +329,17 @@ def _policy_problems(settings: RouterSettings) -> list[str]:
 
 
 def _typed_setting_problems(settings: RouterSettings) -> list[str]:
-    """The log level, the integer settings with their minimums, and the boolean ones."""
+    """The log level, the numeric settings within their bounds, and the boolean ones."""
     problems: list[str] = []
-    if settings.log_level not in LOG_LEVELS:
+    level = choice_problem(settings.log_level, LOG_LEVELS)
+    if level:
         hint = " (did you mean 'warn'?)" if str(settings.log_level).lower().startswith("warn") else ""
-        problems.append(f"log_level: {settings.log_level!r} is not one of {', '.join(LOG_LEVELS)}{hint}")
-    for name, minimum in _INT_MINIMUMS.items():
-        value = getattr(settings, name)
-        if isinstance(value, bool) or not isinstance(value, int):
-            problems.append(f"{name}: must be an integer, got {value!r}")
-        elif value < minimum:
-            problems.append(f"{name}: must be >= {minimum}, got {value}")
-    for name in _BOOL_SETTINGS:
-        value = getattr(settings, name)
-        if not isinstance(value, bool):
-            problems.append(f"{name}: must be true or false, got {value!r}")
-    for name, (low, high) in _FLOAT_RANGES.items():
-        value = getattr(settings, name)
-        if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
-            problems.append(f"{name}: must be a number in {low:g}..{high:g}, got {value!r}")
-    return problems
+        problems.append(f"log_level: {level}{hint}")
+    checked = [
+        *((name, bounds.problem(getattr(settings, name))) for name, bounds in _SETTING_BOUNDS.items()),
+        *((name, flag_problem(getattr(settings, name))) for name in _BOOL_SETTINGS),
+    ]
+    return problems + [f"{name}: {problem}" for name, problem in checked if problem]
 
 
 def _extra_problem(key: Any, value: Any, fields: Mapping[str, Any] | None) -> str | None:

@@ -48,7 +48,7 @@ from miles_sglang_plugin.backends.status_view import StatusView, SummaryRow
 from miles_sglang_plugin.masking import mask_argv
 from miles_sglang_plugin.rendering.launch_specs import EngineProcessLaunch, RouterLaunch
 from miles_sglang_plugin.rendering.prepared import PreparedDeployment
-from miles_sglang_plugin.serving import signals
+from miles_sglang_plugin.serving import quiet_http, signals
 from miles_sglang_plugin.serving.control import AsyncDeploymentControl, DeploymentControl
 from miles_sglang_plugin.serving.members import EngineInfo, EngineMember, build_members
 from miles_sglang_plugin.serving.registry import ModelRoute, RouterRegistry
@@ -279,6 +279,7 @@ class Deployment:
             raise RuntimeError("a Deployment starts once")
         self._started = True
         _ACTIVE.add(self)
+        quiet_http.install()  # the requests below (polls, registrations, supervision, control) stay quiet
         self._watch = signals.watch() if self.install_signal_handlers else None
         for note in self.notes:
             self.status.note(note)

@@ -31,6 +31,7 @@ from typing import Any
 import httpx
 
 from miles_sglang_plugin.rendering.router_specs import RouterLaunchSpec, WorkerRegistration
+from miles_sglang_plugin.serving import quiet_http
 
 __all__ = [
     "API_KEY_ENV",
@@ -108,6 +109,7 @@ def _request(
     json_body: Any = None,
     ok: Callable[[int], bool] = lambda status: 200 <= status < 300,
 ) -> httpx.Response:
+    quiet_http.install()
     try:
         resp = httpx.request(method, url, json=json_body, headers=_headers(api_key), timeout=timeout_s)
     except httpx.HTTPError as e:
@@ -207,6 +209,7 @@ def _registration_problems(
 
 def _readiness(base: str, api_key: str | None, timeout_s: float) -> tuple[bool, str]:
     """``GET /readiness``: (answered 200, what it says)."""
+    quiet_http.install()
     try:
         resp = httpx.get(f"{base}/readiness", headers=_headers(api_key), timeout=timeout_s)
     except httpx.HTTPError as e:

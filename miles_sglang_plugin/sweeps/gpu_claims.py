@@ -1,6 +1,7 @@
-"""GPU claims across concurrent launches on one machine, as the port claims (``rendering/ports.py``): a GPU is
-given to a job only while its launcher holds an ``flock`` on the GPU's lock file in a shared directory. The
-kernel drops a lock when every process holding it is gone, so a crashed launch never leaks a GPU; the
+"""GPU claims across concurrent launches on one machine, with the port claims' mechanism
+(:mod:`~miles_sglang_plugin.rendering.claims`: the same checked lock directory, lock files opened without
+following symlinks): a GPU is given to a job only while its launcher holds an ``flock`` on the GPU's lock file.
+The kernel drops a lock when every process holding it is gone, so a crashed launch never leaks a GPU; the
 launcher unlocks (``LOCK_UN``) when a job ends, which frees the GPU at once even though the job's process,
 forked while the lock was held, had a copy of the descriptor.
 
@@ -10,14 +11,14 @@ a GPU alike and share the lock directory (``$MSP_GPU_LOCK_DIR``, default ``<tmp>
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import os
 import re
 import tempfile
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+
+from miles_sglang_plugin.rendering.claims import LOCK_FILE_FLAGS, LockClaims, open_lock_dir
 
 LOCK_DIR_ENV = "MSP_GPU_LOCK_DIR"
 
@@ -36,36 +37,23 @@ def _lock_name(gpu: str) -> str:
 
 
 @dataclass
-class GpuClaims:
-    """The GPUs this process holds, each an open, flock-ed lock file."""
+class GpuClaims(LockClaims[str]):
+    """The GPUs this process holds, each an open, flock-ed lock file (``gpu-<id>.lock``)."""
 
-    lock_dir: Path
-    fds: dict[str, int] = field(default_factory=dict)
+    def lock_file_name(self, key: str) -> str:
+        return _lock_name(key)
 
     def check_usable(self) -> None:
-        """Raise :class:`GpuLockDirError` (naming the directory) unless lock files can be made there."""
+        """Raise :class:`GpuLockDirError` (naming the directory) unless it is safe (see
+        :func:`~miles_sglang_plugin.rendering.claims.open_lock_dir`) and lock files can be made there."""
         try:
-            self.lock_dir.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.lock_dir / ".probe", os.O_RDWR | os.O_CREAT, 0o600)
-            os.close(fd)
+            dir_fd = open_lock_dir(self.lock_dir)
+            try:
+                os.close(os.open(".probe", LOCK_FILE_FLAGS, 0o600, dir_fd=dir_fd))
+            finally:
+                os.close(dir_fd)
         except OSError as exc:
             raise GpuLockDirError(f"the GPU lock directory {self.lock_dir} is not usable: {exc}") from None
-
-    def try_claim(self, gpu: str) -> bool:
-        """Claim ``gpu`` unless another launch (or this one) holds it."""
-        if gpu in self.fds:
-            return False
-        try:
-            fd = os.open(self.lock_dir / _lock_name(gpu), os.O_RDWR | os.O_CREAT, 0o600)
-        except OSError:
-            return False  # cannot take part in claims: treat it as taken
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            return False
-        self.fds[gpu] = fd
-        return True
 
     def claim(self, candidates: Sequence[str], count: int) -> list[str] | None:
         """``count`` GPUs of ``candidates``, in their order, all or none."""
@@ -82,13 +70,7 @@ class GpuClaims:
 
     def release(self, gpus: Iterable[str]) -> None:
         for gpu in list(gpus):
-            fd = self.fds.pop(gpu, None)
-            if fd is None:
-                continue
-            with contextlib.suppress(OSError):
-                fcntl.flock(fd, fcntl.LOCK_UN)  # for every copy of the descriptor (forked jobs)
-            with contextlib.suppress(OSError):
-                os.close(fd)
+            self.drop(gpu, unlock=True)  # for every copy of the descriptor (forked jobs)
 
     def release_all(self) -> None:
         self.release(list(self.fds))
@@ -98,5 +80,4 @@ class GpuClaims:
         would free them for everyone), keeping ``keep``'s, which then live as long as the job."""
         kept = set(keep)
         for gpu in [g for g in self.fds if g not in kept]:
-            with contextlib.suppress(OSError):
-                os.close(self.fds.pop(gpu))
+            self.drop(gpu)

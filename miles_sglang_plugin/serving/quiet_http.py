@@ -5,6 +5,10 @@ polls every engine's health several times a second during start-up and registers
 router, so an app logging at INFO would get hundreds of those lines. The filter installed here drops that
 line for requests made from this package's code (found on the call stack of the logging call) and leaves
 every other record, the app's own requests included, as it is.
+
+It is installed where the package starts making requests, not when a module is imported: when a deployment
+starts (its health polls, registrations, supervision and control fan-out; the rollout benchmark drives a
+started deployment), and by the router helpers of :mod:`.routers`, which may also be called on their own.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ class OwnRequestsFilter(logging.Filter):
 
 
 def install() -> None:
-    """Add the filter to the ``httpx`` logger (once per process)."""
+    """Add the filter to the ``httpx`` logger (once per process; later calls cost a look at its filters)."""
     logger = logging.getLogger("httpx")
     if not any(isinstance(existing, OwnRequestsFilter) for existing in logger.filters):
         logger.addFilter(OwnRequestsFilter())

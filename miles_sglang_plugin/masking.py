@@ -7,6 +7,11 @@ command, a plan or a log line is printed.
   secret (the GPU pinning, NCCL/Gloo network settings, the SGLang switches Miles sets); the caller adds the
   names of variables it sets itself. A variable from ``sglang_deploy.env`` such as ``DATABASE_URL`` or
   ``HF_TOKEN`` is therefore never printed, whatever its name.
+* Hydra overrides (a sweep's parameters, as metrics, reports and launcher logs show them): the value of a
+  secret field (``sglang_deploy.api_key=...``) and of an environment variable not on the allow-list
+  (``sglang_deploy.env.HF_TOKEN=...``) is masked; so is a mapping given whole to a key that holds either.
+* A secret's value itself must be printable ASCII (:func:`secret_value_problem`): a newline or control character
+  in an API key would split the HTTP header it travels in.
 """
 
 from __future__ import annotations
@@ -64,3 +69,47 @@ def mask_argv(argv: Sequence[str]) -> list[str]:
 def mask_env(env: Mapping[str, str], shown: Collection[str] = ()) -> dict[str, str]:
     """``env`` with every value masked except those of :data:`SAFE_ENV_NAMES` and of ``shown``."""
     return {k: (v if k in SAFE_ENV_NAMES or k in shown else MASK) for k, v in env.items()}
+
+
+def _secret_path(components: Sequence[str], value: str) -> bool:
+    """Whether an override of the key ``components`` (its dotted parts) to ``value`` may carry a secret."""
+    last = components[-1].lower() if components else ""
+    if last in SECRET_FIELDS:
+        return True
+    if "env" in components[:-1]:
+        return components[components.index("env") + 1] not in SAFE_ENV_NAMES
+    whole = value.lstrip().startswith(("{", "["))
+    return whole and (last == "env" or any(name in value.lower() for name in SECRET_FIELDS))
+
+
+def mask_override(override: str) -> str:
+    """A Hydra override (``key=value``, ``+key=``, ``++key=``, ``key@pkg=``; ``~key`` as given) with a secret
+    value masked: that of ``api_key``/``admin_api_key`` at any depth, of ``...env.NAME`` unless ``NAME`` is on
+    the allow-list, and a mapping given whole to an ``env`` key or holding a secret field."""
+    key, eq, value = override.partition("=")
+    if not eq:
+        return override
+    components = key.lstrip("+~").partition("@")[0].split(".")
+    return f"{key}={MASK}" if _secret_path(components, value) else override
+
+
+def mask_overrides(overrides: Sequence[str]) -> list[str]:
+    """Each of ``overrides`` through :func:`mask_override`."""
+    return [mask_override(str(override)) for override in overrides]
+
+
+def secret_value_problem(value: object) -> str | None:
+    """What is wrong with ``value`` as a secret (an API key), without showing it; None when it is fine: a
+    non-empty string of printable ASCII without surrounding blanks."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        return f"must be a string, got {type(value).__name__} (its value is not shown)"
+    if not value or value.strip() != value:
+        return "must be a non-empty string without surrounding blanks (its value is not shown)"
+    if not all(" " <= ch <= "~" for ch in value):
+        return (
+            "must be printable ASCII: it holds a control character (a newline, tab or NUL) or a non-ASCII "
+            "one, which would break the HTTP header it travels in (its value is not shown)"
+        )
+    return None

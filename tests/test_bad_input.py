@@ -562,6 +562,48 @@ def test_an_api_key_that_starts_with_dashes_is_passed_whole_and_never_shown(run:
     assert f"--api-key={SECRET}" in prepared.launch.engines[0].argv  # one token: no parser reads it as a flag
 
 
+PRINTABLE = "must be printable ASCII"
+NOT_BLANK = "must be a non-empty string without surrounding blanks"
+
+
+@pytest.mark.parametrize(
+    ("key", "expected"),
+    [
+        ("sk-1\nX-Injected: 1", PRINTABLE),
+        ("sk\t1", PRINTABLE),
+        ("sk\x7f1", PRINTABLE),
+        ("sk-\u00e9t\u00e9", PRINTABLE),
+        ("sk-1\r\n", NOT_BLANK),
+        ("  sk-1", NOT_BLANK),
+        ("", NOT_BLANK),
+    ],
+    ids=["newline", "tab", "del", "non-ascii", "crlf", "blank", "empty"],
+)
+def test_an_api_key_that_cannot_travel_in_a_header_is_refused_without_showing_it(
+    run: Run, monkeypatch: pytest.MonkeyPatch, key: str, expected: str
+) -> None:
+    monkeypatch.delenv("SGLANG_API_KEY", raising=False)
+    code, out, err = run("plan", "hf_checkpoint=/c", f"sglang_deploy.api_key='{key}'")
+    problem = _one_problem(err)
+    assert code == 2 and problem.startswith(f"sglang_deploy.api_key: {expected}"), problem
+    assert "its value is not shown" in problem and "Traceback" not in err
+    if key.strip():
+        assert key.strip() not in out + err
+
+
+def test_a_bad_key_from_the_environment_is_named_as_the_environment_variable(
+    run: Run, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SGLANG_API_KEY", "sk-env-7\nX-Injected: 1")
+    code, out, err = run("plan", "hf_checkpoint=/c")
+    assert code == 2 and "sk-env-7" not in out + err
+    assert _one_problem(err) == (
+        "SGLANG_API_KEY (environment variable): must be printable ASCII: it holds a control character (a "
+        "newline, tab or NUL) or a non-ASCII one, which would break the HTTP header it travels in (its value "
+        "is not shown)"
+    )
+
+
 @pytest.mark.sglang
 def test_sglangs_parser_takes_such_a_key_as_rendered() -> None:
     from miles_sglang_plugin.rendering.launch_specs import server_args_to_argv

@@ -218,6 +218,30 @@ def test_zero_rollout_gpus_without_a_deployment_starts_nothing() -> None:
     )
 
 
+def test_zero_rollout_gpus_with_a_deployment_that_holds_no_engines_starts_nothing() -> None:
+    """On the Hydra path the deployment is always given (the default preset): with rollout_num_gpus=0 its model
+    has no group, and a deployment of models without groups or external engines (or none at all) starts
+    nothing, as Miles' rule for rollout_num_gpus=0 does, instead of being refused."""
+    for given, names in ((spec(model("actor")), "actor"), (spec(), "none")):
+        plan = resolve_deployment(given, T(hf_checkpoint="/c", rollout_num_gpus=0))
+        assert (plan.models, plan.total_gpus, plan.rollout_num_gpus) == ((), 0, 0)
+        assert plan.notes[-1].startswith(
+            f"rollout_num_gpus=0 and the deployment holds no engines (models: {names};"
+        )
+    cfg = compose_config(["hf_checkpoint=/c", "rollout_num_gpus=0"])
+    plan = resolve_config(cfg)
+    assert plan.models == () and "models: actor;" in plan.notes[-1]
+    # Not when the trainer's rollout size is unset, nor when the groups hold GPUs the 0 contradicts.
+    with pytest.raises(DeploymentConfigError) as exc:
+        resolve_deployment(spec(model("actor")), T(hf_checkpoint="/c"))
+    assert list(problems(exc)) == ["sglang.actor"]
+    with pytest.raises(DeploymentConfigError) as exc:
+        resolve_deployment(
+            spec(model("actor", group("regular", 8))), T(hf_checkpoint="/c", rollout_num_gpus=0)
+        )
+    assert list(problems(exc)) == ["rollout_num_gpus"]
+
+
 def test_external_engines_cannot_be_exported_to_a_miles_config() -> None:
     from miles_sglang_plugin.miles.sglang_config import spec_to_miles_yaml
 

@@ -51,3 +51,46 @@ def test_mask_env_masks_the_variables_whose_names_hold_a_secret_word_in_any_case
         "AWS_SECRET_ACCESS_KEY": "***",
         "GOOGLE_APPLICATION_CREDENTIALS": "***",
     }
+
+
+def test_a_sweeps_overrides_keep_their_parameters_and_lose_their_secrets() -> None:
+    from miles_sglang_plugin.masking import mask_overrides
+
+    assert mask_overrides(
+        [
+            "sglang.actor.decode.num_gpus_per_engine=4",
+            "sglang_deploy.api_key=sk-1",
+            "+sglang_deploy.api_key='--x'",
+            "++sglang_deploy.admin_api_key=k",
+            "sglang_deploy.env.HF_TOKEN=hf_1",
+            "+sglang_deploy.env.NCCL_DEBUG=INFO",
+            "sglang_deploy.env={HF_TOKEN:hf_2}",
+            "sglang_deploy={api_key:sk-2}",
+            "sglang_deploy={launch:{backend:local}}",
+            "~sglang_deploy.api_key",
+            "sglang@actor_rollout_ref.rollout.engines=pd",
+        ]
+    ) == [
+        "sglang.actor.decode.num_gpus_per_engine=4",
+        "sglang_deploy.api_key=***",
+        "+sglang_deploy.api_key=***",
+        "++sglang_deploy.admin_api_key=***",
+        "sglang_deploy.env.HF_TOKEN=***",
+        "+sglang_deploy.env.NCCL_DEBUG=INFO",  # on the allow-list: a sweep over it stays readable
+        "sglang_deploy.env=***",
+        "sglang_deploy=***",
+        "sglang_deploy={launch:{backend:local}}",
+        "~sglang_deploy.api_key",
+        "sglang@actor_rollout_ref.rollout.engines=pd",
+    ]
+
+
+def test_a_secrets_value_must_be_printable_ascii_and_the_message_never_shows_it() -> None:
+    from miles_sglang_plugin.masking import secret_value_problem
+
+    assert secret_value_problem(None) is None and secret_value_problem("sk-abc_DEF.123~") is None
+    assert secret_value_problem("with inner space") is None  # a header value may hold one
+    for bad in ("a\nb", "a\rb", "a\0b", "a\x1bb", "caf\u00e9"):
+        problem = secret_value_problem(bad)
+        assert problem is not None and "printable ASCII" in problem and bad not in problem
+    assert "must be a string, got int" in (secret_value_problem(5) or "")

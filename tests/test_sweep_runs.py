@@ -95,3 +95,42 @@ def test_a_failed_job_is_a_row_with_its_error_and_the_sweep_still_reports(tmp_pa
     assert rows[1]["error"].startswith("DeploymentConfigError: 1 problem with the SGLang deployment")
     assert "sglang.actor.regular" in rows[1]["error"]
     assert "the sweep ended with failed jobs" in result.stdout
+
+
+@pytest.mark.slow
+def test_a_sweep_with_an_api_key_and_a_token_shows_neither_in_its_results_or_logs(tmp_path: Path) -> None:
+    # Given on the command line (the README prefers SGLANG_API_KEY): Hydra keeps its own copy of the overrides
+    # in each job's .hydra/ and in multirun.yaml, as with any Hydra app; everything this project writes or logs
+    # masks them.
+    key, token = "sk-SWEEP-k3y-91", "hf_SWEEPt0ken42"
+    sweep = tmp_path / "sweep"
+    result = run_app(
+        REPO / "tests" / "sweep_app" / "app.py",
+        [
+            "-m",
+            "sglang.actor.regular.num_gpus=2,4",
+            "hold_s=0",
+            "+sglang_bench=smoke",
+            "hydra/callbacks=sglang_sweep_report",
+            "hydra/launcher=sglang_packed",
+            "hydra.launcher.gpus=8",
+            f"hydra.sweep.dir={sweep}",
+            f"sglang_deploy.api_key={key}",
+            f"+sglang_deploy.env.HF_TOKEN={token}",
+        ],
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert key not in result.stdout + result.stderr and token not in result.stdout + result.stderr
+    assert "sglang_deploy.api_key=***" in result.stdout + result.stderr  # the packed launcher's job list
+    written = [
+        p for p in sweep.rglob("*") if p.is_file() and ".hydra" not in p.parts and p.name != "multirun.yaml"
+    ]
+    assert {"metrics.json", "plan.json", "sweep_report.md", "sweep_report.csv"} <= {p.name for p in written}
+    for path in written:
+        if path.suffix != ".png":
+            text = path.read_text(errors="replace")
+            assert key not in text and token not in text, path
+    metrics = json.loads((sweep / "0" / "metrics.json").read_text())
+    assert "sglang_deploy.api_key=***" in metrics["overrides"]
+    assert "+sglang_deploy.env.HF_TOKEN=***" in metrics["overrides"]
+    assert metrics["models"]["actor"]["succeeded"] == 8  # the key reached the engines and the client

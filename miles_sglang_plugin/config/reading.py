@@ -56,6 +56,7 @@ from miles_sglang_plugin.config.schema import (
 )
 from miles_sglang_plugin.config.trainer_inputs import TrainerInputs
 from miles_sglang_plugin.errors import ProblemCollector, first_line
+from miles_sglang_plugin.masking import secret_value_problem
 
 SGLANG_KEY = DEFAULT_SGLANG_KEY
 #: Where the API key of engines and routers comes from when sglang_deploy.api_key is null.
@@ -416,9 +417,20 @@ def _deploy_settings(cfg: DictConfig, problems: ProblemCollector) -> SGLangDeplo
             problems.add(key, first_line(exc))
         settings = SGLangDeployConf()
     if settings.api_key is None:
-        settings.api_key = os.environ.get(API_KEY_ENV) or None
+        settings.api_key = _api_key_from_env(problems)
     settings.launch.host = str(settings.launch.host).strip().strip("[]")
     return settings
+
+
+def _api_key_from_env(problems: ProblemCollector) -> str | None:
+    """``$SGLANG_API_KEY`` (None when unset or empty); a value that cannot be a key is a problem of that
+    variable, not of ``sglang_deploy.api_key``."""
+    key = os.environ.get(API_KEY_ENV) or None
+    problem = secret_value_problem(key)
+    if problem is not None:
+        problems.add(f"{API_KEY_ENV} (environment variable)", problem)
+        return None
+    return key
 
 
 def _group_key(cfg: DictConfig, sglang_key: str | None, problems: ProblemCollector) -> str:

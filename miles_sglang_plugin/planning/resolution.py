@@ -634,6 +634,19 @@ NO_ENGINES_ZERO_ROLLOUT = (
 )
 
 
+def _holds_no_engines(spec: DeploymentSpec) -> bool:
+    """Whether no model of ``spec`` has a server group or an external engine (an empty deployment too)."""
+    return all(not model.groups and not model.external for model in spec.models)
+
+
+def _no_engines_in_spec(spec: DeploymentSpec) -> str:
+    names = ", ".join(str(model.name) for model in spec.models) or "none"
+    return (
+        f"rollout_num_gpus=0 and the deployment holds no engines (models: {names}; no server group, no external "
+        "engine): no rollout engines are started (as newer Miles: no models)"
+    )
+
+
 def _plan_without_engines(
     derivation: MilesDerivation, source: str, note: str = NO_ENGINES_DEBUG_TRAIN_ONLY
 ) -> DeploymentPlan:
@@ -833,8 +846,11 @@ def resolve_deployment(
     trainer = derivation.trainer
     if not trainer.starts_inference_engines:
         return _plan_without_engines(derivation, source)
-    if spec is None and trainer.rollout_num_gpus == 0 and trainer.eval_num_gpus == 0:
-        return _plan_without_engines(derivation, source, NO_ENGINES_ZERO_ROLLOUT)
+    if trainer.rollout_num_gpus == 0 and trainer.eval_num_gpus == 0:
+        if spec is None:
+            return _plan_without_engines(derivation, source, NO_ENGINES_ZERO_ROLLOUT)
+        if _holds_no_engines(spec):
+            return _plan_without_engines(derivation, source, _no_engines_in_spec(spec))
 
     spec = _given_or_legacy_spec(spec, trainer, problems)
     spec, started = _debug_train_only_spec(spec, trainer, problems)

@@ -31,6 +31,7 @@ from miles_sglang_plugin.config.schema import (
     SupervisionConf,
 )
 from miles_sglang_plugin.errors import Problem
+from miles_sglang_plugin.masking import secret_value_problem
 
 LIVE_MODES = ("auto", "always", "never")
 #: What supervision may poll.
@@ -289,19 +290,8 @@ def _supervision_problems(settings: SGLangDeployConf) -> list[Problem]:
 
 
 def _api_key_problems(api_key: Any) -> list[Problem]:
-    if api_key is None or (isinstance(api_key, str) and "\0" not in api_key and api_key.strip() == api_key):
-        return []
-    what = (
-        f"a {type(api_key).__name__}"
-        if not isinstance(api_key, str)
-        else "a string with a NUL byte or surrounding blanks"
-    )
-    return [
-        Problem(
-            "sglang_deploy.api_key",
-            f"must be a string without NUL bytes or surrounding blanks (its value is not shown), got {what}",
-        )
-    ]
+    problem = secret_value_problem(api_key)
+    return [] if problem is None else [Problem("sglang_deploy.api_key", problem)]
 
 
 def deploy_setting_problems(settings: SGLangDeployConf) -> list[Problem]:

@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from miles_sglang_plugin.errors import DeploymentConfigError, Problem
+from miles_sglang_plugin.masking import mask_overrides
 from miles_sglang_plugin.planning.plan import DeploymentPlan
 from miles_sglang_plugin.serving.deployment import Deployment
 from miles_sglang_plugin.sweeps.bench import (
@@ -34,10 +35,11 @@ def bench_settings_from_config(cfg: DictConfig, plan: DeploymentPlan | None = No
 
 
 def job_overrides() -> list[str]:
-    """This Hydra job's overrides (``hydra.overrides.task``): in a multirun, its sweep parameters."""
+    """This Hydra job's overrides (``hydra.overrides.task``): in a multirun, its sweep parameters; secret values
+    (an API key, an environment variable's value) masked."""
     from hydra.core.hydra_config import HydraConfig
 
-    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+    return mask_overrides(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
 
 
 def job_output_dir() -> Path:

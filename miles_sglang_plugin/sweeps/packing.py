@@ -33,6 +33,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
+from miles_sglang_plugin.masking import mask_overrides
 from miles_sglang_plugin.planning.plan import DeploymentPlan
 from miles_sglang_plugin.sweeps.gpu_claims import GpuClaims, GpuLockDirError, default_gpu_lock_dir
 from miles_sglang_plugin.sweeps.report_callback import error_text, write_job_status
@@ -590,7 +591,9 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_id
     )
     for job in jobs:
         need = f"needs {job.need} GPUs" if job.unsized is None else "its deployment does not resolve"
-        log.info("\t#%d : %s (%s)", job.index, " ".join(filter_overrides(job.overrides)), need)
+        log.info(
+            "\t#%d : %s (%s)", job.index, " ".join(mask_overrides(filter_overrides(job.overrides))), need
+        )
     _refuse_oversized(launcher, jobs, settings)
     Scheduler(launcher, jobs, settings).run()
     configure_log(launcher.config.hydra.hydra_logging, launcher.config.hydra.verbose)

@@ -22,6 +22,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
+from miles_sglang_plugin.masking import mask_overrides
 from miles_sglang_plugin.sweeps.bench import METRICS_FILE
 
 STATUS_FILE = "job_status.json"
@@ -64,7 +65,7 @@ def _read_overrides(path: Path) -> list[str]:
     if path.stat().st_size > MAX_FILE_BYTES:
         return []
     data = yaml.safe_load(path.read_text())
-    return [str(x) for x in data] if isinstance(data, list) else []
+    return mask_overrides(data) if isinstance(data, list) else []
 
 
 def parse_override(override: str) -> tuple[str, str]:

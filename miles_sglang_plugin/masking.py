@@ -10,12 +10,17 @@ command, a plan or a log line is printed.
 * Hydra overrides (a sweep's parameters, as metrics, reports and launcher logs show them): the value of a
   secret field (``sglang_deploy.api_key=...``) and of an environment variable not on the allow-list
   (``sglang_deploy.env.HF_TOKEN=...``) is masked; so is a mapping given whole to a key that holds either.
+* Log excerpts (the tail of an engine's or router's log in an error): a real SGLang engine logs its whole
+  ``server_args``, API key included; every secret a process was given (its secret flags' values, its
+  environment's values off the allow-list of at least :data:`MIN_MASKED_ENV_CHARS` characters) is replaced in
+  the excerpt. The log files themselves hold what the process wrote.
 * A secret's value itself must be printable ASCII (:func:`secret_value_problem`): a newline or control character
   in an API key would split the HTTP header it travels in.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection, Mapping, Sequence
 
 MASK = "***"
@@ -71,15 +76,23 @@ def mask_env(env: Mapping[str, str], shown: Collection[str] = ()) -> dict[str, s
     return {k: (v if k in SAFE_ENV_NAMES or k in shown else MASK) for k, v in env.items()}
 
 
+_ENV_WORD = re.compile(r"(?<![a-z0-9_])env(?![a-z0-9_])")
+
+
 def _secret_path(components: Sequence[str], value: str) -> bool:
-    """Whether an override of the key ``components`` (its dotted parts) to ``value`` may carry a secret."""
-    last = components[-1].lower() if components else ""
-    if last in SECRET_FIELDS:
+    """Whether an override of the key ``components`` (its dotted parts) to ``value`` may carry a secret. Field
+    names in any spelling (``api-key``, ``API_KEY``); environment variable names as written."""
+    fields = [_field(part) for part in components]
+    if fields and fields[-1] in SECRET_FIELDS:
         return True
-    if "env" in components[:-1]:
-        return components[components.index("env") + 1] not in SAFE_ENV_NAMES
-    whole = value.lstrip().startswith(("{", "["))
-    return whole and (last == "env" or any(name in value.lower() for name in SECRET_FIELDS))
+    if "env" in fields[:-1]:
+        return components[fields.index("env") + 1] not in SAFE_ENV_NAMES
+    if not value.lstrip().startswith(("{", "[")):
+        return False
+    text = value.lower().replace("-", "_")
+    return (
+        fields[-1:] == ["env"] or bool(_ENV_WORD.search(text)) or any(name in text for name in SECRET_FIELDS)
+    )
 
 
 def mask_override(override: str) -> str:
@@ -91,6 +104,31 @@ def mask_override(override: str) -> str:
         return override
     components = key.lstrip("+~").partition("@")[0].split(".")
     return f"{key}={MASK}" if _secret_path(components, value) else override
+
+
+_SCALAR = r"""\s*(?:'([^']*)'|"([^"]*)"|([^\s\[\]{}:,'"]+))"""
+#: The values of a mapping (after ``key:``) and the elements of a list (after ``[`` or ``,``), quoted or not.
+_MAPPING_VALUE = re.compile(":" + _SCALAR)
+_LIST_ELEMENT = re.compile("[\\[,]" + _SCALAR)
+
+
+def override_secret_values(overrides: Sequence[str]) -> tuple[str, ...]:
+    """The secret values that ``overrides`` give (those :func:`mask_override` masks): each whole value, and the
+    elements of a list or mapping, unquoted; longest first. For masking what quotes them (Hydra's errors)."""
+    found: set[str] = set()
+    for override in overrides:
+        text = str(override)
+        if mask_override(text) == text:
+            continue
+        value = text.partition("=")[2].strip()
+        found.add(value)
+        found.add(value.strip("'\""))
+        if value.startswith(("{", "[")):
+            pattern = _MAPPING_VALUE if value.startswith("{") else _LIST_ELEMENT
+            found.update(
+                next(g for g in match.groups() if g is not None) for match in pattern.finditer(value)
+            )
+    return tuple(sorted((v for v in found if len(v) >= 2), key=len, reverse=True))
 
 
 def mask_overrides(overrides: Sequence[str]) -> list[str]:
@@ -113,3 +151,36 @@ def secret_value_problem(value: object) -> str | None:
             "one, which would break the HTTP header it travels in (its value is not shown)"
         )
     return None
+
+
+#: The shortest value of an environment variable off the allow-list that a log excerpt masks: shorter ones
+#: ("1", "true") are no secret and would mask every such word of the log.
+MIN_MASKED_ENV_CHARS = 6
+
+
+def secret_values(
+    argv: Sequence[str], env: Mapping[str, str] | None = None, shown: Collection[str] = ()
+) -> tuple[str, ...]:
+    """The secrets a process was given: the values of its secret flags (as :func:`mask_argv` finds them) and
+    of its environment's variables off the allow-list and ``shown``, of at least
+    :data:`MIN_MASKED_ENV_CHARS` characters; longest first (a secret holding another is masked whole)."""
+    found: set[str] = set()
+    tokens = list(argv)
+    for index, token in enumerate(tokens):
+        name, eq, value = token.partition("=")
+        if token.startswith("--") and _field(name) in SECRET_FIELDS:
+            secret = value if eq else (tokens[index + 1] if index + 1 < len(tokens) else "")
+            if secret:
+                found.add(secret)
+    for name, value in (env or {}).items():
+        if name not in SAFE_ENV_NAMES and name not in shown and len(str(value)) >= MIN_MASKED_ENV_CHARS:
+            found.add(str(value))
+    return tuple(sorted(found, key=len, reverse=True))
+
+
+def mask_text(text: str, secrets: Sequence[str]) -> str:
+    """``text`` with each of ``secrets`` replaced by ``***`` wherever it stands whole (not inside a longer word:
+    a short value such as ``ab`` leaves ``tab`` alone), longest first."""
+    for secret in sorted((s for s in secrets if s), key=len, reverse=True):
+        text = re.sub(rf"(?<![A-Za-z0-9]){re.escape(secret)}(?![A-Za-z0-9])", MASK, text)
+    return text

@@ -277,7 +277,10 @@ def test_bad_ray_settings_are_all_reported_before_connecting() -> None:
     assert proc.returncode == 2, proc.stderr
     text = " ".join(proc.stderr.split())
     assert "3 problems with the SGLang deployment in sglang_deploy:" in text
-    assert "sglang_deploy.launch.ray.placement_timeout_s: must be a number > 0, got -1.0" in text
+    assert (
+        "sglang_deploy.launch.ray.placement_timeout_s: must be a number > 0 and <= 2592000 (at most 30 days), got -1.0"
+        in text
+    )
     assert "sglang_deploy.launch.ray.engine_num_cpus: must be a number >= 0, got -0.5" in text
     assert "sglang_deploy.launch.ray.bundle_gpu_share: must be a number > 0 and <= 1, got 0.0" in text
 

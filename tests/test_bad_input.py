@@ -14,6 +14,7 @@ import json
 import os
 import shlex
 import stat
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -39,7 +40,7 @@ from miles_sglang_plugin.masking import mask_argv, mask_env
 from miles_sglang_plugin.miles.bounded_yaml import MAX_CONFIG_BYTES, MAX_YAML_DEPTH, MAX_YAML_NODES
 from miles_sglang_plugin.planning.resolution import MAX_DEPLOYMENT_GPUS, resolve_deployment
 from miles_sglang_plugin.planning.views import print_plan
-from miles_sglang_plugin.rendering.ports import PortClaims
+from miles_sglang_plugin.rendering.ports import PortClaims, default_lock_dir
 from miles_sglang_plugin.rendering.prepared import prepare_deployment
 from miles_sglang_plugin.rendering.server_arg_checks import value_problem
 from tests.conftest import group, model, spec
@@ -475,15 +476,15 @@ def test_a_launch_of_real_engines_runs_every_argv_through_sglangs_parser(
     [
         (
             "sglang_deploy.launch.startup_timeout_s=-1",
-            "sglang_deploy.launch.startup_timeout_s: must be a number > 0, got -1.0",
+            "sglang_deploy.launch.startup_timeout_s: must be a number > 0 and <= 2592000 (at most 30 days), got -1.0",
         ),
         (
             "sglang_deploy.launch.startup_timeout_s=nan",
-            "sglang_deploy.launch.startup_timeout_s: must be a finite number > 0, got nan",
+            "sglang_deploy.launch.startup_timeout_s: must be a finite number > 0 and <= 2592000 (at most 30 days), got nan",
         ),
         (
             "sglang_deploy.launch.shutdown_grace_s=-5",
-            "sglang_deploy.launch.shutdown_grace_s: must be a number >= 0, got -5.0",
+            "sglang_deploy.launch.shutdown_grace_s: must be a number in 0..2592000 (at most 30 days), got -5.0",
         ),
         (
             "sglang_deploy.launch.poll_interval_s=120",
@@ -507,11 +508,21 @@ def test_a_launch_of_real_engines_runs_every_argv_through_sglangs_parser(
         ),
         (
             "sglang_deploy.standin.start_delay_s=-1",
-            "sglang_deploy.standin.start_delay_s: must be a number >= 0, got -1.0",
+            "sglang_deploy.standin.start_delay_s: must be a number in 0..2592000 (at most 30 days), got -1.0",
         ),
         (
             "sglang_deploy.launch.port_base=40000",
-            "sglang_deploy.launch.port_base: 40000 must be below port_max=32767",
+            "sglang_deploy.launch.port_base: must be an integer in 1024..32766 (ports are handed out below the ephemeral range, 32768), got 40000",
+        ),
+        (  # 1e300 s passed once, and the supervisor's thread died of OverflowError in its first wait
+            "sglang_deploy.supervision.health_interval_s=1e300",
+            "sglang_deploy.supervision.health_interval_s: must be a number > 0 and <= 2592000 (at most 30 days), "
+            "got 1e+300",
+        ),
+        (  # passed plan once; the router then exited: OverflowError: int too big to convert
+            "sglang_deploy.router.request_timeout_secs=99999999999999999999",
+            "sglang_deploy.router: request_timeout_secs: must be an integer in 1..2592000 (at most 30 days), got "
+            "99999999999999999999",
         ),
         (
             "+sglang_deploy.env.BAD-NAME=x",
@@ -541,7 +552,7 @@ def test_settings_given_in_code_are_checked_too() -> None:
     with pytest.raises(DeploymentConfigError) as info:
         prepare_deployment(plan, settings)
     assert [str(p) for p in info.value.problems] == [
-        "sglang_deploy.launch.startup_timeout_s: must be a number > 0, got '10'",
+        "sglang_deploy.launch.startup_timeout_s: must be a number > 0 and <= 2592000 (at most 30 days), got '10'",
         "sglang_deploy.env.NUL: must be a string without NUL bytes, got a str",
     ]
 
@@ -604,6 +615,32 @@ def test_a_bad_key_from_the_environment_is_named_as_the_environment_variable(
     )
 
 
+@pytest.mark.parametrize(
+    ("overrides", "secrets", "shown"),
+    [
+        (
+            ["sglang_deploy.api_key=[sk-LIST-k3y]"],
+            ["sk-LIST-k3y"],
+            "Cannot convert 'list' to string: '['***']'",
+        ),
+        (
+            ["+sglang_deploy.env.HF_TOKEN=hf_FIRST_1", "+sglang_deploy.env.HF_TOKEN=hf_SECOND_2"],
+            ["hf_FIRST_1", "hf_SECOND_2"],
+            "'++sglang_deploy.env.HF_TOKEN=***'",
+        ),
+        (["sglang_deploy.api_key='sk-UNCLOSED"], ["sk-UNCLOSED"], "sglang_deploy.api_key=***"),
+    ],
+    ids=["list", "given-twice", "unclosed-quote"],
+)
+def test_hydras_own_errors_about_a_secret_override_do_not_show_it(
+    run: Run, overrides: list[str], secrets: list[str], shown: str
+) -> None:
+    code, out, err = run("plan", "hf_checkpoint=/c", *overrides)
+    assert code == 2 and "Traceback" not in err and shown in err
+    for secret in secrets:
+        assert secret not in out + err
+
+
 @pytest.mark.sglang
 def test_sglangs_parser_takes_such_a_key_as_rendered() -> None:
     from miles_sglang_plugin.rendering.launch_specs import server_args_to_argv
@@ -626,6 +663,11 @@ def test_such_a_key_stays_out_of_a_launch_error(run: Run, tmp_path: Path, leak_c
     )
     assert code == 1 and "exited with code" in err and "--api-key=***" in " ".join(err.split())
     assert SECRET not in out + err
+    # The engine logged its server_args, key included (as SGLang does): the log tail shown masks it.
+    assert "server_args={" in err and "'api_key': '***'" in err
+    assert (
+        SECRET in next((tmp_path / "logs").rglob("actor.regular.0.log")).read_text()
+    )  # the file is as written
 
 
 def test_mask_argv_masks_by_position() -> None:
@@ -675,14 +717,26 @@ def _claim(lock_dir: Path) -> tuple[bool, str]:
         claims.release()
 
 
-def test_the_lock_directory_is_made_0700(tmp_path: Path) -> None:
+def test_the_lock_directory_is_made_0700_and_a_shared_one_is_refused_not_changed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     assert _claim(tmp_path / "new" / "locks") == (True, "")
     assert stat.S_IMODE(os.stat(tmp_path / "new" / "locks").st_mode) == 0o700
-    loose = tmp_path / "loose"
-    loose.mkdir()
-    loose.chmod(0o777)
-    assert _claim(loose) == (True, "")
-    assert stat.S_IMODE(os.stat(loose).st_mode) == 0o700
+    for mode in (0o1777, 0o777, 0o770):  # /tmp's mode among them: making it private would lock others out
+        shared = tmp_path / f"shared-{mode:o}"
+        shared.mkdir()
+        shared.chmod(mode)
+        reason = (
+            f"others may write in it (mode {mode:o}); give a directory of this user's own, not a shared one"
+        )
+        assert _claim(shared) == (False, reason)
+        assert stat.S_IMODE(os.stat(shared).st_mode) == mode and list(shared.iterdir()) == []
+    readable = tmp_path / "readable"
+    readable.mkdir()
+    readable.chmod(0o755)  # others may look, not write: usable, and left as it is
+    assert _claim(readable) == (True, "") and stat.S_IMODE(os.stat(readable).st_mode) == 0o755
+    monkeypatch.setenv("MSP_PORT_LOCK_DIR", "")  # set but empty: the default, not the current directory
+    assert default_lock_dir() == Path(tempfile.gettempdir()) / f"miles-sglang-ports-{os.getuid()}"
 
 
 def test_a_symlinked_lock_directory_is_refused(tmp_path: Path) -> None:

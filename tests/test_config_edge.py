@@ -227,7 +227,7 @@ ONLY_AT_LAUNCH_BEFORE = {
     "+sglang.actor.regular.overrides.mem_fraction_statc=0.8": "sglang.actor.regular.overrides.mem_fraction_statc: "
     "is not a ServerArgs field of the installed SGLang; did you mean mem_fraction_static?",
     "sglang_deploy.router.policy=bogus": "sglang_deploy.router: policy: unknown policy 'bogus'",
-    "sglang_deploy.launch.port_base=80": "sglang_deploy.launch.port_base: must be an integer >= 1024, got 80",
+    "sglang_deploy.launch.port_base=80": "sglang_deploy.launch.port_base: must be an integer in 1024..32766 (ports are handed out below the ephemeral range, 32768), got 80",
 }
 
 

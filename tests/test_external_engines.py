@@ -231,6 +231,21 @@ def test_zero_rollout_gpus_with_a_deployment_that_holds_no_engines_starts_nothin
     cfg = compose_config(["hf_checkpoint=/c", "rollout_num_gpus=0"])
     plan = resolve_config(cfg)
     assert plan.models == () and "models: actor;" in plan.notes[-1]
+    # With an eval fleet the eval model starts alone, after the actor (newer Miles: rollout_num_gpus=0 and
+    # eval_num_gpus > 0 give the eval fleet alone); the preset's empty model is left out with a note.
+    cfg = compose_config(
+        ["hf_checkpoint=/c", "rollout_num_gpus=0", "eval_num_gpus=2", "+sglang_model@sglang.eval=base",
+         "sglang.eval.regular.num_gpus=2"]
+    )  # fmt: skip
+    plan = resolve_config(cfg)
+    assert [(m.name, m.num_gpus) for m in plan.models] == [("eval", 2)]
+    assert (plan.rollout_offset, plan.rollout_num_gpus, plan.total_gpus) == (
+        8,
+        0,
+        2,
+    )  # after the actor's 1 x 8
+    assert [e.gpu_slots for e in plan.model("eval").groups[0].engines] == [(8,), (9,)]
+    assert "model(s) actor hold no engines and do not start; the eval fleet starts alone" in plan.notes[-1]
     # Not when the trainer's rollout size is unset, nor when the groups hold GPUs the 0 contradicts.
     with pytest.raises(DeploymentConfigError) as exc:
         resolve_deployment(spec(model("actor")), T(hf_checkpoint="/c"))

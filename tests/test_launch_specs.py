@@ -83,14 +83,18 @@ def test_server_defaults_keys_and_port_base_bounds_are_checked():
     assert [p.key for p in check_deploy_settings(settings, {"mem_fraction_static"})] == [
         "sglang_deploy.server_defaults.mem_fraction_statc"
     ]
-    # Each bound is its own problem: both ports integers >= 1024, then port_base below port_max (checked only
-    # when both are in range).
+    # Each bound is its own problem: both ports integers >= 1024 (port_base below the ephemeral range, 32768;
+    # port_max a port), then port_base below port_max (checked only when both are in range).
     base, top = "sglang_deploy.launch.port_base", "sglang_deploy.launch.port_max"
+    low = "must be an integer in 1024..32766 (ports are handed out below the ephemeral range, 32768), got"
+    high = "must be an integer in 1024..65535 (above 32767 it means 32767), got"
     for port_base, port_max, expected in (
         (1024, 2000, []),
-        (1023, 2000, [(base, "must be an integer >= 1024, got 1023")]),
+        (1023, 2000, [(base, f"{low} 1023")]),
         (2000, 2000, [(base, "2000 must be below port_max=2000")]),
-        (80, 70, [(base, "must be an integer >= 1024, got 80"), (top, "must be an integer >= 1024, got 70")]),
+        (80, 70, [(base, f"{low} 80"), (top, f"{high} 70")]),
+        (32766, 65535, []),
+        (32767, 65536, [(base, f"{low} 32767"), (top, f"{high} 65536")]),
     ):
         launch = replace(settings.launch, port_base=port_base, port_max=port_max)
         problems = check_deploy_settings(replace(settings, server_defaults={}, launch=launch), None)

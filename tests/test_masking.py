@@ -69,6 +69,12 @@ def test_a_sweeps_overrides_keep_their_parameters_and_lose_their_secrets() -> No
             "sglang_deploy={launch:{backend:local}}",
             "~sglang_deploy.api_key",
             "sglang@actor_rollout_ref.rollout.engines=pd",
+            "sglang_deploy.api-key=sk-3",
+            "+sglang.actor.regular.overrides.API-KEY=sk-4",
+            "+sglang_deploy.server_defaults.admin-api-key=sk-5",
+            "sglang_deploy={env:{HF_TOKEN:hf_3}}",
+            "sglang_deploy={launch:{backend:local},Admin-Api-Key:k}",
+            "sglang_deploy.environment_note=x",
         ]
     ) == [
         "sglang.actor.decode.num_gpus_per_engine=4",
@@ -82,6 +88,12 @@ def test_a_sweeps_overrides_keep_their_parameters_and_lose_their_secrets() -> No
         "sglang_deploy={launch:{backend:local}}",
         "~sglang_deploy.api_key",
         "sglang@actor_rollout_ref.rollout.engines=pd",
+        "sglang_deploy.api-key=***",
+        "+sglang.actor.regular.overrides.API-KEY=***",
+        "+sglang_deploy.server_defaults.admin-api-key=***",
+        "sglang_deploy=***",
+        "sglang_deploy=***",
+        "sglang_deploy.environment_note=x",
     ]
 
 

@@ -81,12 +81,20 @@ def test_a_released_gpu_is_free_although_a_forked_job_has_a_copy_of_its_lock(tmp
 
 
 def test_the_gpu_lock_directory_is_as_safe_as_the_ports_one(tmp_path: Path) -> None:
-    """Made 0700, refused when a symlink (nothing written where it points), lock files never followed."""
+    """Made 0700; refused when others may write in it (left as it is) or when a symlink (nothing written where
+    it points); lock files never followed."""
+    GpuClaims(tmp_path / "new").check_usable()
+    assert stat.S_IMODE(os.stat(tmp_path / "new").st_mode) == 0o700
     loose = tmp_path / "loose"
     loose.mkdir()
-    loose.chmod(0o777)
-    GpuClaims(loose).check_usable()
-    assert stat.S_IMODE(os.stat(loose).st_mode) == 0o700
+    loose.chmod(0o1777)
+    with pytest.raises(GpuLockDirError) as info:
+        GpuClaims(loose).check_usable()
+    assert str(info.value) == (
+        f"the GPU lock directory {loose} is not usable: others may write in it (mode 1777); give a directory "
+        "of this user's own, not a shared one"
+    )
+    assert stat.S_IMODE(os.stat(loose).st_mode) == 0o1777
     (tmp_path / "elsewhere").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "elsewhere")
     refused = (

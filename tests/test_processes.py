@@ -211,6 +211,24 @@ def test_a_process_tail_is_its_own_output_and_as_many_lines_as_asked(tmp_path: P
     assert proc.tail() == "a\nb\nc"
 
 
+def test_a_process_tail_masks_the_secrets_it_was_given_but_not_the_packages_own_values(
+    tmp_path: Path,
+) -> None:
+    # What it prints: its argv (the key after --api-key and in --admin-api-key=), and its environment's values.
+    script = "import os, sys; print(sys.argv[1:]); print(os.environ['HF_TOKEN'], os.environ['FLAG'], os.environ['CUDA_VISIBLE_DEVICES'], os.environ['SGLANG_MEMORY_SAVER_CUDA_GRAPH'])"
+    proc = ManagedProcess(
+        name="p",
+        argv=[sys.executable, "-c", script, "--api-key", "sk-TAIL-1", "--admin-api-key=adm-TAIL-2"],
+        env={"HF_TOKEN": "hf_TAIL_token_3", "FLAG": "1", "CUDA_VISIBLE_DEVICES": "4,5,6,7",
+             "SGLANG_MEMORY_SAVER_CUDA_GRAPH": "true"},
+        log_path=tmp_path / "engine.log",
+    )  # fmt: skip
+    proc.start()
+    assert proc.popen is not None and proc.popen.wait(timeout=20) == 0
+    assert proc.tail() == "['--api-key', '***', '--admin-api-key=***']\n*** 1 4,5,6,7 true"
+    assert "sk-TAIL-1" in (tmp_path / "engine.log").read_text()  # the file holds what the process wrote
+
+
 def test_a_cooperative_group_is_stopped_without_waiting_out_the_grace_period(tmp_path: Path) -> None:
     proc = ManagedProcess(name="polite", argv=[sys.executable, "-c", SLEEPER, MARKER], env={},
                           log_path=tmp_path / "polite.log")  # fmt: skip

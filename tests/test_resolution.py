@@ -480,6 +480,15 @@ def test_eval_overrides_without_eval_fleet_and_exclusive_debug_modes():
         "eval overrides ['dp_size'] are set but eval_num_gpus is 0"
         in problems_of(exc)["eval_sglang_overrides"]
     )
+    # Also where no engine starts at all (Miles checks the arguments before anything else): debug_train_only
+    # without an eval fleet, rollout_num_gpus=0 without a deployment.
+    for trainer in (
+        T(debug_train_only=True, eval_sglang_overrides={"mem_fraction_static": 0.5}),
+        T(rollout_num_gpus=0, eval_sglang_overrides={"mem_fraction_static": 0.5}),
+    ):
+        with pytest.raises(DeploymentConfigError) as exc:
+            resolve_deployment(None, trainer)
+        assert list(problems_of(exc)) == ["eval_sglang_overrides"]
     with pytest.raises(DeploymentConfigError) as exc:
         resolve_deployment(None, T(rollout_num_gpus=2, debug_rollout_only=True, debug_train_only=True))
     assert "exclude each other" in problems_of(exc)["debug_train_only"]

@@ -166,7 +166,7 @@ def test_validate_other_fields() -> None:
     )
     text = "\n".join(problems)
     assert "log_level: 'warning' is not one of debug, info, warn, error (did you mean 'warn'?)" in text
-    assert "health_check_interval_secs: must be an integer >= 1, got 0" in text
+    assert "health_check_interval_secs: must be an integer in 1..2592000 (at most 30 days), got 0" in text
     assert "disable_retries: must be true or false" in text
 
 

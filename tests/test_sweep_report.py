@@ -220,3 +220,19 @@ def test_a_directory_without_jobs_is_a_clear_error(
         collect_sweep(tmp_path)
     assert cli_main(["sweep-report", str(tmp_path / "nowhere")]) == 2
     assert "is not a directory" in capsys.readouterr().err
+
+
+def test_a_job_whose_hydra_files_are_not_yaml_is_still_a_row(
+    sweep: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (sweep / "2" / ".hydra" / "overrides.yaml").write_text("- a: [unclosed\n")
+    (sweep / "2" / ".hydra" / "hydra.yaml").write_bytes(b"\xff\xfe: {")
+    assert cli_main(["sweep-report", str(sweep), "--no-plot"]) == 0
+    with (sweep / "sweep_report.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    # job 2 keeps its place (by its directory's name) and its metrics, without its sweep parameters
+    assert [(r["job"], r["model"], r["status"]) for r in rows][3:5] == [
+        ("2", "actor", "ok"),
+        ("2", "ref", "ok"),
+    ]
+    assert rows[3][KEY] == "" and "Traceback" not in capsys.readouterr().err

@@ -108,7 +108,7 @@ def test_a_sweep_with_an_api_key_and_a_token_shows_neither_in_its_results_or_log
         REPO / "tests" / "sweep_app" / "app.py",
         [
             "-m",
-            "sglang.actor.regular.num_gpus=2,4",
+            "sglang.actor.regular.num_gpus=2,4,3",  # the last does not split into engines of TP 2: it fails
             "hold_s=0",
             "+sglang_bench=smoke",
             "hydra/callbacks=sglang_sweep_report",
@@ -119,9 +119,14 @@ def test_a_sweep_with_an_api_key_and_a_token_shows_neither_in_its_results_or_log
             f"+sglang_deploy.env.HF_TOKEN={token}",
         ],
     )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert key not in result.stdout + result.stderr and token not in result.stdout + result.stderr
-    assert "sglang_deploy.api_key=***" in result.stdout + result.stderr  # the packed launcher's job list
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    output = result.stdout + result.stderr
+    assert key not in output and token not in output
+    assert "sglang_deploy.api_key=***" in output  # the packed launcher's job list
+    assert "Error executing job with overrides:" in output  # Hydra's, of the masked overrides
+    assert (
+        "Traceback" not in output and "3 GPUs do not split into engines" in output
+    )  # bad input: its message
     written = [
         p for p in sweep.rglob("*") if p.is_file() and ".hydra" not in p.parts and p.name != "multirun.yaml"
     ]
@@ -134,3 +139,21 @@ def test_a_sweep_with_an_api_key_and_a_token_shows_neither_in_its_results_or_log
     assert "sglang_deploy.api_key=***" in metrics["overrides"]
     assert "+sglang_deploy.env.HF_TOKEN=***" in metrics["overrides"]
     assert metrics["models"]["actor"]["succeeded"] == 8  # the key reached the engines and the client
+
+
+def test_the_apps_dry_run_of_a_sweep_shows_no_secret(tmp_path: Path) -> None:
+    result = run_app(
+        REPO / "examples" / "train.py",
+        [
+            "-m",
+            "hydra/callbacks=sglang_plan",
+            "sglang_deploy.api_key=sk-DRY-k3y",
+            "+sglang_deploy.env.HF_TOKEN=hf_DRYt0ken",
+            "seed=1,2",
+            f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        ],
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    output = result.stdout + result.stderr
+    assert "sk-DRY-k3y" not in output and "hf_DRYt0ken" not in output
+    assert "#1 : sglang_deploy.api_key=*** +sglang_deploy.env.HF_TOKEN=*** seed=2" in output

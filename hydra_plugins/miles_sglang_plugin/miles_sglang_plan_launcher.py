@@ -32,12 +32,13 @@ class SGLangPlanLauncher(Launcher):
         from omegaconf import open_dict
 
         from miles_sglang_plugin.app.callbacks import print_plan_of
+        from miles_sglang_plugin.masking import mask_overrides
 
         setup_globals()
         returns = []
         for offset, overrides in enumerate(job_overrides):
             idx = initial_job_idx + offset
-            print(f"#{idx} : {' '.join(filter_overrides(overrides))}", flush=True)
+            print(f"#{idx} : {' '.join(mask_overrides(filter_overrides(overrides)))}", flush=True)
             sweep_config = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
             with open_dict(sweep_config):
                 sweep_config.hydra.job.id = idx
@@ -45,5 +46,5 @@ class SGLangPlanLauncher(Launcher):
             HydraConfig.instance().set_config(sweep_config)
             if not print_plan_of(sweep_config, commands=self.commands):
                 self.failed_jobs.append(idx)
-            returns.append(JobReturn(overrides=list(overrides), status=JobStatus.COMPLETED))
+            returns.append(JobReturn(overrides=mask_overrides(overrides), status=JobStatus.COMPLETED))
         return returns

@@ -29,7 +29,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from miles_sglang_plugin.engine_env import NODE_ID_ENV
+from miles_sglang_plugin.masking import mask_text, secret_values
+from miles_sglang_plugin.rendering.launch_specs import PACKAGE_ENV_NAMES
+
 _PR_SET_PDEATHSIG = 1
+#: Variables this package sets in a process's environment: their values are no secret of the user's.
+SHOWN_ENV_NAMES: frozenset[str] = PACKAGE_ENV_NAMES | {NODE_ID_ENV}
 
 
 def _load_prctl() -> Any:
@@ -139,7 +145,9 @@ class ManagedProcess:
             os.killpg(self.popen.pid, sig)  # the group id is the child's pid (new session)
 
     def tail(self, lines: int = 20) -> str:
-        return log_tail(self.log_path, lines, start=self.log_offset)
+        """The last ``lines`` lines of this run's output, with the secrets the process was given masked."""
+        secrets = secret_values(self.argv, self.env, shown=SHOWN_ENV_NAMES)
+        return mask_text(log_tail(self.log_path, lines, start=self.log_offset), secrets)
 
 
 def _group_alive(pgid: int) -> bool:

@@ -35,7 +35,7 @@ from typing import Any
 
 from miles_sglang_plugin.addresses import strip_brackets
 from miles_sglang_plugin.backends.base import Backend, EngineProcess, LaunchError
-from miles_sglang_plugin.backends.processes import log_tail
+from miles_sglang_plugin.backends.processes import SHOWN_ENV_NAMES, log_tail
 from miles_sglang_plugin.backends.ray_actor import EngineHost, gpu_probe
 from miles_sglang_plugin.backends.ray_placement import (
     NODE_ID_LABEL,
@@ -54,8 +54,9 @@ from miles_sglang_plugin.backends.ray_placement import (
 from miles_sglang_plugin.config.schema import RayConf, SGLangDeployConf
 from miles_sglang_plugin.engine_env import NODE_ID_ENV
 from miles_sglang_plugin.errors import DeploymentConfigError, Problem, ProblemCollector, first_line
+from miles_sglang_plugin.masking import mask_text, secret_values
 from miles_sglang_plugin.planning.plan import DeploymentPlan
-from miles_sglang_plugin.rendering.deploy_checks import Bounds, bounds_problems
+from miles_sglang_plugin.rendering.deploy_checks import Bounds, bounds_problems, duration_bounds
 from miles_sglang_plugin.rendering.launch_specs import EngineProcessLaunch, check_deploy_settings
 from miles_sglang_plugin.rendering.ports import PortClaims, default_lock_dir
 from miles_sglang_plugin.rendering.prepared import PreparedDeployment, prepare_deployment
@@ -85,7 +86,7 @@ def import_ray() -> Any:
 
 #: The numeric settings of ``sglang_deploy.launch.ray`` and their bounds.
 _RAY_BOUNDS = {
-    "placement_timeout_s": Bounds(0, inclusive=False),
+    "placement_timeout_s": duration_bounds(positive=True),
     "engine_num_cpus": Bounds(0),
     "bundle_gpu_share": Bounds(0, inclusive=False, maximum=1),
 }
@@ -217,6 +218,7 @@ class RayEngineProcess(EngineProcess):
             return self._last_tail
         except Exception:  # the node is gone or does not answer: what we can still read
             local = log_tail(self.log_path, lines) if self.log_path.exists() else ""
+            local = mask_text(local, secret_values(self.launch.argv, self.launch.env, shown=SHOWN_ENV_NAMES))
             note = f"(the log on {self.node.address} cannot be fetched: its actor is gone"
             if local:
                 return f"{note}; read from this machine's copy of {self.log_path})\n{local}"

@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 
 from miles_sglang_plugin.config.overrides import override_problems, render
 from miles_sglang_plugin.config.store import config_search_path, register_configs
+from miles_sglang_plugin.masking import mask_text, override_secret_values
 
 PRIMARY_CONFIG = "miles_sglang"
 
@@ -64,9 +65,10 @@ def compose_config(
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    secrets = override_secret_values(overrides)  # Hydra's messages quote the overrides they are about
     problems = override_problems(overrides)
     if problems:
-        raise CompositionError(render(problems))
+        raise CompositionError(mask_text(render(problems), secrets))
     register_configs()
     location = f"file://{Path(config_dir).resolve()}" if config_dir is not None else config_search_path()
     GlobalHydra.instance().clear()
@@ -82,7 +84,7 @@ def compose_config(
                 return_hydra_config=return_hydra_config,
             )
     except (HydraException, OmegaConfBaseException, OSError, ValueError) as exc:
-        raise CompositionError(_describe(exc)) from None
+        raise CompositionError(mask_text(_describe(exc), secrets)) from None
     except AssertionError as exc:  # Hydra asserts on some inputs (a group choice interpolated to a number)
         raise CompositionError(f"Hydra could not compose these overrides ({_where_asserted(exc)})") from None
     finally:

@@ -171,6 +171,13 @@ class TrainerInputs:
             out.append(
                 Problem("debug_train_only", "debug_rollout_only and debug_train_only exclude each other")
             )
+        if not out and self.eval_sglang_overrides and self.eval_num_gpus == 0:  # Miles: at argument time
+            out.append(
+                Problem(
+                    "eval_sglang_overrides",
+                    f"eval overrides {sorted(self.eval_sglang_overrides)} are set but eval_num_gpus is 0",
+                )
+            )
         if not out and self.critic_train_only and not self.use_critic and self.critic_gpus == 0:
             out.append(
                 Problem(

@@ -193,11 +193,6 @@ class _Resolver:
         self.check_model_names()
         if self.eval_active:
             self.check_eval_fleet()
-        elif self.trainer.eval_sglang_overrides:
-            self.problems.add(
-                "eval_sglang_overrides",
-                f"eval overrides {sorted(self.trainer.eval_sglang_overrides)} are set but eval_num_gpus is 0",
-            )
         models = tuple(self.model_plan(model) for model in self.spec.models)
         self.check_weight_updates(models)
         return models
@@ -639,6 +634,25 @@ def _holds_no_engines(spec: DeploymentSpec) -> bool:
     return all(not model.groups and not model.external for model in spec.models)
 
 
+def _without_models_of_no_engines(
+    spec: DeploymentSpec, trainer: TrainerInputs
+) -> tuple[DeploymentSpec, tuple[str, ...]]:
+    """With ``rollout_num_gpus=0`` and an eval fleet, the deployment less its models that hold no engine (the
+    ``default`` preset's model, sized by that 0), and the note saying so: the eval fleet starts alone, as
+    newer Miles does. Otherwise ``spec`` as it is (a model without engines is then refused)."""
+    if trainer.rollout_num_gpus != 0 or trainer.eval_num_gpus == 0:
+        return spec, ()
+    empty = [m for m in spec.models if m.name != "eval" and not m.groups and not m.external]
+    if not empty:
+        return spec, ()
+    kept = tuple(m for m in spec.models if m not in empty)
+    names = ", ".join(str(m.name) for m in empty)
+    note = (
+        f"rollout_num_gpus=0: model(s) {names} hold no engines and do not start; the eval fleet starts alone"
+    )
+    return dataclasses.replace(spec, models=kept), (note,)
+
+
 def _no_engines_in_spec(spec: DeploymentSpec) -> str:
     names = ", ".join(str(model.name) for model in spec.models) or "none"
     return (
@@ -854,6 +868,7 @@ def resolve_deployment(
 
     spec = _given_or_legacy_spec(spec, trainer, problems)
     spec, started = _debug_train_only_spec(spec, trainer, problems)
+    spec, emptied = _without_models_of_no_engines(spec, trainer)
     if not _check_gpu_bounds(spec, trainer, problems):  # before any engine is enumerated
         problems.raise_if_any()
     dropped: tuple[str, ...] = ()
@@ -873,7 +888,7 @@ def resolve_deployment(
         rollout_offset=resolver.rollout_offset,
         megatron_num_gpus=trainer.megatron_num_gpus,
         source=spec.source,
-        notes=(*derivation.notes, *started, *dropped),
+        notes=(*derivation.notes, *started, *emptied, *dropped),
         derived=derivation.derived,
         derived_server_defaults=derivation.server_defaults,
     )

@@ -3,10 +3,11 @@ a GPU) is this launch's only while it holds an exclusive ``flock`` on the key's 
 directory. The kernel drops a lock when every process holding it is gone, so a crashed launch never leaks a
 claim; launches keep apart when they share the directory.
 
-The lock directory is created 0700 (an existing one of this user's is made 0700); one that is a symlink, is
-reached through another user's symlink, or is owned by another user is refused (:class:`UnsafeLockDirError`):
-another user could otherwise redirect the lock files or hold the claims. Lock files are opened inside the
-checked directory without following symlinks.
+The lock directory is created 0700; one that is a symlink, is reached through another user's symlink, is owned
+by another user, or that others may write in (a shared one such as ``/tmp``) is refused
+(:class:`UnsafeLockDirError`): another user could otherwise redirect the lock files or hold the claims. An
+existing directory is never changed (making a shared one private would lock its other users out). Lock files
+are opened inside the checked directory without following symlinks.
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ def _check_parents(path: Path) -> None:
 
 def open_lock_dir(path: Path) -> int:
     """The lock directory, opened (a file descriptor): created 0700 if missing; refused when it is a symlink,
-    reached through another user's symlink, or owned by another user; made 0700 if it is this user's and
-    looser (another user could otherwise create lock files in it and hold claims)."""
+    reached through another user's symlink, owned by another user, or writable by group or others (another
+    user could create lock files in it and hold claims). An existing directory's mode is left as it is."""
     path = Path(os.path.abspath(path))
     _check_parents(path)
     try:
@@ -63,8 +64,12 @@ def open_lock_dir(path: Path) -> int:
     if info.st_uid != os.getuid():
         os.close(fd)
         raise UnsafeLockDirError(f"it is owned by uid {info.st_uid}, not by this user (uid {os.getuid()})")
-    if stat.S_IMODE(info.st_mode) != 0o700:
-        os.fchmod(fd, 0o700)
+    mode = stat.S_IMODE(info.st_mode)
+    if mode & (stat.S_IWGRP | stat.S_IWOTH):
+        os.close(fd)
+        raise UnsafeLockDirError(
+            f"others may write in it (mode {mode:o}); give a directory of this user's own, not a shared one"
+        )
     return fd
 
 

@@ -46,6 +46,11 @@ _ADAPTER_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
 MAX_POLL_INTERVAL_S = 60.0
 
 
+def _number(value: float) -> str:
+    """A bound as a reader writes it: ``2592000``, ``0.5``."""
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
+
+
 @dataclass(frozen=True)
 class Bounds:
     """What a numeric setting may hold: a finite number (an integer where ``integer``) at or above ``minimum``
@@ -59,11 +64,12 @@ class Bounds:
     why: str = ""
 
     def _range(self) -> str:
+        low = _number(self.minimum)
         if self.maximum is None:
-            return f"{'>=' if self.inclusive else '>'} {self.minimum:g}"
+            return f"{'>=' if self.inclusive else '>'} {low}"
         if self.inclusive:
-            return f"in {self.minimum:g}..{self.maximum:g}"
-        return f"> {self.minimum:g} and <= {self.maximum:g}"
+            return f"in {low}..{_number(self.maximum)}"
+        return f"> {low} and <= {_number(self.maximum)}"
 
     def problem(self, value: Any) -> str | None:
         """What is wrong with ``value`` (``must be a number > 0, got -1.0``), or None when it is fine."""
@@ -101,31 +107,54 @@ def _problems(key: str, message: str | None) -> list[Problem]:
     return [] if message is None else [Problem(key, message)]
 
 
+#: The longest duration a setting may hold: 30 days (a longer wait is a mistake, and past about 1e11 s the
+#: waits themselves fail: OverflowError in the timers).
+MAX_DURATION_S = 30 * 24 * 3600
+#: The largest count (restarts, thresholds, concurrency) a setting may hold.
+MAX_COUNT = 1_000_000
+#: Ports this package hands out stay below the ephemeral range (Linux' default starts at 32768).
+EPHEMERAL_PORTS_START = 32768
+
+
+def duration_bounds(*, positive: bool = False) -> Bounds:
+    """A duration in seconds: >= 0 (> 0 where ``positive``), at most :data:`MAX_DURATION_S`."""
+    return Bounds(0, inclusive=not positive, maximum=MAX_DURATION_S, why="at most 30 days")
+
+
+def _count(minimum: int) -> Bounds:
+    return Bounds(minimum, integer=True, maximum=MAX_COUNT)
+
+
 #: The numeric settings under ``sglang_deploy`` (dotted, below it) and their bounds.
 SETTING_BOUNDS: Mapping[str, Bounds] = {
-    "launch.startup_timeout_s": Bounds(0, inclusive=False),
+    "launch.startup_timeout_s": duration_bounds(positive=True),
     "launch.poll_interval_s": Bounds(
         0,
         inclusive=False,
         maximum=MAX_POLL_INTERVAL_S,
         why="an engine that exits is noticed at the next poll",
     ),
-    "launch.shutdown_grace_s": Bounds(0),
-    "launch.port_base": Bounds(1024, integer=True),
-    "launch.port_max": Bounds(1024, integer=True),
-    "standin.start_delay_s": Bounds(0),
-    "standin.control_latency_s": Bounds(0),
-    "supervision.health_interval_s": Bounds(0, inclusive=False),
-    "supervision.health_timeout_s": Bounds(0, inclusive=False),
-    "supervision.failure_threshold": Bounds(1, integer=True),
-    "supervision.max_restarts": Bounds(0, integer=True),
-    "supervision.restart_backoff_s": Bounds(0),
-    "supervision.restart_backoff_max_s": Bounds(0),
-    "supervision.restart_budget_reset_s": Bounds(0, inclusive=False),
-    "supervision.kill_grace_s": Bounds(0),
-    "supervision.router_max_restarts": Bounds(0, integer=True),
-    "control.timeout_s": Bounds(0, inclusive=False),
-    "control.max_concurrency": Bounds(1, integer=True),
+    "launch.shutdown_grace_s": duration_bounds(),
+    "launch.port_base": Bounds(
+        1024,
+        integer=True,
+        maximum=EPHEMERAL_PORTS_START - 2,
+        why=f"ports are handed out below the ephemeral range, {EPHEMERAL_PORTS_START}",
+    ),
+    "launch.port_max": Bounds(1024, integer=True, maximum=65535, why="above 32767 it means 32767"),
+    "standin.start_delay_s": duration_bounds(),
+    "standin.control_latency_s": duration_bounds(),
+    "supervision.health_interval_s": duration_bounds(positive=True),
+    "supervision.health_timeout_s": duration_bounds(positive=True),
+    "supervision.failure_threshold": _count(1),
+    "supervision.max_restarts": _count(0),
+    "supervision.restart_backoff_s": duration_bounds(),
+    "supervision.restart_backoff_max_s": duration_bounds(),
+    "supervision.restart_budget_reset_s": duration_bounds(positive=True),
+    "supervision.kill_grace_s": duration_bounds(),
+    "supervision.router_max_restarts": _count(0),
+    "control.timeout_s": duration_bounds(positive=True),
+    "control.max_concurrency": _count(1),
 }
 
 
@@ -142,16 +171,17 @@ def _in_bounds(settings: SGLangDeployConf, dotted: str) -> bool:
 
 def _bounded_setting_problems(settings: SGLangDeployConf) -> list[Problem]:
     """Every numeric setting of :data:`SETTING_BOUNDS`, the stand-in's per-engine death times and its speed
-    model (finite, >= 0, rates > 0)."""
+    model (durations of at most 30 days, rates > 0 and at most 1e9)."""
     out: list[Problem] = []
     for dotted, bounds in SETTING_BOUNDS.items():
         out += bounds_problems(f"sglang_deploy.{dotted}", _setting(settings, dotted), bounds)
     die_after = settings.standin.die_after_s
     for pattern, seconds in die_after.items() if isinstance(die_after, Mapping) else ():
-        out += bounds_problems(f"sglang_deploy.standin.die_after_s.{pattern}", seconds, Bounds(0))
+        out += bounds_problems(f"sglang_deploy.standin.die_after_s.{pattern}", seconds, duration_bounds())
     for speed in dataclasses.fields(settings.standin.speed):
         if speed.name != "enabled":
-            bounds = Bounds(0, inclusive=not speed.name.endswith("_per_s"))
+            rate = speed.name.endswith("_per_s")
+            bounds = Bounds(0, inclusive=False, maximum=1e9) if rate else duration_bounds()
             value = getattr(settings.standin.speed, speed.name)
             out += bounds_problems(f"sglang_deploy.standin.speed.{speed.name}", value, bounds)
     return out
@@ -309,14 +339,18 @@ def deploy_setting_problems(settings: SGLangDeployConf) -> list[Problem]:
 
 
 __all__ = [
+    "EPHEMERAL_PORTS_START",
     "HEALTH_ENDPOINTS",
     "LIVE_MODES",
+    "MAX_COUNT",
+    "MAX_DURATION_S",
     "MAX_POLL_INTERVAL_S",
     "SETTING_BOUNDS",
     "Bounds",
     "bounds_problems",
     "choice_problem",
     "deploy_setting_problems",
+    "duration_bounds",
     "flag_problem",
     "host_problem",
 ]

@@ -72,7 +72,7 @@ class PortAssignment:
 def default_lock_dir() -> Path:
     """Claims of this user's launches (per user: another user's directory may not be writable)."""
     default = Path(tempfile.gettempdir()) / f"miles-sglang-ports-{os.getuid()}"
-    return Path(os.environ.get("MSP_PORT_LOCK_DIR", default))
+    return Path(os.environ.get("MSP_PORT_LOCK_DIR") or default)  # set but empty: the default, not "."
 
 
 @dataclass
@@ -142,9 +142,13 @@ class _Cursor:
                 f"no port on {self.host} could be claimed: the port lock directory {claims.lock_dir} is not "
                 f"usable ({claims.unusable}); set MSP_PORT_LOCK_DIR to a writable directory"
             )
+        remedy = (
+            f"lower sglang_deploy.launch.port_base (ports stay below the ephemeral range, {EPHEMERAL_START})"
+            if self.limit >= EPHEMERAL_START - 1
+            else "raise sglang_deploy.launch.port_max or lower port_base"
+        )
         raise PortExhaustedError(
-            f"no {count} free consecutive port(s) left on {self.host} below {self.limit + 1}; "
-            "raise sglang_deploy.launch.port_max or lower port_base"
+            f"no {count} free consecutive port(s) left on {self.host} below {self.limit + 1}; {remedy}"
         )
 
 

@@ -22,7 +22,13 @@ from typing import Any
 from miles_sglang_plugin.addresses import http_base_url, strip_brackets
 from miles_sglang_plugin.config.schema import RouterConf
 from miles_sglang_plugin.config.shared_fields import dict_as_mapping, fields_of
-from miles_sglang_plugin.rendering.deploy_checks import Bounds, choice_problem, flag_problem
+from miles_sglang_plugin.rendering.deploy_checks import (
+    MAX_COUNT,
+    MAX_DURATION_S,
+    Bounds,
+    choice_problem,
+    flag_problem,
+)
 
 __all__ = [
     "DECODE_POLICIES",
@@ -296,18 +302,25 @@ def _policy_problem(key: str, value: Any, valid: tuple[str, ...]) -> str | None:
 #: The numeric settings and their bounds.
 _SETTING_BOUNDS = {
     **{
-        name: Bounds(1, integer=True)
+        name: Bounds(1, integer=True, maximum=MAX_DURATION_S, why="at most 30 days")
         for name in (
             "request_timeout_secs",
             "health_check_interval_secs",
+            "health_check_timeout_secs",
+            "cb_timeout_duration_secs",
+        )
+    },
+    **{
+        name: Bounds(1, integer=True, maximum=24 * 3600 * 1000, why="at most a day")
+        for name in ("retry_initial_backoff_ms", "retry_max_backoff_ms")
+    },
+    **{
+        name: Bounds(1, integer=True, maximum=MAX_COUNT)
+        for name in (
             "health_failure_threshold",
             "health_success_threshold",
-            "health_check_timeout_secs",
             "retry_max_retries",
             "cb_failure_threshold",
-            "cb_timeout_duration_secs",
-            "retry_initial_backoff_ms",
-            "retry_max_backoff_ms",
         )
     },
     "retry_backoff_multiplier": Bounds(1.0, maximum=100.0),

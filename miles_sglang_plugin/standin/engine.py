@@ -59,6 +59,7 @@ With ``--api-key K`` every endpoint except the health ones and ``/metrics`` need
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import hmac
 import ipaddress
@@ -1045,6 +1046,12 @@ async def serve(args: StandInArgs, faults: FaultConfig, env: Mapping[str, str]) 
             f"mode={args.disaggregation_mode}, {where}",
             flush=True,
         )
+    # As SGLang's engine does at start (engine.py: "server_args=..."): every field, the API key included, which
+    # is why a log excerpt the launcher shows masks what the process was given.
+    fields = {
+        f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.name not in ("extra", "argv")
+    }
+    print(f"{TAG} server_args={fields}", flush=True)
     if faults.start_delay_s and await _wait(stop, faults.start_delay_s):
         return EXIT_OK
     if faults.fail_at_start:

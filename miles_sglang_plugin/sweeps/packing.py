@@ -33,6 +33,9 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
+from hydra.errors import CompactHydraException
+
+from miles_sglang_plugin.errors import DeploymentConfigError
 from miles_sglang_plugin.masking import mask_overrides
 from miles_sglang_plugin.planning.plan import DeploymentPlan
 from miles_sglang_plugin.sweeps.gpu_claims import GpuClaims, GpuLockDirError, default_gpu_lock_dir
@@ -283,8 +286,9 @@ def load_jobs(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job
     return jobs
 
 
-class PackedJobFailed(RuntimeError):
-    """A job's failure as its process reported it (its exception's type and message)."""
+class PackedJobFailed(CompactHydraException):
+    """A job's failure as its process reported it (its exception's type and message; its traceback, if it
+    has one worth showing, is in the job's log): Hydra shows the message alone at the multirun's end."""
 
 
 def _failed_return(job: Job, exc: BaseException) -> Any:
@@ -338,8 +342,11 @@ def _run_in_child(launcher: Any, job: Job) -> Any:
     except BaseException as exc:  # KeyboardInterrupt, SystemExit: still a result for the launcher
         write_job_status(job.output_dir, "FAILED", error_text(exc))
         return _failed_return(job, exc)
-    if getattr(ret, "_return_value", None) is not None and ret.status.name == "FAILED":
-        trace = "".join(traceback.format_exception(ret._return_value))
+    exc = getattr(ret, "_return_value", None)
+    if isinstance(exc, DeploymentConfigError):  # bad input: its message says it all
+        log.error("job #%d failed: %s: %s", job.index, type(exc).__name__, exc)
+    elif exc is not None and ret.status.name == "FAILED":
+        trace = "".join(traceback.format_exception(exc))
         log.error("job #%d failed:\n%s", job.index, trace.rstrip())
     return ret
 
@@ -597,4 +604,7 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_id
     _refuse_oversized(launcher, jobs, settings)
     Scheduler(launcher, jobs, settings).run()
     configure_log(launcher.config.hydra.hydra_logging, launcher.config.hydra.verbose)
+    for job in jobs:  # Hydra prints a failed job's overrides as they are: only masked ones reach it
+        if job.result is not None:
+            job.result.overrides = mask_overrides(job.result.overrides or [])
     return [job.result for job in jobs]

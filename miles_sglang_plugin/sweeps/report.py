@@ -62,9 +62,13 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 
 
 def _read_overrides(path: Path) -> list[str]:
-    if path.stat().st_size > MAX_FILE_BYTES:
+    """The job's overrides (secrets masked); none where the file is too large or not Hydra's YAML list."""
+    try:
+        if path.stat().st_size > MAX_FILE_BYTES:
+            return []
+        data = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
         return []
-    data = yaml.safe_load(path.read_text())
     return mask_overrides(data) if isinstance(data, list) else []
 
 
@@ -76,12 +80,14 @@ def parse_override(override: str) -> tuple[str, str]:
 
 def _job_num(job_dir: Path) -> int | None:
     hydra = job_dir / ".hydra" / "hydra.yaml"
-    if hydra.is_file() and hydra.stat().st_size <= MAX_FILE_BYTES:
-        with hydra.open() as f:
-            data = yaml.safe_load(f) or {}
-        num = ((data.get("hydra") or {}).get("job") or {}).get("num")
-        if isinstance(num, int):
-            return num
+    try:
+        data = yaml.safe_load(hydra.read_text()) if hydra.stat().st_size <= MAX_FILE_BYTES else None
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        data = None
+    job = ((data.get("hydra") or {}).get("job") or {}) if isinstance(data, dict) else {}
+    num = job.get("num") if isinstance(job, dict) else None
+    if isinstance(num, int) and not isinstance(num, bool):
+        return num
     return int(job_dir.name) if job_dir.name.isdigit() else None
 
 

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 # ruff: noqa: F811  (pytest fixtures imported from other modules, redefined as arguments)
 import asyncio
+import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -24,12 +27,14 @@ from miles_sglang_plugin.serving.control import CLOSE_TIMEOUT_S
 from miles_sglang_plugin.serving.deployment import Deployment
 from miles_sglang_plugin.serving.supervision import DeploymentStoppedError
 from tests.conftest_launch import leak_check  # noqa: F401  (fixture)
-from tests.launch_helpers import LeakTracker, compose
+from tests.launch_helpers import REPO, LeakTracker, compose, launch_overrides
 from tests.test_external_engines_live import judge
 from tests.test_standin import Proc, spawn, start_standin, wait_http  # noqa: F401  (the spawn fixture)
 
 pytestmark = pytest.mark.slow
 
+#: The shutdown grace period of these launches (launch_overrides' default).
+GRACE_S = 3.0
 #: Quick supervision (as in test_supervision.py).
 FAST = [
     "sglang_deploy.supervision.health_interval_s=0.3",
@@ -188,3 +193,78 @@ def test_a_slow_replay_blocks_neither_other_operations_nor_loss_detection(
         assert "engine_recovered" not in [e.kind for e in d.events()[since:]]  # the replay is still out
         d.wait_for_event("engine_recovered", subject="actor.regular.0", since=since, timeout_s=30)
         assert stats(d, "actor.regular.0")["paused"] == "retract"
+
+
+#: A launch whose engine 0 is killed after a pause was remembered; argv[1]: JSON overrides, argv[2]: log dir.
+#: Prints JSON lines: ``up`` (processes, ports, engine URLs), then waits for a signal.
+REPLAY_SCRIPT = r"""
+import json, os, signal, sys, time
+from pathlib import Path
+from miles_sglang_plugin.app.hydra_edge import launch_from_config
+from miles_sglang_plugin.config.compose import compose_config
+
+with launch_from_config(compose_config(json.loads(sys.argv[1])), log_dir=Path(sys.argv[2])) as d:
+    d.control.pause_generation(timeout_s=0.5, check=False)
+    launch = d.prepared.launch
+    print(json.dumps({
+        "processes": [{"pid": p.pid, "name": p.name, "marker": p.argv[2]} for p in d.processes()],
+        "ports": [e.port for e in launch.engines] + [p for r in launch.routers for p in (r.spec.port, r.spec.prometheus_port)],
+        "urls": [e.url for e in d.engines()],
+    }), flush=True)
+    os.kill(d.members[0].processes[0].pid, signal.SIGKILL)
+    while True:
+        time.sleep(0.1)
+"""
+
+
+def test_sigterm_during_a_slow_replay_stops_everything_within_the_grace_period(
+    tmp_path: Path, leak_check: LeakTracker
+) -> None:
+    """The restarted engine's replay (a pause, 60 s per control call here) is in flight when the launcher
+    gets SIGTERM: it ends within the shutdown grace period, nothing left (before: 30 s more, the teardown
+    waiting for the recovery thread before it stopped the engine that thread waited for)."""
+    script = tmp_path / "replay.py"
+    script.write_text(REPLAY_SCRIPT)
+    overrides = launch_overrides(
+        "sglang.actor.regular.num_gpus=2", *FAST, "sglang_deploy.standin.control_latency_s=60"
+    )
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    with (tmp_path / "out").open("wb") as out, (tmp_path / "err").open("wb") as err:
+        child = subprocess.Popen(
+            [sys.executable, str(script), json.dumps(overrides), str(tmp_path / "logs")],
+            stdout=out,
+            stderr=err,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
+    try:
+        wait_until(lambda: (tmp_path / "out").read_text().strip() != "" or child.poll() is not None, 60, "up")
+        up = json.loads((tmp_path / "out").read_text().splitlines()[0])
+        for process in up["processes"]:
+            leak_check.add_process(process["pid"], process["name"], process["marker"])
+        leak_check.add_ports(up["ports"])
+        url = up["urls"][0]
+
+        def replay_in_flight() -> bool:
+            try:
+                answer = httpx.get(url + "/stand_in/stats", timeout=2).json()
+            except httpx.HTTPError:
+                return False
+            return any(path == "/pause_generation" for path, _body in answer["control_calls"])
+
+        wait_until(replay_in_flight, 30, "the restarted engine's replay")
+        pid = httpx.get(url + "/server_info", timeout=5).json()["pid"]
+        leak_check.add_process(pid, "actor.regular.0 (restarted)", "miles_sglang_plugin.standin")
+        sent = time.monotonic()
+        child.send_signal(signal.SIGTERM)
+        code = child.wait(timeout=60)
+        took = time.monotonic() - sent
+    finally:
+        if child.poll() is None:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait(timeout=10)
+    assert code == -signal.SIGTERM, (tmp_path / "err").read_text()[-3000:]
+    assert took < GRACE_S + 3, f"{took:.1f} s from SIGTERM to the end"
+    leak_check.assert_nothing_left(wait_s=1.0)

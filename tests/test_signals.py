@@ -152,6 +152,30 @@ def test_handed_on_from_another_thread_it_reaches_the_main_thread(own_handlers: 
     assert signal.getsignal(signal.SIGTERM) is own_handlers[signal.SIGTERM]
 
 
+def test_the_watcher_hands_the_signal_on_even_when_stopping_raised(
+    own_handlers: dict[int, _Recorder], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As a deployment whose teardown fails (a backend RPC error): the exception shows, and the program still
+    gets its SIGTERM (before: it was never handed on, and the program ran on as if nothing had come)."""
+    raised: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: raised.append(args.exc_value))
+    watch = signals.watch()
+    assert watch is not None
+
+    def stop_that_fails(signum: int) -> None:
+        signals.unwatch(watch)
+        raise RuntimeError("the backend could not stop an engine")
+
+    watcher = watch.serve_in_background(stop_that_fails, name="test watcher")
+    signal.raise_signal(signal.SIGTERM)
+    watcher.join(timeout=10)
+    deadline = time.monotonic() + 5
+    while not own_handlers[signal.SIGTERM].calls and time.monotonic() < deadline:
+        time.sleep(0.01)  # the main thread runs the handler between two bytecodes
+    assert own_handlers[signal.SIGTERM].calls == [signal.SIGTERM]
+    assert [str(exc) for exc in raised] == ["the backend could not stop an engine"]
+
+
 def test_a_signal_after_the_last_watch_closed_elsewhere_goes_to_the_program(
     own_handlers: dict[int, _Recorder],
 ) -> None:

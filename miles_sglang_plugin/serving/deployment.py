@@ -327,7 +327,10 @@ class Deployment:
 
     def _stop_on_signal(self, signum: int) -> None:
         self.status.note(f"{signals.signal_name(signum)} received: stopping every engine and router")
-        self.stop()
+        try:
+            self.stop()
+        finally:  # even when the teardown raised: the watcher hands the signal on to the program next
+            signals.unwatch(self._watch)
 
     def _check_signal(self) -> None:
         if self._watch is not None:

@@ -368,3 +368,30 @@ def test_an_admission_under_way_is_joined_when_the_deployment_stops(
         assert [t.name for t in threading.enumerate() if "admit" in t.name and t.is_alive()] == []
         time.sleep(0.5)
         assert [e.kind for e in d.events()[stopped_at:]] == []
+
+
+def test_miles_sglang_launch_shows_the_supervisors_log_on_stderr(capsys: pytest.CaptureFixture[str]) -> None:
+    """What ``miles-sglang launch`` sets up before it starts anything: every supervision event once, with its
+    kind, and the supervisor's other warnings too (before: a NullHandler swallowed the latter)."""
+    import logging
+
+    from miles_sglang_plugin.cli import log_to_stderr
+    from miles_sglang_plugin.serving.supervision import EventLog
+
+    package_logger = logging.getLogger("miles_sglang_plugin")
+    before = (package_logger.level, package_logger.propagate)
+    handler = log_to_stderr()
+    try:
+        EventLog().emit("engine_lost", "actor.regular.1", "engine actor.regular.1 (http://h:1) lost: gone")
+        logging.getLogger("miles_sglang_plugin.supervision").warning(
+            "could not take %s out of router %s: %s", "actor.regular.1", "actor", "refused"
+        )
+        logging.getLogger("miles_sglang_plugin.supervision").debug("not shown")
+    finally:
+        package_logger.removeHandler(handler)
+        package_logger.setLevel(before[0])
+        package_logger.propagate = before[1]
+    assert capsys.readouterr().err.splitlines() == [
+        "engine_lost: engine actor.regular.1 (http://h:1) lost: gone",
+        "warning: could not take actor.regular.1 out of router actor: refused",
+    ]

@@ -167,7 +167,7 @@ class EventLog:
         event = DeploymentEvent(
             kind, subject, message, time.time(), time.monotonic(), MappingProxyType(details)
         )
-        logger.log(EVENT_LEVELS.get(kind, logging.INFO), "%s", message)
+        logger.log(EVENT_LEVELS.get(kind, logging.INFO), "%s", message, extra={"msp_event": kind})
         with self._changed:
             self._events.append(event)
             self._count += 1

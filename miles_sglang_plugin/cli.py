@@ -13,9 +13,10 @@ Ctrl-C while the command starts up ends it with one line and status 130, not a t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 EXIT_USER_ERROR = 2
@@ -49,16 +50,23 @@ class _LogLineFormatter(logging.Formatter):
         return f"{getattr(record, 'msp_event', None) or record.levelname.lower()}: {text}"
 
 
-def log_to_stderr(level: int = logging.INFO) -> logging.Handler:
-    """Show the plugin's log (logger ``miles_sglang_plugin``: the supervisor's engine and router losses,
-    restarts and recoveries, and every other warning) on stderr, one line each; returns the handler."""
+@contextlib.contextmanager
+def log_to_stderr(level: int = logging.INFO) -> Iterator[logging.Handler]:
+    """For the block, show the plugin's log (logger ``miles_sglang_plugin``: the supervisor's engine and router
+    losses, restarts and recoveries, and every other warning) on stderr, one line each."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(_LogLineFormatter("%(message)s"))
     package_logger = logging.getLogger("miles_sglang_plugin")
+    before = (package_logger.level, package_logger.propagate)
     package_logger.addHandler(handler)
     package_logger.setLevel(level)
     package_logger.propagate = False  # once, here, not again through a root handler
-    return handler
+    try:
+        yield handler
+    finally:
+        package_logger.removeHandler(handler)
+        package_logger.setLevel(before[0])
+        package_logger.propagate = before[1]
 
 
 def _composed(args: argparse.Namespace) -> Any:
@@ -135,10 +143,12 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     from miles_sglang_plugin.app.hydra_edge import launch_from_config
     from miles_sglang_plugin.config.compose import compose_config
 
-    log_to_stderr()  # engine losses, restarts, recoveries (supervision events) and any other warning
     cfg = compose_config(args.overrides)
     console = _err_console()
-    with launch_from_config(cfg, log_dir=Path(args.log_dir) if args.log_dir else None) as deployment:
+    with (
+        log_to_stderr(),  # engine losses, restarts, recoveries (supervision events) and any other warning
+        launch_from_config(cfg, log_dir=Path(args.log_dir) if args.log_dir else None) as deployment,
+    ):
         registry = deployment.registry
         for name in registry.names():
             sys.stdout.write(f"{name} {registry[name].base_url}\n")

@@ -379,18 +379,14 @@ def test_miles_sglang_launch_shows_the_supervisors_log_on_stderr(capsys: pytest.
     from miles_sglang_plugin.serving.supervision import EventLog
 
     package_logger = logging.getLogger("miles_sglang_plugin")
-    before = (package_logger.level, package_logger.propagate)
-    handler = log_to_stderr()
-    try:
+    before = (package_logger.level, package_logger.propagate, list(package_logger.handlers))
+    with log_to_stderr():
         EventLog().emit("engine_lost", "actor.regular.1", "engine actor.regular.1 (http://h:1) lost: gone")
         logging.getLogger("miles_sglang_plugin.supervision").warning(
             "could not take %s out of router %s: %s", "actor.regular.1", "actor", "refused"
         )
         logging.getLogger("miles_sglang_plugin.supervision").debug("not shown")
-    finally:
-        package_logger.removeHandler(handler)
-        package_logger.setLevel(before[0])
-        package_logger.propagate = before[1]
+    assert (package_logger.level, package_logger.propagate, package_logger.handlers) == before  # as it was
     assert capsys.readouterr().err.splitlines() == [
         "engine_lost: engine actor.regular.1 (http://h:1) lost: gone",
         "warning: could not take actor.regular.1 out of router actor: refused",

@@ -74,6 +74,7 @@ _EXPORTS: dict[str, str] = {
     "DeploymentEvent": "miles_sglang_plugin.serving.supervision",
     "DeploymentState": "miles_sglang_plugin.serving.supervision",
     "DeploymentFailedError": "miles_sglang_plugin.serving.supervision",
+    "DeploymentStoppedError": "miles_sglang_plugin.serving.supervision",
     "RouterInfo": "miles_sglang_plugin.serving.supervision",
     "StartupInterrupted": "miles_sglang_plugin.serving.deployment",
     "RouterRegistry": "miles_sglang_plugin.serving.registry",
@@ -116,6 +117,7 @@ __all__ = [
     "DeploymentPlan",
     "DeploymentSpec",
     "DeploymentState",
+    "DeploymentStoppedError",
     "EngineInfo",
     "EnginePlan",
     "EngineProcess",
@@ -231,6 +233,7 @@ if TYPE_CHECKING:  # what static tools see; at run time the names load lazily th
         DeploymentEvent,
         DeploymentFailedError,
         DeploymentState,
+        DeploymentStoppedError,
         RouterInfo,
     )
     from miles_sglang_plugin.sweeps.bench import BenchSettings, arun_rollout_bench, run_rollout_bench

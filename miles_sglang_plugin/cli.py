@@ -13,8 +13,10 @@ Ctrl-C while the command starts up ends it with one line and status 130, not a t
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 EXIT_USER_ERROR = 2
@@ -38,6 +40,33 @@ def _print_error(message: str) -> None:
     from rich.markup import escape
 
     _err_console().print(f"[bold red]error:[/] {escape(message)}", markup=True)
+
+
+class _LogLineFormatter(logging.Formatter):
+    """One line per record: a supervision event's kind (``engine_lost: ...``), else the level, then the text."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        return f"{getattr(record, 'msp_event', None) or record.levelname.lower()}: {text}"
+
+
+@contextlib.contextmanager
+def log_to_stderr(level: int = logging.INFO) -> Iterator[logging.Handler]:
+    """For the block, show the plugin's log (logger ``miles_sglang_plugin``: the supervisor's engine and router
+    losses, restarts and recoveries, and every other warning) on stderr, one line each."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_LogLineFormatter("%(message)s"))
+    package_logger = logging.getLogger("miles_sglang_plugin")
+    before = (package_logger.level, package_logger.propagate)
+    package_logger.addHandler(handler)
+    package_logger.setLevel(level)
+    package_logger.propagate = False  # once, here, not again through a root handler
+    try:
+        yield handler
+    finally:
+        package_logger.removeHandler(handler)
+        package_logger.setLevel(before[0])
+        package_logger.propagate = before[1]
 
 
 def _composed(args: argparse.Namespace) -> Any:
@@ -106,7 +135,6 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     With supervision on (the default), a lost engine or router is reported and healed while the others serve;
     the command ends (status 1) only when the deployment fails whole. With it off, the first process that
     exits stops everything."""
-    import logging
     import time
     from pathlib import Path
 
@@ -117,11 +145,10 @@ def _cmd_launch(args: argparse.Namespace) -> int:
 
     cfg = compose_config(args.overrides)
     console = _err_console()
-    supervision_logger = logging.getLogger("miles_sglang_plugin.supervision")
-    supervision_logger.addHandler(logging.NullHandler())  # events are printed below, once each
-    supervision_logger.propagate = False
-    with launch_from_config(cfg, log_dir=Path(args.log_dir) if args.log_dir else None) as deployment:
-        deployment.on_event(lambda event: console.print(f"{event.kind}: {escape(event.message)}"))
+    with (
+        log_to_stderr(),  # engine losses, restarts, recoveries (supervision events) and any other warning
+        launch_from_config(cfg, log_dir=Path(args.log_dir) if args.log_dir else None) as deployment,
+    ):
         registry = deployment.registry
         for name in registry.names():
             sys.stdout.write(f"{name} {registry[name].base_url}\n")

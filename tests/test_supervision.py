@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -307,3 +308,86 @@ def test_generation_health_checks_spare_engines_that_cannot_generate(
         lost = d.wait_for_event("engine_lost", subject="actor.regular.1", since=since, timeout_s=10)
         assert "no answer to /health_generate within 0.5 s" in lost.message
         d.wait_for_event("engine_recovered", subject="actor.regular.1", since=since, timeout_s=30)
+
+
+def test_a_restart_that_fails_half_way_stops_the_processes_it_had_started(
+    tmp_path: Path, leak_check: LeakTracker
+) -> None:
+    """A two-node engine (16 GPUs as two nodes of 8, side by side here): the first restart starts node 0, then
+    node 1 fails to start. The node-0 process it had started is stopped with the failed attempt (before: it
+    was never tracked and ran on, next to the replacement, until the launcher ended); the next restart
+    serves."""
+    cfg = compose("sglang.actor.regular.num_gpus=16", "sglang.actor.num_gpus_per_engine=16", *FAST)
+    with launch_from_config(cfg, log_dir=tmp_path / "logs") as d:
+        real_start = d.backend.start
+        started: list = []
+        refused: list[str] = []
+
+        def start(launch, *, log_path):  # type: ignore[no-untyped-def]
+            if launch.node_rank == 1 and not refused:
+                refused.append(launch.name)
+                raise OSError("node 1 cannot start it (the test)")
+            process = real_start(launch, log_path=log_path)
+            started.append(process)
+            leak_check.add_process(process.pid, process.name, "miles_sglang_plugin.standin")
+            return process
+
+        d.backend.start = start  # type: ignore[method-assign]
+        since = len(d.events())
+        os.kill(engine_pid(d, "actor.regular.0"), signal.SIGKILL)
+        failed = d.wait_for_event(
+            "engine_restart_failed", subject="actor.regular.0", since=since, timeout_s=30
+        )
+        assert "node 1 cannot start it (the test)" in failed.message
+        d.wait_for_event("engine_recovered", subject="actor.regular.0", since=since, timeout_s=30)
+        assert refused == ["actor.regular.0.node1"]
+        assert [p.name for p in started] == ["actor.regular.0.node0"] * 2 + ["actor.regular.0.node1"]
+        assert not process_alive(started[0].pid)
+        assert [p.pid for p in d.members[0].processes] == [p.pid for p in started[1:]]
+        assert d.state().status == "serving"
+
+
+def test_an_admission_under_way_is_joined_when_the_deployment_stops(
+    tmp_path: Path, leak_check: LeakTracker
+) -> None:
+    """An engine waiting for weights gets them from disk; its admission waits for its router (being restarted,
+    as far as the supervisor knows) when the deployment stops. The admission is the supervisor's: stopping
+    joins it, and it reports nothing (before: an untracked thread that, once the router was stopped, reported
+    the engine lost after the deployment had stopped)."""
+    with launch_from_config(compose(*TWO), log_dir=tmp_path / "logs") as d:
+        d.control.background.init_weights_update_group("127.0.0.1", 29500).result(timeout=30)
+        d.control.update_weights_from_distributed(["w"], ["bfloat16"], [[2]], weight_version="7")
+        since = len(d.events())
+        os.kill(engine_pid(d, "actor.regular.0"), signal.SIGKILL)
+        d.wait_for_event("engine_pending_weights", subject="actor.regular.0", since=since, timeout_s=30)
+        d.router_members[0].state = "restarting"  # the admission waits until its router is ready again
+        d.control.update_weights_from_disk("/ckpt/step9", weight_version="9")
+        assert [t.name for t in threading.enumerate() if "admit" in t.name] != []
+        stopped_at = len(d.events())
+        d.stop()
+        assert [t.name for t in threading.enumerate() if "admit" in t.name and t.is_alive()] == []
+        time.sleep(0.5)
+        assert [e.kind for e in d.events()[stopped_at:]] == []
+
+
+def test_miles_sglang_launch_shows_the_supervisors_log_on_stderr(capsys: pytest.CaptureFixture[str]) -> None:
+    """What ``miles-sglang launch`` sets up before it starts anything: every supervision event once, with its
+    kind, and the supervisor's other warnings too (before: a NullHandler swallowed the latter)."""
+    import logging
+
+    from miles_sglang_plugin.cli import log_to_stderr
+    from miles_sglang_plugin.serving.supervision import EventLog
+
+    package_logger = logging.getLogger("miles_sglang_plugin")
+    before = (package_logger.level, package_logger.propagate, list(package_logger.handlers))
+    with log_to_stderr():
+        EventLog().emit("engine_lost", "actor.regular.1", "engine actor.regular.1 (http://h:1) lost: gone")
+        logging.getLogger("miles_sglang_plugin.supervision").warning(
+            "could not take %s out of router %s: %s", "actor.regular.1", "actor", "refused"
+        )
+        logging.getLogger("miles_sglang_plugin.supervision").debug("not shown")
+    assert (package_logger.level, package_logger.propagate, package_logger.handlers) == before  # as it was
+    assert capsys.readouterr().err.splitlines() == [
+        "engine_lost: engine actor.regular.1 (http://h:1) lost: gone",
+        "warning: could not take actor.regular.1 out of router actor: refused",
+    ]

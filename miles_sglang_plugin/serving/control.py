@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import httpx
 
 from miles_sglang_plugin.serving.members import EngineMember
+from miles_sglang_plugin.serving.supervision import DeploymentFailedError, DeploymentStoppedError
 
 if TYPE_CHECKING:
     from miles_sglang_plugin.serving.deployment import Deployment
@@ -63,6 +64,8 @@ DEFAULT_GROUP_NAME = "weight_update_group"
 UP_STATES = frozenset({"registered", "pending_weights"})
 PAUSE_MODES = ("abort", "retract", "in_place")
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+#: How long closing the synchronous handle waits for the operations it cancels, and for its loop to stop.
+CLOSE_TIMEOUT_S = 5.0
 T = TypeVar("T")
 
 
@@ -351,7 +354,7 @@ class AsyncDeploymentControl:
     def _targets(
         self, concerned: Callable[[EngineMember], bool], model: str | None, group: str | None
     ) -> _Targets:
-        self._deployment.check()
+        self._deployment.check_running()
         selected = self._select(model, group)
         mine = [m for m in selected if concerned(m)]
         return _Targets(
@@ -413,6 +416,7 @@ class AsyncDeploymentControl:
         method: str = "POST",
     ) -> OperationResult:
         deadline = self._deployment.settings.control.timeout_s if timeout_s is None else timeout_s
+        restarts = {m.id: m.restarts for m in targets.members}  # an engine replaced meanwhile is caught up
         async with self._client() as client:
             tasks = {
                 asyncio.ensure_future(
@@ -423,7 +427,7 @@ class AsyncDeploymentControl:
             if tasks:
                 await asyncio.wait(tasks, timeout=deadline)
             replies = [_task_reply(task, member, deadline) for task, member in tasks.items()]
-        replies, deferred = self._settle(replies)
+        replies, deferred = self._settle(replies, restarts)
         return OperationResult(
             operation=operation,
             replies=tuple(replies),
@@ -431,15 +435,21 @@ class AsyncDeploymentControl:
             deferred=(*targets.deferred, *deferred),
         )
 
-    def _settle(self, replies: list[EngineReply]) -> tuple[list[EngineReply], list[str]]:
+    def _settle(
+        self, replies: list[EngineReply], restarts: dict[str, int]
+    ) -> tuple[list[EngineReply], list[str]]:
         """Failures of engines that are down (their process exited, or the supervisor took them out) are
-        deferred, not failed: the supervisor brings them back with the remembered state."""
+        deferred, not failed: the supervisor brings them back with the remembered state. So is any reply of
+        an engine restarted while the call was out (``restarts``: before it): what it answered, if anything,
+        was its old process's; the new one gets the state replayed, and is sent the operation if it came back
+        before the operation was recorded (see :meth:`_remember`)."""
         by_id = {m.id: m for m in self._deployment.members}
         kept, deferred = [], []
         for reply in replies:
             member = by_id[reply.engine]
             down = member.state not in UP_STATES or any(p.exit_code() is not None for p in member.processes)
-            if not reply.ok and down and not member.external:
+            replaced = member.restarts != restarts.get(member.id, member.restarts)
+            if not member.external and (replaced or (down and not reply.ok)):
                 deferred.append(reply.engine)
             else:
                 kept.append(reply)
@@ -479,10 +489,18 @@ class AsyncDeploymentControl:
         self, apply: Callable[[RememberedState, OperationResult], None], result: OperationResult
     ) -> list[EngineMember]:
         """Record the state; the deferred engines that are up again (they came back before the record, so
-        the replay they got lacked it): they are sent the operation too."""
+        the replay they got lacked it): they are sent the operation too. One that the supervisor is catching
+        up right now (its replay was read before this record) is waited for, then sent it if it came up."""
         with self.remembered.lock:
             self.remembered.change(lambda state: apply(state, result))
-            return [m for m in self._by_ids(result.deferred) if m.state in UP_STATES]
+            deferred = self._by_ids(result.deferred)
+            late = [m for m in deferred if m.state in UP_STATES]
+            catching_up = [(m, m.restarts) for m in deferred if m.catching_up]
+        for member, restarts in catching_up:
+            with member.catch_up:  # its replay and registration are done
+                if member.state in UP_STATES and member.restarts == restarts:
+                    late.append(member)
+        return late
 
     def _models_of(self, result: OperationResult) -> set[str]:
         return {m.model for m in self._by_ids([*result.engines, *result.deferred])}
@@ -785,9 +803,7 @@ class AsyncDeploymentControl:
         got = {r.engine for r in result.replies if r.ok}
         for member in self._by_ids(list(got)):
             if member.state == "pending_weights":
-                threading.Thread(
-                    target=self._deployment.supervisor.admit, args=(member,), daemon=True
-                ).start()
+                self._deployment.supervisor.admit_in_background(member)
 
     # ------------------------------------------------------------------------------------------ scheduling
     async def pause_generation(
@@ -960,16 +976,26 @@ def _task_reply(task: asyncio.Future[EngineReply], member: EngineMember, deadlin
 # ------------------------------------------------------------------------------------------ synchronous
 class _LoopThread:
     """An event loop on a thread of its own, which the synchronous handle runs its coroutines on (so that it
-    works from any thread, also one that runs an event loop of its own)."""
+    works from any thread, also one that runs an event loop of its own). Once closed it runs nothing more:
+    what was still running is cancelled (its caller gets ``refusal(...)`` raised), what comes later is refused."""
 
-    def __init__(self, on_start: Callable[[asyncio.AbstractEventLoop], None]) -> None:
+    def __init__(
+        self,
+        on_start: Callable[[asyncio.AbstractEventLoop], None],
+        refusal: Callable[[str], Exception],
+    ) -> None:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._on_start = on_start
+        self._refusal = refusal
+        self._closed = False
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         with self._lock:
+            if self._closed:
+                coro.close()
+                raise self._refusal(f"before {coro.__name__} was sent")
             if self._loop is None:
                 self._loop = asyncio.new_event_loop()
                 self._on_start(self._loop)
@@ -977,17 +1003,49 @@ class _LoopThread:
                     target=self._loop.run_forever, name="msp-control", daemon=True
                 )
                 self._thread.start()
-            return asyncio.run_coroutine_threadsafe(coro, self._loop)
+            return asyncio.run_coroutine_threadsafe(self._guarded(coro), self._loop)
+
+    async def _guarded(self, coro: Coroutine[Any, Any, T]) -> T:
+        name = coro.__name__
+        try:
+            return await coro
+        except asyncio.CancelledError:
+            if self._closed:  # cancelled by close(): the caller learns why
+                raise self._refusal(f"while {name} was in flight") from None
+            raise
 
     def close(self, before: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """Cancel what runs (bounded wait), then ``before()`` (e.g. close the shared client), then stop."""
         with self._lock:
+            self._closed = True
             loop, thread, self._loop, self._thread = self._loop, self._thread, None, None
-        if loop is not None and thread is not None:
-            with contextlib.suppress(Exception):
-                asyncio.run_coroutine_threadsafe(before(), loop).result(timeout=5)
-            loop.call_soon_threadsafe(loop.stop)
-            thread.join(timeout=5)
+        if loop is None or thread is None:
+            return
+        if thread is threading.current_thread():  # from an operation of its own: it cannot wait for itself
+            loop.call_soon(_cancel_all, loop)
+            loop.call_soon(loop.stop)
+            return
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(_wind_down(before), loop).result(timeout=CLOSE_TIMEOUT_S)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=CLOSE_TIMEOUT_S)
+        if not thread.is_alive():
             loop.close()
+
+
+def _cancel_all(loop: asyncio.AbstractEventLoop) -> list[asyncio.Task[Any]]:
+    current = asyncio.current_task(loop)
+    pending = [task for task in asyncio.all_tasks(loop) if task is not current and not task.done()]
+    for task in pending:
+        task.cancel()
+    return pending
+
+
+async def _wind_down(before: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    pending = _cancel_all(asyncio.get_running_loop())
+    if pending:
+        await asyncio.wait(pending, timeout=CLOSE_TIMEOUT_S / 2)
+    await before()
 
 
 class _Background:
@@ -1037,14 +1095,22 @@ class DeploymentControl:
 
     def __init__(self, aio: AsyncDeploymentControl) -> None:
         self.aio = aio
-        self._loop = _LoopThread(on_start=self._use_loop)
+        self._loop = _LoopThread(on_start=self._use_loop, refusal=self._refusal)
         self.background = _Background(self)
+
+    def _refusal(self, when: str) -> Exception:
+        """Why an operation did not run: the deployment failed, or it was stopped (``when``: at what point)."""
+        failure = self.aio._deployment.failure
+        if failure is not None:
+            return DeploymentFailedError(f"the deployment failed and was stopped {when}: {failure}")
+        return DeploymentStoppedError(f"the deployment was stopped {when}: its engines are no longer driven")
 
     def _use_loop(self, loop: asyncio.AbstractEventLoop) -> None:
         self.aio.shared_loop = loop
 
     def close(self) -> None:
-        """Stop its event loop (the deployment does, when it stops)."""
+        """Stop its event loop (the deployment does, when it stops): the operations in flight raise
+        :class:`DeploymentStoppedError` (:class:`DeploymentFailedError` if it failed), as later ones do."""
         self._loop.close(before=self.aio.close_shared_client)
 
     engines = _same(AsyncDeploymentControl.engines)

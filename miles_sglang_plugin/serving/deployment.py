@@ -62,6 +62,7 @@ from miles_sglang_plugin.serving.supervision import (
     DeploymentEvent,
     DeploymentFailedError,
     DeploymentState,
+    DeploymentStoppedError,
     RouterInfo,
     Supervisor,
 )
@@ -133,6 +134,9 @@ class Deployment:
         self._engines: list[EngineMember] = build_members(prepared)
         self._routers: list[RouterMember] = []
         self._stopped = False
+        #: stop() began (set once, first thing: no control operation starts from then on).
+        self._stopping = False
+        self._stopping_lock = threading.Lock()
         self._started = False
         self._failure: str | None = None
         self._ready = False
@@ -214,6 +218,15 @@ class Deployment:
         """Raise :class:`DeploymentFailedError` if the deployment failed (everything is stopped then)."""
         if self._failure is not None:
             raise DeploymentFailedError(f"the deployment failed and was stopped: {self._failure}")
+
+    def check_running(self) -> None:
+        """Raise :class:`DeploymentFailedError` if it failed, :class:`DeploymentStoppedError` once it stops
+        (control operations call it first)."""
+        self.check()
+        if self._stopping:
+            raise DeploymentStoppedError(
+                "the deployment was stopped: control operations no longer reach its engines"
+            )
 
     def mark_failed(self, message: str) -> None:
         """Record the failure (the supervisor stops everything next)."""
@@ -315,7 +328,10 @@ class Deployment:
 
     def _stop_on_signal(self, signum: int) -> None:
         self.status.note(f"{signals.signal_name(signum)} received: stopping every engine and router")
-        self.stop()
+        try:
+            self.stop()
+        finally:  # even when the teardown raised: the watcher hands the signal on to the program next
+            signals.unwatch(self._watch)
 
     def _check_signal(self) -> None:
         if self._watch is not None:
@@ -542,29 +558,46 @@ class Deployment:
     # ---------------------------------------------------------------------------------------------- stop
     def stop(self) -> None:
         """Stop every process this deployment started and close its backend (idempotent). External engines
-        are left running (they are only taken out of routers that stop anyway)."""
-        self.supervisor.stop()  # no restarts while everything stops
+        are left running (they are only taken out of routers that stop anyway). Control operations in flight
+        raise :class:`DeploymentStoppedError` (:class:`DeploymentFailedError` when it failed), later ones too."""
+        with self._stopping_lock:
+            already, self._stopping = self._stopping, True
+        if already and self.supervisor.owns(threading.current_thread()):
+            return  # e.g. a recovery that failed while the deployment stops: the stopping thread joins this one
+        self.supervisor.request_stop()  # no restarts from now on; its threads end once their engines are gone
+        self._control.close()  # callers blocked in an operation raise now, whatever their engines do
         with self._lock:
             if self._stopped:
                 return
             # A second Ctrl-C or SIGTERM must not cut the teardown short: recorded, handed on afterwards.
             with signals.recorded():
-                grace = self.settings.launch.shutdown_grace_s
-                routers = [router.process for router in self._routers]
-                for process in routers:  # routers stop while the engines are given their grace period
-                    if process.running:
-                        process.signal_group(signal.SIGTERM)
-                try:
-                    self.backend.stop(
-                        [process for engine in self._engines for process in engine.processes], grace_s=grace
-                    )
-                finally:
-                    stop_processes(routers, grace_s=grace)
-                    self.backend.close()
-                    self._stopped = True
-                    _ACTIVE.discard(self)
-                    signals.unwatch(self._watch)
-                    self._after_stop()
+                self._teardown(self.settings.launch.shutdown_grace_s)
+
+    def _engine_processes(self) -> list[EngineProcess]:
+        return [process for engine in self._engines for process in engine.processes]
+
+    def _teardown(self, grace: float) -> None:
+        routers = [router.process for router in self._routers]
+        for process in routers:  # routers stop while the engines are given their grace period
+            if process.running:
+                process.signal_group(signal.SIGTERM)
+        try:
+            self.backend.stop(self._engine_processes(), grace_s=grace)
+        finally:
+            try:
+                stop_processes(routers, grace_s=grace)
+                self.supervisor.join()  # a replay or restart in flight ends now that its engine is gone
+                # What a restart started meanwhile (before it saw the stop), engines and routers alike.
+                late = [process for process in self._engine_processes() if process.exit_code() is None]
+                if late:
+                    self.backend.stop(late, grace_s=grace)
+                stop_processes([process for process in routers if process.running], grace_s=grace)
+            finally:
+                self.backend.close()
+                self._stopped = True
+                _ACTIVE.discard(self)
+                signals.unwatch(self._watch)
+                self._after_stop()
 
     def _after_stop(self) -> None:
         for member in self._engines:

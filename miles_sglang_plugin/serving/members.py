@@ -12,6 +12,7 @@ again).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -94,6 +95,10 @@ class EngineMember:
     recovered_at: float | None = None
     #: Health polls failed in a row.
     health_failures: int = 0
+    #: Held by the supervisor while it gives a restarted engine the control state and lets it serve;
+    #: ``catching_up`` (changed under the control state's lock) says it is doing so.
+    catch_up: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    catching_up: bool = False
 
     @property
     def lead(self) -> EngineProcessLaunch | None:

@@ -100,15 +100,17 @@ class SignalWatch:
 
     def serve_in_background(self, on_signal: Callable[[int], None], name: str) -> threading.Thread:
         """A daemon thread that, when a signal arrives before the watch is closed, calls ``on_signal(signum)``
-        and then :func:`hand_on`."""
+        and then :func:`hand_on`, also when ``on_signal`` raised (the program gets its signal either way)."""
 
         def run() -> None:
             signum = None
             while signum is None and not self.closed:
                 signum = self.wait(1.0)
             if signum is not None:
-                on_signal(signum)
-                hand_on()
+                try:
+                    on_signal(signum)
+                finally:
+                    hand_on()
 
         thread = threading.Thread(target=run, name=name, daemon=True)
         thread.start()

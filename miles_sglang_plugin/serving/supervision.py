@@ -56,6 +56,7 @@ __all__ = [
     "DeploymentEvent",
     "DeploymentFailedError",
     "DeploymentState",
+    "DeploymentStoppedError",
     "EventLog",
     "RouterInfo",
     "Supervisor",
@@ -82,11 +83,18 @@ EVENT_LEVELS: Mapping[str, int] = MappingProxyType(
 #: How long a restarted router may take to answer, and a restarted engine to be listed healthy by its router.
 ROUTER_START_TIMEOUT_S = 60.0
 REGISTRATION_TIMEOUT_S = 60.0
+#: How long stopping waits for the supervisor's threads, all together, once the engines are stopped.
+STOP_JOIN_TIMEOUT_S = 30.0
 
 
 class DeploymentFailedError(LaunchError):
     """The deployment failed while serving (an engine or router could not be brought back, or
     ``supervision.max_restarts=0``): every engine and router it started has been stopped."""
+
+
+class DeploymentStoppedError(LaunchError):
+    """A control operation on a deployment that stopped (normally: not failed): one called once it stops, or one
+    still in flight when it stopped (its engines were stopped under it)."""
 
 
 @dataclass(frozen=True)
@@ -159,7 +167,7 @@ class EventLog:
         event = DeploymentEvent(
             kind, subject, message, time.time(), time.monotonic(), MappingProxyType(details)
         )
-        logger.log(EVENT_LEVELS.get(kind, logging.INFO), "%s", message)
+        logger.log(EVENT_LEVELS.get(kind, logging.INFO), "%s", message, extra={"msp_event": kind})
         with self._changed:
             self._events.append(event)
             self._count += 1
@@ -220,15 +228,31 @@ class Supervisor:
         if self.settings.enabled:
             self._thread(self._monitor, "msp-monitor")
 
-    def stop(self) -> None:
-        """No more checks or restarts; waits for the supervisor's threads (except the calling one)."""
+    def request_stop(self) -> None:
+        """No more checks or restarts: its threads end at their next step (see :meth:`join`)."""
         self._stopping.set()
-        current = threading.current_thread()
+
+    def join(self, timeout_s: float = STOP_JOIN_TIMEOUT_S) -> None:
+        """Wait for the supervisor's threads (except the calling one), all of them within ``timeout_s``;
+        call it once their engines are stopped, so that no network call of theirs waits for an answer."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            current = threading.current_thread()
+            with self._lock:
+                threads = [t for t in self._threads if t.is_alive() and t is not current]
+            if not threads:
+                return
+            threads[0].join(timeout=max(0.0, deadline - time.monotonic()))
+
+    def stop(self) -> None:
+        """:meth:`request_stop`, then :meth:`join`."""
+        self.request_stop()
+        self.join()
+
+    def owns(self, thread: threading.Thread) -> bool:
+        """Is ``thread`` one of the supervisor's (monitor, recovery, admission)?"""
         with self._lock:
-            threads = list(self._threads)
-        for thread in threads:
-            if thread is not current:
-                thread.join(timeout=30)
+            return thread in self._threads
 
     def close(self) -> None:
         """Give back the spawner thread (after every process it started was stopped)."""
@@ -239,8 +263,11 @@ class Supervisor:
         return self._failed
 
     def _thread(self, target: Callable[..., None], name: str, *args: Any) -> None:
+        """Run ``target`` on a thread of the supervisor (joined when the deployment stops); none once stopping."""
         thread = threading.Thread(target=target, args=args, name=name, daemon=True)
         with self._lock:
+            if self._stopping.is_set():
+                return
             self._threads = [t for t in self._threads if t.is_alive()] + [thread]
         thread.start()
 
@@ -396,7 +423,7 @@ class Supervisor:
                 return
             member.state = "restarting"
             problem = self._restart_once(member, lost_at)
-            if problem is None:
+            if problem is None or self._stopping.is_set():
                 return
             self.events.emit(
                 "engine_restart_failed",
@@ -417,41 +444,64 @@ class Supervisor:
         if member.processes:
             self.deployment.backend.stop(member.processes, grace_s=self.settings.kill_grace_s)
 
-    def _start_processes(self, member: EngineMember) -> None:
+    def _start_processes(self, member: EngineMember) -> str | None:
+        """Start the member's processes, each one tracked as soon as it runs (one that fails to start leaves
+        those started before it to be stopped with the member). The problem, or None."""
         log_dir = self.deployment.log_dir
-        member.processes = [
-            self._spawner.submit(
-                self.deployment.backend.start, launch, log_path=log_dir / f"{launch.name}.log"
-            ).result()
-            for launch in member.launches
-        ]
+        member.processes = []
+        for launch in member.launches:
+            if self._stopping.is_set():
+                return "the deployment is stopping"
+            try:
+                process = self._spawner.submit(
+                    self.deployment.backend.start, launch, log_path=log_dir / f"{launch.name}.log"
+                ).result()
+            except (OSError, LaunchError, RuntimeError) as exc:  # RuntimeError: the spawner was shut down
+                return f"it could not be started: {exc}"
+            member.processes.append(process)
+        return None
 
     def _restart_once(self, member: EngineMember, lost_at: float) -> str | None:
         """One restart: start, wait healthy, replay the control state, serve. The problem, or None."""
-        try:
-            self._start_processes(member)
-        except OSError as exc:
-            return f"it could not be started: {exc}"
+        problem = self._start_processes(member)
+        if problem is not None:
+            return problem
         started = time.monotonic()
         problem = self._wait_healthy(member)
         if problem is not None:
             return problem
         member.healthy_at = time.monotonic()
-        remembered = self.deployment.control.aio.remembered
-        with remembered.lock:  # control calls see it up only once it has their state
-            problems = self._replay(member)
-            if problems:
-                return "it did not take the control state back: " + "; ".join(problems)
-            if remembered.needs_weights(member):
-                member.state = "pending_weights"
-            else:
-                problem = self._register(member)
-                if problem is not None:
-                    return problem
-                member.state = "registered"
+        with member.catch_up:
+            problem = self._catch_up(member)
+        if problem is not None:
+            return problem
         member.recovered_at, member.health_failures = time.monotonic(), 0
         self._report_recovered(member, lost_at, member.healthy_at - started)
         return None
+
+    def _catch_up(self, member: EngineMember) -> str | None:
+        """Give the restarted ``member`` the control state, then let it serve (or wait for weights). The
+        state is read under its lock and replayed outside it (network calls); a control operation recorded
+        meanwhile finds the member catching up and is sent to it once this is done (``member.catch_up``, held
+        by the caller), so that no operation falls between the replay and the member coming up."""
+        remembered = self.deployment.control.aio.remembered
+        with remembered.lock:
+            calls = remembered.replay_calls(member)
+            member.catching_up = True
+        try:
+            problems = self._replay(member, calls)
+            if problems:
+                return "it did not take the control state back: " + "; ".join(problems)
+            pending = remembered.needs_weights(member)
+            problem = None if pending else self._register(member)
+            if problem is not None:
+                return problem
+            with remembered.lock:  # control calls see it up only once it has their state
+                member.state = "pending_weights" if pending else "registered"
+            return None
+        finally:
+            with remembered.lock:
+                member.catching_up = False
 
     def _report_recovered(self, member: EngineMember, lost_at: float, start_s: float) -> None:
         now = time.monotonic()
@@ -493,13 +543,15 @@ class Supervisor:
                 self._stopping.wait(launch_conf.poll_interval_s)
         return "the deployment is stopping"
 
-    def _replay(self, member: EngineMember) -> list[str]:
+    def _replay(self, member: EngineMember, calls: list[tuple[str, dict[str, Any]]]) -> list[str]:
+        """Send ``calls`` to ``member`` in order; the problems (none once the deployment stops: it says so)."""
         problems = []
-        calls = self.deployment.control.aio.remembered.replay_calls(member)
         with httpx.Client(
             timeout=self.deployment.settings.control.timeout_s, headers=self.deployment.auth_headers()
         ) as client:
             for route, body in calls:
+                if self._stopping.is_set():  # its engine is being stopped: the calls left would only wait
+                    return ["the deployment is stopping"]
                 try:
                     response = client.post(member.url + route, json=body)
                 except httpx.HTTPError as exc:
@@ -545,11 +597,17 @@ class Supervisor:
     def admit(self, member: EngineMember) -> None:
         """An engine that waited for weights got them: register it and let it serve."""
         problem = self._register(member)
+        if self._stopping.is_set():
+            return  # stopped meanwhile: nothing to report
         if problem is not None:
             self._lose(member, f"it got its weights but could not be registered: {problem}")
             return
         member.state = "registered"
         self.events.emit("engine_admitted", member.id, f"engine {member.id} got weights and serves again")
+
+    def admit_in_background(self, member: EngineMember) -> None:
+        """:meth:`admit` on a thread of the supervisor (joined when the deployment stops)."""
+        self._thread(self.admit, f"msp-admit-{member.id}", member)
 
     def _external_back(self, member: EngineMember) -> None:
         if self._register(member) is None:

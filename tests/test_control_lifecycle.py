@@ -1,0 +1,270 @@
+"""The control handle across the deployment's own life (stand-in engines, real sglang-routers): an operation in
+flight when the deployment stops raises at once instead of waiting for a slow engine; one called after the
+stop is refused (and starts nothing); an engine killed and healed while an operation is out on it ends up in
+the state the operation left the others in.
+
+Every deployment here is checked to leave nothing behind (``leak_check``)."""
+
+from __future__ import annotations
+
+# ruff: noqa: F811  (pytest fixtures imported from other modules, redefined as arguments)
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+
+from miles_sglang_plugin.app.hydra_edge import launch_from_config
+from miles_sglang_plugin.serving.control import CLOSE_TIMEOUT_S
+from miles_sglang_plugin.serving.deployment import Deployment
+from miles_sglang_plugin.serving.supervision import DeploymentStoppedError
+from tests.conftest_launch import leak_check  # noqa: F401  (fixture)
+from tests.launch_helpers import REPO, LeakTracker, compose, launch_overrides
+from tests.test_external_engines_live import judge
+from tests.test_standin import Proc, spawn, start_standin, wait_http  # noqa: F401  (the spawn fixture)
+
+pytestmark = pytest.mark.slow
+
+#: The shutdown grace period of these launches (launch_overrides' default).
+GRACE_S = 3.0
+#: Quick supervision (as in test_supervision.py).
+FAST = [
+    "sglang_deploy.supervision.health_interval_s=0.3",
+    "sglang_deploy.supervision.health_timeout_s=0.5",
+    "sglang_deploy.supervision.restart_backoff_s=0.1",
+    "sglang_deploy.supervision.kill_grace_s=0.5",
+]
+
+
+def control_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name == "msp-control" and t.is_alive()]
+
+
+def stats(d: Deployment, engine: str) -> dict:
+    (e,) = [e for e in d.engines() if e.id == engine]
+    return httpx.get(e.url + "/stand_in/stats", timeout=10).json()
+
+
+def test_an_operation_in_flight_on_a_slow_engine_raises_at_once_when_the_deployment_stops(
+    tmp_path: Path,
+    spawn: Callable[..., Proc],
+    leak_check: LeakTracker,
+) -> None:
+    """An external engine that takes 30 s per control call: the deployment stops (from another thread) 0.5 s
+    into a call with a 25 s deadline. The caller, and a background call, raise within the handle's close
+    bound instead of waiting (before: the caller hung for good, its loop stopped under it)."""
+    outside = start_standin(spawn, env={"MSP_STANDIN_CONTROL_LATENCY_S": "30"})
+    wait_http(outside)
+    raised: list[BaseException] = []
+    with launch_from_config(compose(*judge(outside.url)), log_dir=tmp_path / "logs") as d:
+
+        def caller() -> None:
+            try:
+                d.control.pause_generation(model="judge", timeout_s=25)
+            except BaseException as exc:
+                raised.append(exc)
+
+        blocked = threading.Thread(target=caller)
+        blocked.start()
+        background = d.control.background.continue_generation(model="judge", timeout_s=25)
+        time.sleep(0.5)
+        assert blocked.is_alive() and not background.done()  # both wait for the slow engine
+        stopped_at = time.monotonic()
+        stopper = threading.Thread(target=d.stop)
+        stopper.start()
+        blocked.join(timeout=CLOSE_TIMEOUT_S + 5)
+        assert not blocked.is_alive(), "the caller still waits after the deployment stopped"
+        assert time.monotonic() - stopped_at < CLOSE_TIMEOUT_S
+        with pytest.raises(DeploymentStoppedError, match="while continue_generation was in flight"):
+            background.result(timeout=CLOSE_TIMEOUT_S)
+        stopper.join(timeout=30)
+    (error,) = raised
+    assert isinstance(error, DeploymentStoppedError)
+    assert str(error) == (
+        "the deployment was stopped while pause_generation was in flight: its engines are no longer driven"
+    )
+    assert control_threads() == []
+    assert outside.popen.poll() is None  # the external engine is left running
+
+
+def test_operations_after_the_stop_are_refused_and_start_nothing(
+    tmp_path: Path, leak_check: LeakTracker
+) -> None:
+    with launch_from_config(compose("sglang.actor.regular.num_gpus=2"), log_dir=tmp_path / "logs") as d:
+        d.control.flush_cache()
+        assert len(control_threads()) == 1
+    assert d.state().status == "stopped" and control_threads() == []
+    for operation, args in (
+        ("pause_generation", ()),
+        ("update_weights_from_disk", ("/ckpt/step2",)),
+        ("offload", ()),
+        ("query", ("/get_load",)),
+    ):
+        with pytest.raises(DeploymentStoppedError, match="the deployment was stopped"):
+            getattr(d.control, operation)(*args)
+    with pytest.raises(DeploymentStoppedError, match=r"stopped before flush_cache was sent"):
+        d.control.background.flush_cache()
+    with pytest.raises(DeploymentStoppedError, match="control operations no longer reach its engines"):
+        d.control.weight_update_group("127.0.0.1", 29500)
+    with pytest.raises(DeploymentStoppedError):  # the coroutines too, on any loop
+        asyncio.run(d.async_control.pause_generation())
+    assert control_threads() == []  # no loop was started again
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
+        time.sleep(0.02)
+
+
+def engine_pid(d: Deployment, engine: str) -> int:
+    (member,) = [m for m in d.members if m.id == engine]
+    return member.processes[0].pid  # type: ignore[attr-defined]
+
+
+def test_an_engine_replaced_while_an_operation_is_out_on_it_is_caught_up_not_failed(
+    tmp_path: Path, leak_check: LeakTracker
+) -> None:
+    """Each control call takes 4 s; engine 0 is killed 0.5 s into a pause and is back (restarted, its replay
+    read before the pause was recorded) before the other engine answers. Its failed reply came from the
+    process that is gone: the operation is sent to its replacement, and it ends up paused like the other one
+    (before: ControlError naming it, and the replacement left generating)."""
+    cfg = compose("sglang.actor.regular.num_gpus=2", *FAST, "sglang_deploy.standin.control_latency_s=4")
+    with launch_from_config(cfg, log_dir=tmp_path / "logs") as d:
+        since = len(d.events())
+        killer = threading.Timer(0.5, os.kill, (engine_pid(d, "actor.regular.0"), signal.SIGKILL))
+        killer.start()
+        result = d.control.pause_generation("in_place")  # raises ControlError if an engine failed
+        killer.join()
+        assert result.ok and sorted([*result.engines, *result.deferred]) == [
+            "actor.regular.0",
+            "actor.regular.1",
+        ]
+        d.wait_for_event("engine_recovered", subject="actor.regular.0", since=since, timeout_s=30)
+        assert [e.restarts for e in d.engines()] == [1, 0]
+        assert [stats(d, e)["paused"] for e in ("actor.regular.0", "actor.regular.1")] == ["in_place"] * 2
+
+
+def replayed(d: Deployment, engine: str) -> bool:
+    """Has the (restarted) engine received the replayed pause (recorded as it arrives, before it answers)?"""
+    try:
+        calls = stats(d, engine)["control_calls"]
+    except httpx.HTTPError:
+        return False
+    return any(path == "/pause_generation" for path, _body in calls)
+
+
+def test_a_slow_replay_blocks_neither_other_operations_nor_loss_detection(
+    tmp_path: Path, leak_check: LeakTracker
+) -> None:
+    """The restarted actor engine gets the pause replayed (8 s per control call). Meanwhile an operation on
+    the other model ends on its own deadline (1 s), and the other model's engine, killed, is noticed lost at
+    once (before: both waited for the replay, which held the control state's lock)."""
+    cfg = compose(
+        "sglang.actor.regular.num_gpus=1",
+        "+sglang_model@sglang.ref=base",
+        "sglang.ref.regular.num_gpus=1",
+        "sglang.ref.model_path=/ref",
+        *FAST,
+        "sglang_deploy.standin.control_latency_s=8",
+    )
+    with launch_from_config(cfg, log_dir=tmp_path / "logs") as d:
+        d.control.pause_generation(model="actor", timeout_s=0.5, check=False)  # remembered, replayed later
+        since = len(d.events())
+        os.kill(engine_pid(d, "actor.regular.0"), signal.SIGKILL)
+        d.wait_for_event("engine_lost", subject="actor.regular.0", since=since, timeout_s=10)
+        wait_until(lambda: replayed(d, "actor.regular.0"), 30, "the restarted engine's replay")
+        started = time.monotonic()
+        result = d.control.continue_generation(model="ref", timeout_s=1, check=False)
+        assert time.monotonic() - started < 3.0 and "no answer within 1 s" in str(result.failed[0].error)
+        killed_at = time.monotonic()
+        os.kill(engine_pid(d, "ref.regular.0"), signal.SIGKILL)
+        lost = d.wait_for_event("engine_lost", subject="ref.regular.0", since=since, timeout_s=10)
+        assert lost.monotonic - killed_at < 2.0
+        assert "engine_recovered" not in [e.kind for e in d.events()[since:]]  # the replay is still out
+        d.wait_for_event("engine_recovered", subject="actor.regular.0", since=since, timeout_s=30)
+        assert stats(d, "actor.regular.0")["paused"] == "retract"
+
+
+#: A launch whose engine 0 is killed after a pause was remembered; argv[1]: JSON overrides, argv[2]: log dir.
+#: Prints JSON lines: ``up`` (processes, ports, engine URLs), then waits for a signal.
+REPLAY_SCRIPT = r"""
+import json, os, signal, sys, time
+from pathlib import Path
+from miles_sglang_plugin.app.hydra_edge import launch_from_config
+from miles_sglang_plugin.config.compose import compose_config
+
+with launch_from_config(compose_config(json.loads(sys.argv[1])), log_dir=Path(sys.argv[2])) as d:
+    d.control.pause_generation(timeout_s=0.5, check=False)
+    launch = d.prepared.launch
+    print(json.dumps({
+        "processes": [{"pid": p.pid, "name": p.name, "marker": p.argv[2]} for p in d.processes()],
+        "ports": [e.port for e in launch.engines] + [p for r in launch.routers for p in (r.spec.port, r.spec.prometheus_port)],
+        "urls": [e.url for e in d.engines()],
+    }), flush=True)
+    os.kill(d.members[0].processes[0].pid, signal.SIGKILL)
+    while True:
+        time.sleep(0.1)
+"""
+
+
+def test_sigterm_during_a_slow_replay_stops_everything_within_the_grace_period(
+    tmp_path: Path, leak_check: LeakTracker
+) -> None:
+    """The restarted engine's replay (a pause, 60 s per control call here) is in flight when the launcher
+    gets SIGTERM: it ends within the shutdown grace period, nothing left (before: 30 s more, the teardown
+    waiting for the recovery thread before it stopped the engine that thread waited for)."""
+    script = tmp_path / "replay.py"
+    script.write_text(REPLAY_SCRIPT)
+    overrides = launch_overrides(
+        "sglang.actor.regular.num_gpus=2", *FAST, "sglang_deploy.standin.control_latency_s=60"
+    )
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    with (tmp_path / "out").open("wb") as out, (tmp_path / "err").open("wb") as err:
+        child = subprocess.Popen(
+            [sys.executable, str(script), json.dumps(overrides), str(tmp_path / "logs")],
+            stdout=out,
+            stderr=err,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
+    try:
+        wait_until(lambda: (tmp_path / "out").read_text().strip() != "" or child.poll() is not None, 60, "up")
+        up = json.loads((tmp_path / "out").read_text().splitlines()[0])
+        for process in up["processes"]:
+            leak_check.add_process(process["pid"], process["name"], process["marker"])
+        leak_check.add_ports(up["ports"])
+        url = up["urls"][0]
+
+        def replay_in_flight() -> bool:
+            try:
+                answer = httpx.get(url + "/stand_in/stats", timeout=2).json()
+            except httpx.HTTPError:
+                return False
+            return any(path == "/pause_generation" for path, _body in answer["control_calls"])
+
+        wait_until(replay_in_flight, 30, "the restarted engine's replay")
+        pid = httpx.get(url + "/server_info", timeout=5).json()["pid"]
+        leak_check.add_process(pid, "actor.regular.0 (restarted)", "miles_sglang_plugin.standin")
+        sent = time.monotonic()
+        child.send_signal(signal.SIGTERM)
+        code = child.wait(timeout=60)
+        took = time.monotonic() - sent
+    finally:
+        if child.poll() is None:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait(timeout=10)
+    assert code == -signal.SIGTERM, (tmp_path / "err").read_text()[-3000:]
+    assert took < GRACE_S + 3, f"{took:.1f} s from SIGTERM to the end"
+    leak_check.assert_nothing_left(wait_s=1.0)

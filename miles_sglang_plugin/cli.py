@@ -265,12 +265,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """The command line, options and overrides in any order (``plan a=1 --json b=2``: argparse alone takes the
+    overrides only up to the first option); an unknown option is argparse's usual error."""
+    args, rest = parser.parse_known_args(argv)
+    unknown = [token for token in rest if token.startswith("-")]
+    if unknown or not hasattr(args, "overrides"):
+        parser.parse_args(argv)  # argparse's own message and exit status 2
+    args.overrides = [*args.overrides, *rest]
+    return args
+
+
 def _run(argv: Sequence[str] | None) -> int:
     from miles_sglang_plugin.backends.base import LaunchError
     from miles_sglang_plugin.config.compose import CompositionError
     from miles_sglang_plugin.errors import DeploymentConfigError
 
-    args = build_parser().parse_args(argv)
+    args = _parse(build_parser(), argv)
     if args.command == "plan" and args.config_path and not args.config_name:
         _print_error("-cp/--config-path needs -cn/--config-name (the primary config in that directory)")
         return EXIT_USER_ERROR

@@ -815,3 +815,15 @@ def test_export_says_it_leaves_the_api_key_out(run: Run, monkeypatch: pytest.Mon
         "note: an API key is set (sglang_deploy.api_key or SGLANG_API_KEY); a secret is never written to the file "
         "or printed: give it to Miles' engines and router yourself"
     ) in err
+
+
+def test_plans_options_and_overrides_come_in_any_order(run: Run) -> None:
+    code, out, err = run(
+        "plan", "hf_checkpoint=/c", "--json", "rollout_num_gpus=2", "rollout_num_gpus_per_engine=2"
+    )
+    assert code == 0, err
+    data = json.loads(out)
+    assert (data["rollout_num_gpus"], len(data["models"]["actor"]["groups"]["regular"]["engines"])) == (2, 1)
+    with pytest.raises(SystemExit) as info:
+        run("plan", "hf_checkpoint=/c", "--bogus", "x=1")
+    assert info.value.code == 2

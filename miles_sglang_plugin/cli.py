@@ -269,8 +269,9 @@ def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpa
     """The command line, options and overrides in any order (``plan a=1 --json b=2``: argparse alone takes the
     overrides only up to the first option); an unknown option is argparse's usual error."""
     args, rest = parser.parse_known_args(argv)
-    unknown = [token for token in rest if token.startswith("-")]
-    if unknown or not hasattr(args, "overrides"):
+    if not rest:
+        return args
+    if any(token.startswith("-") for token in rest) or not hasattr(args, "overrides"):
         parser.parse_args(argv)  # argparse's own message and exit status 2
     args.overrides = [*args.overrides, *rest]
     return args

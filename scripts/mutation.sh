@@ -58,9 +58,9 @@ config_for() {
         timeout=120 ;;
     ports)
         modules="miles_sglang_plugin/rendering/ports.py"
-        # test_bad_input.py: the lock directory (0700, symlinks, another user's, a launch it refuses).
+        # test_bad_input.py: the lock directory (0700, a shared one refused, symlinks, another user's, a launch it refuses).
         tests="tests/test_ports.py tests/test_rendering.py
-               tests/test_bad_input.py::test_the_lock_directory_is_made_0700
+               tests/test_bad_input.py::test_the_lock_directory_is_made_0700_and_a_shared_one_is_refused_not_changed
                tests/test_bad_input.py::test_a_symlinked_lock_directory_is_refused
                tests/test_bad_input.py::test_a_lock_file_that_is_a_symlink_is_not_followed
                tests/test_bad_input.py::test_a_lock_directory_of_another_user_is_refused

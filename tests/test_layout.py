@@ -115,3 +115,14 @@ def test_benchmark_smoke_run(script: str) -> None:
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert BENCHMARK_OUTPUT[script] in result.stdout, result.stdout[-3000:]
+
+
+def test_every_test_the_mutation_script_names_exists() -> None:
+    """scripts/mutation.sh runs by hand, not in CI: a test it names that was renamed would silently run none."""
+    script = (REPO / "scripts" / "mutation.sh").read_text()
+    named = sorted(set(re.findall(r"(tests/\w+\.py)(?:::(\w+))?", script)))
+    assert len(named) > 10
+    for path, test in named:
+        assert (REPO / path).is_file(), path
+        if test:
+            assert re.search(rf"^(async )?def {test}\(", (REPO / path).read_text(), re.M), f"{path}::{test}"

@@ -119,6 +119,55 @@ def test_operations_after_the_stop_are_refused_and_start_nothing(
     assert control_threads() == []  # no loop was started again
 
 
+def test_an_async_operation_in_flight_when_the_deployment_stops_raises_and_records_nothing(
+    tmp_path: Path, leak_check: LeakTracker
+) -> None:
+    # The coroutine runs on the caller's own loop, which stop() leaves alone: when its calls come back (the
+    # engines are gone by then) it says the deployment stopped, and the state it would have recorded is not.
+    cfg = compose("sglang.actor.regular.num_gpus=2", "sglang_deploy.standin.control_latency_s=3")
+    out: dict[str, BaseException] = {}
+    with launch_from_config(cfg, log_dir=tmp_path / "logs") as d:
+
+        def caller() -> None:
+            try:
+                asyncio.run(d.async_control.pause_generation("in_place", timeout_s=10))
+            except BaseException as exc:  # what the trainer would see
+                out["exc"] = exc
+
+        thread = threading.Thread(target=caller)
+        thread.start()
+        time.sleep(0.5)  # the calls are out (each engine answers after 3 s)
+        d.stop()
+        thread.join(15)
+        assert not thread.is_alive()
+    assert isinstance(out.get("exc"), DeploymentStoppedError), out
+    assert d.async_control.remembered.paused == {}
+
+
+def test_a_deferred_engine_is_sent_an_operation_once_however_its_catch_up_ends() -> None:
+    """An engine the supervisor has just brought up (up, its catch-up not yet marked done) when an operation is
+    recorded: it is one late target, not one per list it shows up in (it was sent the operation twice)."""
+    from types import SimpleNamespace
+
+    from miles_sglang_plugin.serving.control import AsyncDeploymentControl
+
+    member = SimpleNamespace(
+        id="e1", state="registered", restarts=1, catching_up=True, catch_up=threading.Lock()
+    )
+    control = AsyncDeploymentControl(SimpleNamespace(members=[member]))
+    member.catch_up.acquire()  # the supervisor holds it while it finishes the catch-up
+
+    def supervisor_finishes() -> None:
+        time.sleep(0.2)
+        with control.remembered.lock:
+            member.catching_up = False
+        member.catch_up.release()
+
+    threading.Thread(target=supervisor_finishes).start()
+    late = control._remember(lambda state, result: None, SimpleNamespace(deferred=("e1",)))
+    assert [m.id for m in late] == ["e1"]
+
+
 def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -268,3 +317,34 @@ def test_sigterm_during_a_slow_replay_stops_everything_within_the_grace_period(
     assert code == -signal.SIGTERM, (tmp_path / "err").read_text()[-3000:]
     assert took < GRACE_S + 3, f"{took:.1f} s from SIGTERM to the end"
     leak_check.assert_nothing_left(wait_s=1.0)
+
+
+def test_a_close_from_the_handles_own_loop_still_ends_every_other_operation() -> None:
+    """An operation that stops the deployment runs on the handle's loop thread: the others must still end
+    (with the refusal), not stay pending once the loop stops."""
+    from miles_sglang_plugin.serving.control import _LoopThread
+
+    closed_client: list[bool] = []
+    loop_thread = _LoopThread(
+        on_start=lambda loop: None, refusal=lambda when: RuntimeError(f"stopped {when}")
+    )
+
+    async def slow() -> None:
+        await asyncio.sleep(30)
+
+    async def before() -> None:
+        closed_client.append(True)
+
+    async def closer() -> None:
+        loop_thread.close(before)
+
+    waiting = loop_thread.submit(slow())
+    assert loop_thread.submit(closer()).result(timeout=5) is None
+    with pytest.raises(RuntimeError, match="stopped while slow was in flight"):
+        waiting.result(timeout=5)
+    deadline = time.monotonic() + 5
+    while control_threads() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert closed_client == [True] and control_threads() == []
+    with pytest.raises(RuntimeError, match="stopped before slow was sent"):
+        loop_thread.submit(slow())

@@ -470,6 +470,9 @@ class AsyncDeploymentControl:
         """Fan out, remember what the engines are left in (``remember``; with ``only_if_ok`` only when every
         engine took it), then catch up on the deferred engines that came back meanwhile, and check."""
         result = await self._fan_out(operation, targets, route, body, timeout_s=timeout_s)
+        # Stopped while the calls were out (an async caller's own loop is not cancelled by stop()): say so,
+        # and remember nothing of engines that are gone.
+        self._deployment.check_running()
         if remember is not None and (result.ok or not only_if_ok):
             late = await asyncio.to_thread(self._remember, remember, result)
             if late:
@@ -494,11 +497,11 @@ class AsyncDeploymentControl:
         with self.remembered.lock:
             self.remembered.change(lambda state: apply(state, result))
             deferred = self._by_ids(result.deferred)
-            late = [m for m in deferred if m.state in UP_STATES]
+            late = [m for m in deferred if m.state in UP_STATES and not m.catching_up]
             catching_up = [(m, m.restarts) for m in deferred if m.catching_up]
         for member, restarts in catching_up:
             with member.catch_up:  # its replay and registration are done
-                if member.state in UP_STATES and member.restarts == restarts:
+                if member.state in UP_STATES and member.restarts == restarts and member not in late:
                     late.append(member)
         return late
 
@@ -1021,9 +1024,8 @@ class _LoopThread:
             loop, thread, self._loop, self._thread = self._loop, self._thread, None, None
         if loop is None or thread is None:
             return
-        if thread is threading.current_thread():  # from an operation of its own: it cannot wait for itself
-            loop.call_soon(_cancel_all, loop)
-            loop.call_soon(loop.stop)
+        if thread is threading.current_thread():  # from an operation of its own: it cannot wait for itself,
+            loop.create_task(_wind_down_then_stop(before, loop))  # so the wind-down runs, then the loop stops
             return
         with contextlib.suppress(Exception):
             asyncio.run_coroutine_threadsafe(_wind_down(before), loop).result(timeout=CLOSE_TIMEOUT_S)
@@ -1039,6 +1041,17 @@ def _cancel_all(loop: asyncio.AbstractEventLoop) -> list[asyncio.Task[Any]]:
     for task in pending:
         task.cancel()
     return pending
+
+
+async def _wind_down_then_stop(
+    before: Callable[[], Coroutine[Any, Any, None]], loop: asyncio.AbstractEventLoop
+) -> None:
+    """:func:`_wind_down` on the loop itself (a close from one of its own operations), then stop the loop:
+    the cancelled operations finish first, so that their callers learn why."""
+    try:
+        await _wind_down(before)
+    finally:
+        loop.stop()
 
 
 async def _wind_down(before: Callable[[], Coroutine[Any, Any, None]]) -> None:

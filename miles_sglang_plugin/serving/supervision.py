@@ -496,8 +496,9 @@ class Supervisor:
             problem = None if pending else self._register(member)
             if problem is not None:
                 return problem
-            with remembered.lock:  # control calls see it up only once it has their state
-                member.state = "pending_weights" if pending else "registered"
+            with remembered.lock:  # control calls see it up only once it has their state, and in one step
+                member.state = "pending_weights" if pending else "registered"  # no longer catching up: an
+                member.catching_up = False  # operation recorded now is sent to it once, as to any up engine
             return None
         finally:
             with remembered.lock:

@@ -164,7 +164,7 @@ def test_a_deferred_engine_is_sent_an_operation_once_however_its_catch_up_ends()
         member.catch_up.release()
 
     threading.Thread(target=supervisor_finishes).start()
-    late = control._remember(lambda state, result: None, SimpleNamespace(deferred=("e1",)))
+    late = control._remember(lambda state, result: None, SimpleNamespace(engines=(), deferred=("e1",)))
     assert [m.id for m in late] == ["e1"]
 
 
@@ -348,3 +348,26 @@ def test_a_close_from_the_handles_own_loop_still_ends_every_other_operation() ->
     assert closed_client == [True] and control_threads() == []
     with pytest.raises(RuntimeError, match="stopped before slow was sent"):
         loop_thread.submit(slow())
+
+
+def test_an_engine_that_answered_and_was_replaced_before_the_record_is_sent_the_operation_again() -> None:
+    """Its answer was its old process's; its replacement's replay was read before the record (it is up, or
+    being caught up): it is a late target. One still down gets the state by its replay, not sent it now."""
+    from types import SimpleNamespace
+
+    from miles_sglang_plugin.serving.control import AsyncDeploymentControl
+
+    def member(engine: str, state: str, restarts: int) -> SimpleNamespace:
+        return SimpleNamespace(
+            id=engine, state=state, restarts=restarts, catching_up=False, catch_up=threading.Lock()
+        )
+
+    up_again, still_down, same = (
+        member("e1", "registered", 2),
+        member("e2", "lost", 2),
+        member("e3", "registered", 1),
+    )
+    control = AsyncDeploymentControl(SimpleNamespace(members=[up_again, still_down, same]))
+    answered = SimpleNamespace(engines=("e1", "e2", "e3"), deferred=())
+    late = control._remember(lambda state, result: None, answered, {"e1": 1, "e2": 1, "e3": 1})
+    assert [m.id for m in late] == ["e1"]

@@ -36,7 +36,7 @@ import dataclasses
 import functools
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -469,34 +469,42 @@ class AsyncDeploymentControl:
     ) -> OperationResult:
         """Fan out, remember what the engines are left in (``remember``; with ``only_if_ok`` only when every
         engine took it), then catch up on the deferred engines that came back meanwhile, and check."""
+        restarts = {m.id: m.restarts for m in targets.members}
         result = await self._fan_out(operation, targets, route, body, timeout_s=timeout_s)
         # Stopped while the calls were out (an async caller's own loop is not cancelled by stop()): say so,
         # and remember nothing of engines that are gone.
         self._deployment.check_running()
         if remember is not None and (result.ok or not only_if_ok):
-            late = await asyncio.to_thread(self._remember, remember, result)
+            late = await asyncio.to_thread(self._remember, remember, result, restarts)
             if late:
                 extra = await self._fan_out(
                     operation, _Targets(tuple(late), (), ()), route, body, timeout_s=timeout_s
                 )
                 caught = {m.id for m in late}
-                result = dataclasses.replace(
+                result = dataclasses.replace(  # a replaced engine's reply is its new process's
                     result,
-                    replies=(*result.replies, *extra.replies),
+                    replies=(*(r for r in result.replies if r.engine not in caught), *extra.replies),
                     deferred=tuple(e for e in result.deferred if e not in caught) + extra.deferred,
                 )
         self._admit_updated(result)
         return result.raise_for_errors() if check else result
 
     def _remember(
-        self, apply: Callable[[RememberedState, OperationResult], None], result: OperationResult
+        self,
+        apply: Callable[[RememberedState, OperationResult], None],
+        result: OperationResult,
+        restarts: Mapping[str, int] | None = None,
     ) -> list[EngineMember]:
         """Record the state; the deferred engines that are up again (they came back before the record, so
         the replay they got lacked it): they are sent the operation too. One that the supervisor is catching
-        up right now (its replay was read before this record) is waited for, then sent it if it came up."""
+        up right now (its replay was read before this record) is waited for, then sent it if it came up. So
+        is an engine that answered but was replaced since (``restarts``: the counts when the calls went out):
+        the answer was its old process's."""
+        before = restarts or {}
         with self.remembered.lock:
             self.remembered.change(lambda state: apply(state, result))
-            deferred = self._by_ids(result.deferred)
+            replaced = [m for m in self._by_ids(result.engines) if m.restarts != before.get(m.id, m.restarts)]
+            deferred = [*self._by_ids(result.deferred), *replaced]
             late = [m for m in deferred if m.state in UP_STATES and not m.catching_up]
             catching_up = [(m, m.restarts) for m in deferred if m.catching_up]
         for member, restarts in catching_up:

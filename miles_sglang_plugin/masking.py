@@ -165,13 +165,12 @@ def secret_values(
     of its environment's variables off the allow-list and ``shown``, of at least
     :data:`MIN_MASKED_ENV_CHARS` characters; longest first (a secret holding another is masked whole)."""
     found: set[str] = set()
-    tokens = list(argv)
-    for index, token in enumerate(tokens):
-        name, eq, value = token.partition("=")
-        if token.startswith("--") and _field(name) in SECRET_FIELDS:
-            secret = value if eq else (tokens[index + 1] if index + 1 < len(tokens) else "")
-            if secret:
-                found.add(secret)
+    for token, shown_as in zip(argv, mask_argv(argv), strict=True):  # one rule for what a secret flag holds
+        if shown_as == MASK:
+            found.add(token)
+        elif shown_as != token:  # --api-key=VALUE
+            found.add(token.partition("=")[2])
+    found.discard("")
     for name, value in (env or {}).items():
         if name not in SAFE_ENV_NAMES and name not in shown and len(str(value)) >= MIN_MASKED_ENV_CHARS:
             found.add(str(value))

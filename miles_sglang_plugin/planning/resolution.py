@@ -629,9 +629,14 @@ NO_ENGINES_ZERO_ROLLOUT = (
 )
 
 
+def _holds_engines(model: ModelSpec) -> bool:
+    """Whether ``model`` has a server group or an external engine."""
+    return bool(model.groups or model.external)
+
+
 def _holds_no_engines(spec: DeploymentSpec) -> bool:
-    """Whether no model of ``spec`` has a server group or an external engine (an empty deployment too)."""
-    return all(not model.groups and not model.external for model in spec.models)
+    """Whether no model of ``spec`` holds engines (an empty deployment too)."""
+    return not any(_holds_engines(model) for model in spec.models)
 
 
 def _without_models_of_no_engines(
@@ -642,11 +647,11 @@ def _without_models_of_no_engines(
     newer Miles does. Otherwise ``spec`` as it is (a model without engines is then refused)."""
     if trainer.rollout_num_gpus != 0 or trainer.eval_num_gpus == 0:
         return spec, ()
-    empty = [m for m in spec.models if m.name != "eval" and not m.groups and not m.external]
+    empty = [str(m.name) for m in spec.models if m.name != "eval" and not _holds_engines(m)]
     if not empty:
         return spec, ()
-    kept = tuple(m for m in spec.models if m not in empty)
-    names = ", ".join(str(m.name) for m in empty)
+    kept = tuple(m for m in spec.models if m.name not in empty)
+    names = ", ".join(empty)
     note = (
         f"rollout_num_gpus=0: model(s) {names} hold no engines and do not start; the eval fleet starts alone"
     )
@@ -686,7 +691,7 @@ def eval_fleet_alone(spec: DeploymentSpec) -> tuple[DeploymentSpec, tuple[str, .
     refactor: ``rollout_num_gpus`` is 0, so only the eval fleet starts; a model of no GPUs is no matter)."""
     kept = tuple(model for model in spec.models if model.name == "eval")
     left_out = tuple(
-        str(model.name) for model in spec.models if model.name != "eval" and (model.groups or model.external)
+        str(model.name) for model in spec.models if model.name != "eval" and _holds_engines(model)
     )
     return dataclasses.replace(spec, models=kept), left_out
 

@@ -280,7 +280,7 @@ def _type_ok(value: Any, annotation: Any) -> bool:
 
 def _type_name(annotation: Any) -> str:
     """``int`` for a class, ``Optional[int]`` for a generic (whose ``__name__`` would be ``Optional``)."""
-    if isinstance(annotation, type) and typing.get_origin(annotation) is None:
+    if isinstance(annotation, type):  # list[str] is not a type (Python 3.11+)
         return annotation.__name__
     return str(annotation).replace("typing.", "")
 

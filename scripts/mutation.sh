@@ -95,7 +95,15 @@ config_for() {
         timeout=60 ;;
     router_specs)
         modules="miles_sglang_plugin/rendering/router_specs.py"
-        tests="tests/test_registry.py tests/test_routers.py tests/test_schema.py"
+        # Not test_routers.py's tests against the real router: it runs router_main in a child Python, which
+        # imports the mutated package outside mutmut's run and fails (the unit tests reach the same code).
+        tests="tests/test_registry.py tests/test_routers.py tests/test_schema.py
+               --deselect=tests/test_routers.py::test_regular_round_robin
+               --deselect=tests/test_routers.py::test_pd_mode_passes_bootstrap_fields
+               --deselect=tests/test_routers.py::test_consistent_hashing_pins_routing_key
+               --deselect=tests/test_routers.py::test_api_key
+               --deselect=tests/test_routers.py::test_deregister_workers
+               --deselect=tests/test_routers.py::test_router_main_port_in_use"
         timeout=120 ;;
     *)
         echo "unknown set '$1' (resolution, masking, ports, launch_specs, processes, router_specs)" >&2

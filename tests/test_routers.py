@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -208,6 +209,204 @@ def test_worker_registration_normalises_and_validates() -> None:
         WorkerRegistration("http://h:1", "decode", 8998)
     with pytest.raises(ValueError, match="bootstrap_port"):
         WorkerRegistration("http://h:1", "prefill", 0)
+
+
+def test_settings_from_mapping_fills_in_what_is_missing() -> None:
+    assert RouterSettings.from_mapping({}) == RouterSettings()
+    # extra: null in YAML (or a Hydra node) means no extra settings
+    settings = RouterSettings.from_mapping({"policy": "random", "extra": None})
+    assert settings.policy == "random" and dict(settings.extra) == {}
+
+
+def test_unknown_setting_message_offers_at_most_three_real_names() -> None:
+    with pytest.raises(ValueError) as info:
+        RouterSettings.from_mapping({"zzzz": 1})
+    assert str(info.value) == "unknown router setting(s) 'zzzz'; other RouterArgs fields go under 'extra'"
+    # "disable_timeout_secs" is close to several settings (disable_*, *_timeout_secs): three are offered
+    with pytest.raises(ValueError) as info:
+        RouterSettings.from_mapping({"disable_timeout_secs": 1})
+    match = re.fullmatch(
+        r"unknown router setting\(s\) 'disable_timeout_secs' \(did you mean (\w+), (\w+), (\w+)\?\); "
+        r"other RouterArgs fields go under 'extra'",
+        str(info.value),
+    )
+    assert match, str(info.value)
+    names = set(match.groups())
+    assert len(names) == 3 and names <= set(RouterSettings().to_dict())
+    assert all("disable" in name or "timeout" in name for name in names)
+
+
+def test_spec_refuses_an_empty_or_non_string_model_and_host() -> None:
+    for model in ("", 5, None):
+        with pytest.raises(ValueError, match="model must be a non-empty string"):
+            _spec(model=model)
+    for host in ("", "[]", 5, None):
+        with pytest.raises(ValueError, match="host must be a non-empty string"):
+            _spec(host=host)
+    # single-label host names are host names, whatever their letters
+    for host in ("X", "node7", "localhost"):
+        assert _spec(host=host).host == host
+
+
+def test_spec_ports_are_1_to_65535() -> None:
+    for name, other in (("port", "prometheus_port"), ("prometheus_port", "port")):
+        for good in (1, 65535):
+            assert getattr(_spec(**{name: good, other: 2000}), name) == good
+        for bad in (0, 65536, -1, True, "30100", 30100.0):
+            with pytest.raises(ValueError, match=re.escape(f"{name} must be an integer in 1..65535")):
+                _spec(**{name: bad, other: 2000})
+
+
+def test_spec_json_keys_are_sorted_so_equal_specs_give_equal_commands() -> None:
+    one = _spec(settings=RouterSettings(extra={"dp_aware": True, "balance_abs_threshold": 10}))
+    two = _spec(settings=RouterSettings(extra={"balance_abs_threshold": 10, "dp_aware": True}))
+    assert one == two and one.to_json() == two.to_json()
+    data = json.loads(one.to_json())  # json keeps the text's order
+    assert list(data) == [
+        "api_key_in_env",
+        "host",
+        "model",
+        "pd_disaggregation",
+        "port",
+        "prometheus_port",
+        "settings",
+    ]
+    assert list(data["settings"]) == sorted(data["settings"])
+    assert list(data["settings"]["extra"]) == ["balance_abs_threshold", "dp_aware"]
+
+
+def test_spec_from_hand_written_json() -> None:
+    # neither api_key_in_env nor settings: both optional
+    text = '{"model": "actor", "host": "127.0.0.1", "port": 30100, "prometheus_port": 30101, "pd_disaggregation": false}'
+    assert RouterLaunchSpec.from_json(text) == _spec()
+    with_null = text[:-1] + ', "settings": null}'
+    assert RouterLaunchSpec.from_json(with_null).settings == RouterSettings()
+    with_key = text[:-1] + f', "api_key": "{SECRET}"}}'
+    with pytest.raises(ValueError) as info:
+        RouterLaunchSpec.from_json(with_key, api_key=SECRET)
+    assert str(info.value) == "router spec JSON must not contain the API key"
+    with pytest.raises(ValueError, match="must be an object"):
+        RouterLaunchSpec.from_json("[1, 2]")
+
+
+def test_worker_registration_refuses_empty_urls_and_bad_bootstrap_ports() -> None:
+    for url in ("", "   ", 5, None):
+        with pytest.raises(ValueError, match="worker url must be a non-empty string"):
+            WorkerRegistration(url)  # type: ignore[arg-type]
+    assert WorkerRegistration("  http://nodeX/  ").url == "http://nodeX"
+    assert WorkerRegistration("nodeX:8000//").url == "http://nodeX:8000"
+    for good in (1, 65535):
+        assert WorkerRegistration("http://h:1", "prefill", good).bootstrap_port == good
+    for bad in (0, 65536, True, "8998"):
+        with pytest.raises(ValueError, match=re.escape("bootstrap_port must be an integer in 1..65535")):
+            WorkerRegistration("http://h:1", "prefill", bad)  # type: ignore[arg-type]
+
+
+def test_worker_registration_describe() -> None:
+    assert (
+        WorkerRegistration("h:1", "prefill", 8998).describe() == "http://h:1 (prefill, bootstrap_port=8998)"
+    )
+    assert WorkerRegistration("h:1", "prefill").describe() == "http://h:1 (prefill)"
+    assert WorkerRegistration("http://h:2/").describe() == "http://h:2 (regular)"
+
+
+def test_policy_messages_in_full() -> None:
+    valid = "cache_aware, round_robin, power_of_two, random, manual, consistent_hashing"
+    assert validate_router_settings(RouterSettings(policy="bucket")) == [
+        f"policy: 'bucket' is only valid as prefill_policy; valid here: {valid}"
+    ]
+    assert validate_router_settings(RouterSettings(policy="prefix_hash")) == [
+        f"policy: unknown policy 'prefix_hash'; valid: {valid} ('prefix_hash' exists in sglang-router 0.3.2 "
+        "but answers 503 no_available_workers in HTTP mode)"
+    ]
+    assert validate_router_settings(RouterSettings(policy="zzz")) == [
+        f"policy: unknown policy 'zzz'; valid: {valid}"
+    ]
+    # "random_robin" is half random, half round_robin: both are offered, joined by "or"
+    (msg,) = validate_router_settings(RouterSettings(policy="random_robin"))
+    match = re.fullmatch(
+        rf"policy: unknown policy 'random_robin'; valid: {valid} \(did you mean (\w+) or (\w+)\?\)", msg
+    )
+    assert match, msg
+    assert set(match.groups()) == {"round_robin", "random"}
+
+
+def test_log_level_hint_only_for_warning() -> None:
+    assert validate_router_settings(RouterSettings(log_level="trace")) == [
+        "log_level: 'trace' is not one of debug, info, warn, error"
+    ]
+    assert validate_router_settings(RouterSettings(log_level="WARNING")) == [
+        "log_level: 'WARNING' is not one of debug, info, warn, error (did you mean 'warn'?)"
+    ]
+
+
+# RouterArgs fields (sglang-router 0.3.2) of each annotation, a value of the right type and one of the wrong type.
+_EXTRA_TYPES = [
+    ("balance_abs_threshold", "int", 10, "10"),
+    ("max_tree_size", "int", 2**20, True),
+    ("cache_threshold", "float", 0.5, True),
+    ("balance_rel_threshold", "float", 2, "2"),
+    ("health_check_endpoint", "str", "/health", 5),
+    ("dp_aware", "bool", True, 1),
+    ("rate_limit_tokens_per_second", "Optional[int]", None, "fast"),
+    ("rate_limit_tokens_per_second", "Optional[int]", 100, 1.5),
+    ("request_id_headers", "Optional[List[str]]", ["x-request-id"], "x-request-id"),
+    ("prometheus_duration_buckets", "Optional[List[float]]", (0.1, 1.0), 0.1),
+    ("cors_allowed_origins", "List[str]", ["http://a"], "http://a"),
+    ("selector", "Dict[str, str]", {"app": "sglang"}, ["app"]),
+]
+
+
+@pytest.mark.parametrize(("key", "type_name", "good", "bad"), _EXTRA_TYPES)
+def test_extra_values_are_checked_against_router_args_types(
+    key: str, type_name: str, good: object, bad: object
+) -> None:
+    assert validate_router_settings(RouterSettings(extra={key: good})) == []
+    assert validate_router_settings(RouterSettings(extra={key: bad})) == [
+        f"extra.{key}: expected {type_name}, got {bad!r}"
+    ]
+
+
+def test_extra_values_must_be_json() -> None:
+    # a list (the right type) holding a set, which JSON cannot carry to the router's process
+    assert validate_router_settings(RouterSettings(extra={"cors_allowed_origins": [{"a"}]})) == [
+        "extra.cors_allowed_origins: value [{'a'}] is not JSON-serialisable"
+    ]
+
+
+def test_extra_key_suggestions() -> None:
+    assert validate_router_settings(RouterSettings(extra={"zzzz": 1})) == [
+        "extra.zzzz: not a sglang-router RouterArgs field"
+    ]
+    # many RouterArgs fields end in _threshold: three are offered, joined by ", "
+    (msg,) = validate_router_settings(RouterSettings(extra={"balance_threshold": 1}))
+    match = re.fullmatch(
+        r"extra\.balance_threshold: not a sglang-router RouterArgs field; did you mean (\w+), (\w+), (\w+)\?",
+        msg,
+    )
+    assert match, msg
+    from miles_sglang_plugin.rendering.router_specs import router_args_fields
+
+    assert len(set(match.groups())) == 3 and all(name.endswith("_threshold") for name in match.groups())
+    assert set(match.groups()) <= set(router_args_fields())
+
+
+def test_extra_without_sglang_router_is_one_problem(monkeypatch: pytest.MonkeyPatch) -> None:
+    from miles_sglang_plugin.rendering import router_specs
+
+    router_specs.router_args_fields.cache_clear()
+    monkeypatch.setitem(sys.modules, "sglang_router.router_args", None)  # import fails as if not installed
+    try:
+        problems = validate_router_settings(RouterSettings(extra={"balance_abs_threshold": 10, "host": "h"}))
+    finally:
+        router_specs.router_args_fields.cache_clear()
+    assert len(problems) == 2, problems
+    assert problems[0].startswith(
+        "extra: cannot check keys against RouterArgs (sglang_router import failed: "
+    )
+    # what needs no RouterArgs is still checked
+    assert problems[1] == "extra.host: not allowed here: set by the launch spec"
+    assert validate_router_settings(RouterSettings()) == []
 
 
 def test_router_args_kwargs_build_real_router_args() -> None:

@@ -279,7 +279,10 @@ def _type_ok(value: Any, annotation: Any) -> bool:
 
 
 def _type_name(annotation: Any) -> str:
-    return getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
+    """``int`` for a class, ``Optional[int]`` for a generic (whose ``__name__`` would be ``Optional``)."""
+    if isinstance(annotation, type):  # list[str] is not a type (Python 3.11+)
+        return annotation.__name__
+    return str(annotation).replace("typing.", "")
 
 
 def _policy_problem(key: str, value: Any, valid: tuple[str, ...]) -> str | None:

@@ -2,7 +2,7 @@
 # Mutation testing with mutmut 3 (`make mutation`; by hand, not part of `make test` or CI).
 #
 #   scripts/mutation.sh [SET...]     sets: resolution resolution_more masking ports processes processes_child
-#                                     launch_specs (the default), router_specs
+#                                     launch_specs router_specs (the default)
 #   MUTANTS="NAME..." scripts/mutation.sh SET      only these mutants (mutmut names or globs), e.g. to show that
 #                                                  a new test kills them
 #
@@ -19,7 +19,7 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 MUTMUT="${MUTMUT:-$ROOT/.venv/bin/mutmut}"
-[ "$#" -gt 0 ] || set -- resolution resolution_more masking ports processes processes_child launch_specs
+[ "$#" -gt 0 ] || set -- resolution resolution_more masking ports processes processes_child launch_specs router_specs
 #: Each set stops after this many minutes (mutmut keeps what it has checked; the rest stays "not checked").
 MINUTES="${MUTATION_MINUTES_PER_SET:-30}"
 

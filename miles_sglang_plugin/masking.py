@@ -106,6 +106,11 @@ def mask_override(override: str) -> str:
     return f"{key}={MASK}" if _secret_path(components, value) else override
 
 
+def _longest_first(value: str) -> tuple[int, str]:
+    """Sort key: longer values first (a secret that holds another is masked whole), then by text (stable)."""
+    return (-len(value), value)
+
+
 _SCALAR = r"""\s*(?:'([^']*)'|"([^"]*)"|([^\s\[\]{}:,'"]+))"""
 #: The values of a mapping (after ``key:``) and the elements of a list (after ``[`` or ``,``), quoted or not.
 _MAPPING_VALUE = re.compile(":" + _SCALAR)
@@ -128,7 +133,7 @@ def override_secret_values(overrides: Sequence[str]) -> tuple[str, ...]:
             found.update(
                 next(g for g in match.groups() if g is not None) for match in pattern.finditer(value)
             )
-    return tuple(sorted((v for v in found if len(v) >= 2), key=len, reverse=True))
+    return tuple(sorted((v for v in found if len(v) >= 2), key=_longest_first))
 
 
 def mask_overrides(overrides: Sequence[str]) -> list[str]:
@@ -174,12 +179,12 @@ def secret_values(
     for name, value in (env or {}).items():
         if name not in SAFE_ENV_NAMES and name not in shown and len(str(value)) >= MIN_MASKED_ENV_CHARS:
             found.add(str(value))
-    return tuple(sorted(found, key=len, reverse=True))
+    return tuple(sorted(found, key=_longest_first))
 
 
 def mask_text(text: str, secrets: Sequence[str]) -> str:
     """``text`` with each of ``secrets`` replaced by ``***`` wherever it stands whole (not inside a longer word:
     a short value such as ``ab`` leaves ``tab`` alone), longest first."""
-    for secret in sorted((s for s in secrets if s), key=len, reverse=True):
+    for secret in sorted((s for s in secrets if s), key=_longest_first):
         text = re.sub(rf"(?<![A-Za-z0-9]){re.escape(secret)}(?![A-Za-z0-9])", MASK, text)
     return text

@@ -106,3 +106,83 @@ def test_a_secrets_value_must_be_printable_ascii_and_the_message_never_shows_it(
         problem = secret_value_problem(bad)
         assert problem is not None and "printable ASCII" in problem and bad not in problem
     assert "must be a string, got int" in (secret_value_problem(5) or "")
+
+
+def test_a_secret_override_is_masked_however_its_key_and_value_are_written() -> None:
+    from miles_sglang_plugin.masking import mask_override
+
+    cases = {
+        "sglang_deploy.api_key=a=b": "sglang_deploy.api_key=***",  # the value holds '=': masked whole
+        "+env.HF_TOKEN=hf_1": "+env.HF_TOKEN=***",  # the '+' is not part of the first key
+        "sglang_deploy.env= {HF_TOKEN: hf_2}": "sglang_deploy.env=***",  # a mapping after a blank
+        "sglang_deploy.launch.env={FOO:bar}": "sglang_deploy.launch.env=***",  # any key ending in env
+        "sglang_deploy.launch.command=[python,--api-key,sk-3]": "sglang_deploy.launch.command=***",
+        "sglang_deploy.launch.command=[python,-m,sglang.launch_server]": (
+            "sglang_deploy.launch.command=[python,-m,sglang.launch_server]"
+        ),
+        "sglang_deploy.launch.host=envoy.local": "sglang_deploy.launch.host=envoy.local",  # a word, no env
+        "sglang_deploy.api_key": "sglang_deploy.api_key",  # no value: nothing to mask
+    }
+    assert {override: mask_override(override) for override in cases} == cases
+
+
+def test_the_secret_values_of_overrides_are_found_whole_and_inside_lists_and_mappings() -> None:
+    from miles_sglang_plugin.masking import override_secret_values
+
+    assert override_secret_values(
+        [
+            "sglang_deploy.api_key='sk-quoted 1'",
+            'sglang_deploy.env={HF_TOKEN: hf_x, OTHER: "two words"}',
+            "sglang_deploy.launch.api_keys_list=[k1, 'k 2']",  # not a secret field: nothing from it
+            "+sglang_deploy.admin_api_key=[adm1,adm2]",
+            "sglang.actor.regular.num_gpus=8",
+            "sglang_deploy.api_key=x",  # one character: no secret worth masking in text
+        ]
+    ) == (
+        '{HF_TOKEN: hf_x, OTHER: "two words"}',
+        "'sk-quoted 1'",
+        "[adm1,adm2]",
+        "sk-quoted 1",
+        "two words",
+        "adm1",
+        "adm2",
+        "hf_x",
+    )
+
+
+def test_a_processes_secrets_are_its_secret_flags_values_and_its_long_unlisted_env_values() -> None:
+    from miles_sglang_plugin.masking import secret_values
+
+    argv = ["python", "--api-key", "sk-a", "--admin-api-key=adm-b", "--port", "1", "--api-key"]
+    env = {"HF_TOKEN": "hf_longer", "SHORT": "12345", "NCCL_DEBUG": "INFO_LONG", "MINE": "shown-value"}
+    assert secret_values(argv, env, shown={"MINE"}) == ("hf_longer", "adm-b", "sk-a")
+    assert secret_values(["x", "--api-key="], None) == ()  # an empty value is no secret
+
+
+def test_mask_text_masks_whole_occurrences_longest_first() -> None:
+    from miles_sglang_plugin.masking import mask_text
+
+    text = "key=sk-1 again sk-1, task-12 sk-12x; 'sk-1-long' ab tab"
+    assert (
+        mask_text(text, ["sk-1", "sk-1-long", "ab", ""]) == "key=*** again ***, task-12 sk-12x; '***' *** tab"
+    )
+
+
+def test_what_is_wrong_with_a_secret_is_said_exactly() -> None:
+    from miles_sglang_plugin.masking import secret_value_problem
+
+    blanks = "must be a non-empty string without surrounding blanks (its value is not shown)"
+    printable = (
+        "must be printable ASCII: it holds a control character (a newline, tab or NUL) or a non-ASCII one, "
+        "which would break the HTTP header it travels in (its value is not shown)"
+    )
+    assert [secret_value_problem(v) for v in ("", " k", "k ", "k\n1", "k\x7f", "~ !", None, 1.5)] == [
+        blanks,
+        blanks,
+        blanks,
+        printable,
+        printable,
+        None,
+        None,
+        "must be a string, got float (its value is not shown)",
+    ]

@@ -122,6 +122,8 @@ def test_a_secret_override_is_masked_however_its_key_and_value_are_written() -> 
         ),
         "sglang_deploy.launch.host=envoy.local": "sglang_deploy.launch.host=envoy.local",  # a word, no env
         "sglang_deploy.api_key": "sglang_deploy.api_key",  # no value: nothing to mask
+        "Xenv.HF_TOKEN=v": "Xenv.HF_TOKEN=v",  # a key named Xenv is no env mapping
+        "sglang_deploy@x.api_key=simulated": "sglang_deploy@x.api_key=simulated",  # a group choice's package
     }
     assert {override: mask_override(override) for override in cases} == cases
 
@@ -137,6 +139,8 @@ def test_the_secret_values_of_overrides_are_found_whole_and_inside_lists_and_map
             "+sglang_deploy.admin_api_key=[adm1,adm2]",
             "sglang.actor.regular.num_gpus=8",
             "sglang_deploy.api_key=x",  # one character: no secret worth masking in text
+            "+sglang_deploy.env.TOK=ab",  # two: one
+            "sglang_deploy.api_key=Xk=1X",  # '=' in the value, and no quotes to take off
         ]
     ) == (
         '{HF_TOKEN: hf_x, OTHER: "two words"}',
@@ -144,18 +148,26 @@ def test_the_secret_values_of_overrides_are_found_whole_and_inside_lists_and_map
         "[adm1,adm2]",
         "sk-quoted 1",
         "two words",
+        "Xk=1X",
         "adm1",
         "adm2",
         "hf_x",
+        "ab",
     )
 
 
 def test_a_processes_secrets_are_its_secret_flags_values_and_its_long_unlisted_env_values() -> None:
     from miles_sglang_plugin.masking import secret_values
 
-    argv = ["python", "--api-key", "sk-a", "--admin-api-key=adm-b", "--port", "1", "--api-key"]
-    env = {"HF_TOKEN": "hf_longer", "SHORT": "12345", "NCCL_DEBUG": "INFO_LONG", "MINE": "shown-value"}
-    assert secret_values(argv, env, shown={"MINE"}) == ("hf_longer", "adm-b", "sk-a")
+    argv = ["python", "--api-key", "sk-a", "--admin-api-key=adm=b", "--port", "1", "--api-key"]
+    env = {
+        "HF_TOKEN": "hf_longer",
+        "SHORT": "12345",
+        "SIX": "123456",
+        "NCCL_DEBUG": "INFO_LONG",
+        "MINE": "shown-v",
+    }
+    assert secret_values(argv, env, shown={"MINE"}) == ("hf_longer", "123456", "adm=b", "sk-a")
     assert secret_values(["x", "--api-key="], None) == ()  # an empty value is no secret
 
 

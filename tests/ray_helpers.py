@@ -89,13 +89,18 @@ class FakeCluster:
         self.cluster.remove_node(self.workers.pop(node), allow_graceful=False)
 
     def restore(self) -> None:
-        """Every worker node back (after a test removed one); waits until all are alive."""
+        """Every worker node back (after a test removed one); waits until all are alive, and until no process
+        holds port claims any more (a removed node's workers release theirs only when they exit)."""
         for node in range(1, NUM_WORKERS + 1):
             if node not in self.workers:
                 self.add_worker(node)
         deadline = time.monotonic() + 60
         while len(self.node_ids()) < NUM_WORKERS + 1:
             assert time.monotonic() < deadline, f"the cluster did not come back: {self.node_ids()}"
+            time.sleep(0.2)
+        deadline = time.monotonic() + 90
+        while holders := self.port_lock_holders():
+            assert time.monotonic() < deadline, f"port claims still held by pids {holders}"
             time.sleep(0.2)
 
     def alive_engine_actors(self) -> list[dict[str, Any]]:
@@ -121,6 +126,28 @@ class FakeCluster:
                 if (STANDIN_MODULE in cmd or ROUTER_MODULE in cmd) and process_alive(int(entry.name)):
                     found.append((int(entry.name), cmd[:160]))
         return found
+
+    def port_lock_holders(self) -> list[int]:
+        """Processes of this network namespace that still hold port claims (flock on a lock file of the port
+        lock directory): a removed node's Ray workers outlive their raylet for a while, claims and all, and the
+        next launch would find the ports taken."""
+        from miles_sglang_plugin.rendering.ports import default_lock_dir
+
+        lock_dir = default_lock_dir()
+        try:
+            inodes = {str(p.stat().st_ino) for p in lock_dir.glob("*.lock")}
+            locks = Path("/proc/locks").read_text().splitlines()
+        except OSError:
+            return []
+        ours = _netns_of("self")
+        holders = set()
+        for line in locks:
+            fields = line.split()
+            if len(fields) > 5 and fields[1] == "FLOCK" and fields[5].rsplit(":", 1)[-1] in inodes:
+                pid = int(fields[4])
+                if pid != os.getpid() and _netns_of(pid) == ours:
+                    holders.add(pid)
+        return sorted(holders)
 
     def leftovers(self, keep_groups: Iterable[str] = ()) -> list[str]:
         problems = []

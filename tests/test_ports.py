@@ -135,3 +135,25 @@ def test_port_is_free_on_ipv6_loopback_bare_or_bracketed(host):
         taken = listener.getsockname()[1]
         assert port_is_free(host, taken) is False
     assert port_is_free(host, taken) is True
+
+
+def test_running_out_of_ports_says_how_many_were_in_use_and_how_many_claimed(tmp_path: Path) -> None:
+    from miles_sglang_plugin.rendering.ports import free_port_runs
+
+    base = random_port_base()
+    other_launch = PortClaims(tmp_path)
+    mine = PortClaims(tmp_path)
+    assert other_launch.try_claim(base) and other_launch.try_claim(base + 3)
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", base + 1))
+        listening.listen()
+        # From base: claimed (base), in use (base + 1), base + 2 free but base + 3 claimed; base + 4 leaves
+        # too few below the limit.
+        with pytest.raises(PortExhaustedError) as info:
+            free_port_runs("127.0.0.1", [[3]], port_base=base, port_max=base + 4, claims=mine)
+    assert (
+        f"no 3 free consecutive port(s) left on 127.0.0.1 from {base} below {base + 5} (1 passed over in use, "
+        "2 claimed by other launches); raise sglang_deploy.launch.port_max or lower port_base"
+    ) == str(info.value)
+    assert mine.fds == {}  # nothing kept of the partial run
+    other_launch.release()

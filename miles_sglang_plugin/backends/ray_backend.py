@@ -320,6 +320,11 @@ class RayBackend(Backend):
     def _wait(self, refs: Sequence[Any], what: str) -> list[Any]:
         try:
             return self.ray.get(list(refs), timeout=self.conf.placement_timeout_s)
+        except self.ray.exceptions.RayTaskError as exc:  # what the actor raised, without Ray's traceback text
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, Exception):
+                raise cause from None
+            raise
         except self.ray.exceptions.GetTimeoutError:
             raise PlacementError(
                 f"{what} did not finish within sglang_deploy.launch.ray.placement_timeout_s="

@@ -105,14 +105,25 @@ def port_is_free(host: str, port: int) -> bool:
 
 class _Cursor:
     def __init__(self, base: int, limit: int, host: str, claims: PortClaims | None, probe: bool) -> None:
-        self.next, self.limit, self.host, self.claims, self.probe = base, limit, host, claims, probe
+        self.base, self.next, self.limit, self.host, self.claims, self.probe = (
+            base,
+            base,
+            limit,
+            host,
+            claims,
+            probe,
+        )
+        #: Ports passed over, by why: claimed by another launch (or unusable lock file), in use here.
+        self.claimed, self.in_use = 0, 0
 
     def _usable(self, port: int) -> bool:
         if not self.probe:
             return True
         if self.claims is not None and not self.claims.try_claim(port):
+            self.claimed += 1
             return False
         if not port_is_free(self.host, port):
+            self.in_use += 1
             if self.claims is not None:
                 self.claims.drop(port)
             return False
@@ -147,8 +158,10 @@ class _Cursor:
             if self.limit >= EPHEMERAL_START - 1
             else "raise sglang_deploy.launch.port_max or lower port_base"
         )
+        unusable = f", the last lock file error: {claims.unusable}" if claims and claims.unusable else ""
         raise PortExhaustedError(
-            f"no {count} free consecutive port(s) left on {self.host} below {self.limit + 1}; {remedy}"
+            f"no {count} free consecutive port(s) left on {self.host} from {self.base} below {self.limit + 1} "
+            f"({self.in_use} passed over in use, {self.claimed} claimed by other launches{unusable}); {remedy}"
         )
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import io
 import json
 import os
 import random
@@ -40,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from bench_launch import quiet  # beside this script (benchmarks/ is on sys.path when it runs)
 
 from miles_sglang_plugin.app.hydra_edge import launch_from_config
 from miles_sglang_plugin.config.compose import compose_config
@@ -70,21 +70,6 @@ def overrides(k: int, *extra: str) -> list[str]:
         "sglang_deploy.launch.live=never",
         *extra,
     ]
-
-
-@contextlib.contextmanager
-def quiet(verbose: bool):
-    """The launcher's status lines go to stderr; keep them out of the table unless --verbose."""
-    if verbose:
-        yield
-        return
-    buf = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(buf):
-            yield
-    except BaseException:
-        sys.stderr.write(buf.getvalue())
-        raise
 
 
 def launch(k: int, tmp: Path, verbose: bool, *extra: str) -> contextlib.AbstractContextManager[Deployment]:

@@ -16,11 +16,11 @@ can be exercised without a cluster.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
 from miles_sglang_plugin.backends.base import Backend, EngineProcess, UnsupportedPlanError
-from miles_sglang_plugin.backends.processes import ManagedProcess, stop_processes
+from miles_sglang_plugin.backends.processes import ExitWatcher, ManagedProcess, stop_processes
 from miles_sglang_plugin.backends.visible_gpus import inherited_visible_devices, restrict_to_visible
 from miles_sglang_plugin.config.schema import EngineKind, SGLangDeployConf
 from miles_sglang_plugin.planning.plan import DeploymentPlan
@@ -121,6 +121,12 @@ class LocalBackend(Backend):
         handle = LocalEngineProcess(launch, process)
         process.start()
         return handle
+
+    def watch_exit(self, process: EngineProcess, watcher: ExitWatcher, on_exit: Callable[[], None]) -> None:
+        if isinstance(process, LocalEngineProcess):
+            watcher.watch(process.process, on_exit)  # a pidfd: the exit is told at once
+        else:
+            super().watch_exit(process, watcher, on_exit)
 
     def stop(self, processes: Sequence[EngineProcess], *, grace_s: float) -> None:
         stop_processes([p.process for p in processes if isinstance(p, LocalEngineProcess)], grace_s=grace_s)

@@ -5,8 +5,10 @@ the API key, when the spec says there is one, comes from the environment variabl
 (never argv). Build the command with :func:`miles_sglang_plugin.serving.routers.router_command`.
 
 The router runs through the Python API (``Router.from_args(RouterArgs(...)).start()``), not the CLI, because
-sglang-router 0.3.2 accepts ``consistent_hashing`` only there. It starts with no workers; they are added
-through ``POST /workers``.
+sglang-router 0.3.2 accepts ``consistent_hashing`` only there. It starts with the workers of ``--workers-json``
+(a JSON list of ``{"url", "worker_type", "bootstrap_port"}``; none at the first start, when engines are added
+through ``POST /workers`` as they come up): a router restarted while serving starts with the engines that
+serve, so that it never answers 503 for want of workers.
 
 Shutdown: the Rust router handles SIGTERM (and SIGINT) itself: it logs "Received terminate signal, starting
 graceful shutdown", stops accepting connections, waits for in-flight requests (at most
@@ -27,7 +29,11 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from miles_sglang_plugin.rendering.router_specs import RouterLaunchSpec, validate_router_settings
+from miles_sglang_plugin.rendering.router_specs import (
+    RouterLaunchSpec,
+    WorkerRegistration,
+    validate_router_settings,
+)
 from miles_sglang_plugin.serving.routers import API_KEY_ENV
 
 _TAG = "[miles_sglang_plugin.serving.router_main]"
@@ -38,18 +44,24 @@ def _fail(code: int, message: str) -> int:
     return code
 
 
-def build_router_args_kwargs(spec: RouterLaunchSpec) -> dict[str, Any]:
-    """The ``RouterArgs`` keyword arguments for ``spec`` (no workers; the key only if the spec has one)."""
+def build_router_args_kwargs(
+    spec: RouterLaunchSpec, workers: Sequence[WorkerRegistration] = ()
+) -> dict[str, Any]:
+    """The ``RouterArgs`` keyword arguments for ``spec`` with ``workers`` given at start (the key only if the
+    spec has one)."""
     kwargs = spec.settings.router_args_kwargs()
+    regular = [w.url for w in workers if w.worker_type == "regular"]
+    prefill = [(w.url, w.bootstrap_port) for w in workers if w.worker_type == "prefill"]
+    decode = [w.url for w in workers if w.worker_type == "decode"]
     kwargs.update(
         host=spec.host,
         port=spec.port,
         prometheus_host=spec.host,  # metrics bind where the router binds (loopback stays loopback)
         prometheus_port=spec.prometheus_port,
         pd_disaggregation=spec.pd_disaggregation,
-        worker_urls=[],
-        prefill_urls=[],
-        decode_urls=[],
+        worker_urls=regular,
+        prefill_urls=prefill,
+        decode_urls=decode,
         api_key=spec.api_key,
     )
     return kwargs
@@ -70,7 +82,20 @@ def _parser() -> argparse.ArgumentParser:
         f"The API key, if any, is read from ${API_KEY_ENV}.",
     )
     parser.add_argument("--spec-json", required=True, help="RouterLaunchSpec.to_json() output")
+    parser.add_argument(
+        "--workers-json", default="[]", help="workers to start with: [{url, worker_type, bootstrap_port}]"
+    )
     return parser
+
+
+def _workers_from_json(text: str) -> list[WorkerRegistration]:
+    try:
+        raw = json.loads(text)
+        if not isinstance(raw, list):
+            raise ValueError("not a list")
+        return [WorkerRegistration(**entry) for entry in raw]
+    except (ValueError, TypeError) as e:
+        raise _StartError(2, f"--workers-json is not a list of workers: {e}") from None
 
 
 def _spec_from_json(spec_json: str) -> RouterLaunchSpec:
@@ -95,12 +120,12 @@ def _spec_from_json(spec_json: str) -> RouterLaunchSpec:
     return spec
 
 
-def _build_router(spec: RouterLaunchSpec) -> Any:
+def _build_router(spec: RouterLaunchSpec, workers: Sequence[WorkerRegistration] = ()) -> Any:
     from sglang_router.router import Router
     from sglang_router.router_args import RouterArgs
 
     try:
-        router_args = RouterArgs(**build_router_args_kwargs(spec))
+        router_args = RouterArgs(**build_router_args_kwargs(spec, workers))
         router_args._validate_router_args()
         return Router.from_args(router_args)
     except Exception as e:
@@ -141,7 +166,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         spec = _spec_from_json(args.spec_json)
-        router = _build_router(spec)
+        workers = _workers_from_json(args.workers_json)
+        router = _build_router(spec, workers)
     except _StartError as e:
         return _fail(e.code, str(e))
     print(

@@ -20,6 +20,7 @@ the real router):
 
 from __future__ import annotations
 
+import json
 import os
 import site
 import sys
@@ -66,13 +67,21 @@ def _source_root_env() -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join(parts)}
 
 
-def router_command(spec: RouterLaunchSpec, python: str = sys.executable) -> tuple[list[str], dict[str, str]]:
-    """``(argv, extra_env)`` that start the router of ``spec``: ``python -m miles_sglang_plugin.serving.router_main``.
+def router_command(
+    spec: RouterLaunchSpec,
+    python: str = sys.executable,
+    workers: Iterable[WorkerRegistration] = (),
+) -> tuple[list[str], dict[str, str]]:
+    """``(argv, extra_env)`` that start the router of ``spec`` (with ``workers`` registered from its start):
+    ``python -m miles_sglang_plugin.serving.router_main``.
 
     The spec travels as JSON in argv; the API key never does (argv is world-readable through ``ps``): it is
     in ``extra_env[MSP_ROUTER_API_KEY]``. Merge ``extra_env`` over ``os.environ`` when starting the process.
     """
     argv = [python, "-m", ROUTER_MAIN_MODULE, "--spec-json", spec.to_json()]
+    listed = [w.payload() for w in workers]
+    if listed:
+        argv += ["--workers-json", json.dumps(listed)]
     env = _source_root_env()
     env["PYTHONUNBUFFERED"] = "1"
     if spec.api_key is not None:
@@ -100,6 +109,10 @@ def _base(router_url: str) -> str:
     return router_url.rstrip("/")
 
 
+#: The most a router's answer may hold.
+_MAX_ANSWER_BYTES = 16 * 1024 * 1024
+
+
 def _request(
     method: str,
     url: str,
@@ -109,9 +122,21 @@ def _request(
     json_body: Any = None,
     ok: Callable[[int], bool] = lambda status: 200 <= status < 300,
 ) -> httpx.Response:
+    """One call, its whole answer read within ``timeout_s`` (checked between chunks: a peer that drips
+    bytes is cut off) and at most :data:`_MAX_ANSWER_BYTES`."""
     quiet_http.install()
+    deadline = time.monotonic() + timeout_s
     try:
-        resp = httpx.request(method, url, json=json_body, headers=_headers(api_key), timeout=timeout_s)
+        with httpx.stream(method, url, json=json_body, headers=_headers(api_key), timeout=timeout_s) as resp:
+            chunks, size = [], 0
+            for chunk in resp.iter_raw():
+                size += len(chunk)
+                if size > _MAX_ANSWER_BYTES or time.monotonic() > deadline:
+                    why = "is too large" if size > _MAX_ANSWER_BYTES else f"took over {timeout_s:g} s"
+                    raise RouterRequestError(f"{method} {url}: its answer {why}")
+                chunks.append(chunk)
+            body = b"".join(chunks)
+            resp = httpx.Response(resp.status_code, headers=resp.headers, content=body, request=resp.request)
     except httpx.HTTPError as e:
         raise RouterRequestError(f"{method} {url} failed: {type(e).__name__}: {e}") from e
     if not ok(resp.status_code):
@@ -170,7 +195,7 @@ def router_workers(
     return workers
 
 
-def _same_worker(listed_url: Any, url: str) -> bool:
+def same_worker(listed_url: Any, url: str) -> bool:
     """A router entry belongs to ``url``; dp-aware routers list ``url@rank`` per data-parallel rank."""
     listed = str(listed_url or "").rstrip("/")
     return listed == url or listed.startswith(url + "@")
@@ -190,13 +215,13 @@ def _entry_problem(entry: dict, expected: WorkerRegistration) -> str | None:
     return None
 
 
-def _registration_problems(
+def registration_problems(
     workers: list[dict], expected: Collection[WorkerRegistration]
 ) -> dict[str, list[str]]:
     """Expected worker URL -> what is missing or wrong about it (only workers with problems)."""
     problems: dict[str, list[str]] = {}
     for worker in expected:
-        entries = [listed for listed in workers if _same_worker(listed.get("url"), worker.url)]
+        entries = [listed for listed in workers if same_worker(listed.get("url"), worker.url)]
         if not entries:
             problems.setdefault(worker.url, []).append(f"{worker.describe()} not registered yet")
             continue
@@ -209,11 +234,12 @@ def _registration_problems(
 
 def _readiness(base: str, api_key: str | None, timeout_s: float) -> tuple[bool, str]:
     """``GET /readiness``: (answered 200, what it says)."""
-    quiet_http.install()
     try:
-        resp = httpx.get(f"{base}/readiness", headers=_headers(api_key), timeout=timeout_s)
-    except httpx.HTTPError as e:
-        return False, f"unreachable ({type(e).__name__}: {e})"
+        resp = _request(
+            "GET", f"{base}/readiness", api_key=api_key, timeout_s=timeout_s, ok=lambda status: True
+        )
+    except RouterRequestError as e:
+        return False, f"unreachable ({e})"
     ready = resp.status_code == 200
     try:
         data = resp.json()
@@ -222,17 +248,17 @@ def _readiness(base: str, api_key: str | None, timeout_s: float) -> tuple[bool, 
             if ready
             else f"not ready ({data.get('reason', resp.text)})"
         )
-    except ValueError:
+    except (ValueError, AttributeError):
         readiness = f"HTTP {resp.status_code}: {resp.text[:200]}"
     return ready, readiness
 
 
-def _others_note(workers: list[dict], expected: Collection[WorkerRegistration]) -> str:
+def others_note(workers: list[dict], expected: Collection[WorkerRegistration]) -> str:
     """The workers the router lists that were not expected, as a note (empty when none)."""
     others = sorted(
         str(listed.get("url"))
         for listed in workers
-        if not any(_same_worker(listed.get("url"), worker.url) for worker in expected)
+        if not any(same_worker(listed.get("url"), worker.url) for worker in expected)
     )
     return f"; also registered: {', '.join(others)}" if others else ""
 
@@ -257,9 +283,9 @@ def router_ready(
             return False, f"router at {base} not reachable: {e}"
         return False, f"router at {base}: {e}"
 
-    problems = _registration_problems(workers, expected)
+    problems = registration_problems(workers, expected)
     ready, readiness = _readiness(base, api_key, timeout_s)
-    note = _others_note(workers, expected)
+    note = others_note(workers, expected)
     if problems:
         listed = "; ".join(message for messages in problems.values() for message in messages)
         expected_urls = len({worker.url for worker in expected})
@@ -349,7 +375,7 @@ def remove_worker(
     entries = [
         worker
         for worker in router_workers(base, api_key=api_key, timeout_s=timeout_s)
-        if _same_worker(worker.get("url"), url) and worker.get("id")
+        if same_worker(worker.get("url"), url) and worker.get("id")
     ]
     for worker in entries:
         _request(

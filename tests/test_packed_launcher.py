@@ -5,8 +5,10 @@ marked failed, bad settings refused before any job runs."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -18,6 +20,7 @@ import pytest
 
 from miles_sglang_plugin.app.hydra_edge import resolve_config
 from miles_sglang_plugin.config.compose import compose_config
+from miles_sglang_plugin.rendering.claims import ClaimCheck
 from miles_sglang_plugin.sweeps.gpu_claims import GpuClaims, GpuLockDirError
 from miles_sglang_plugin.sweeps.packing import gpu_need, gpus_of_setting
 
@@ -62,22 +65,100 @@ def test_gpu_claims_keep_launches_apart_and_are_all_or_none(tmp_path: Path) -> N
 
 
 def test_a_released_gpu_is_free_although_a_forked_job_has_a_copy_of_its_lock(tmp_path: Path) -> None:
+    """The job holds a copy of the lock file's descriptor (unlocked for every copy at release); its copy of the
+    claim's guard it closed as it was forked, before any of its own code ran (so: once it says it runs)."""
     claims, other = GpuClaims(tmp_path), GpuClaims(tmp_path)
     assert claims.claim(["7"], 1) == ["7"]
     read, write = os.pipe()
+    started_read, started_write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the job: holds a copy of the descriptor until told to exit
         os.close(write)
+        os.write(started_write, b"s")
         os.read(read, 1)
         os._exit(0)
+    os.close(started_write)
     try:
+        assert os.read(started_read, 1) == b"s"
         assert not other.try_claim("7")
         claims.release(["7"])
         assert other.try_claim("7")
     finally:
         os.close(read)
         os.close(write)
+        os.close(started_read)
         os.waitpid(pid, 0)
+
+
+def test_removing_the_lock_directory_never_gives_a_held_gpu_to_another_launch(tmp_path: Path) -> None:
+    """Issue 23: after ``rm -rf`` of the directory a second launch made new lock files and got GPUs 0,1 while
+    the first launch's job ran on them. The claims' guards outlive the files."""
+    locks = tmp_path / "locks"
+    first = GpuClaims(locks)
+    assert first.claim(["0", "1", "2", "3"], 2) == ["0", "1"]
+    shutil.rmtree(locks)
+    second = GpuClaims(locks)
+    assert second.claim(["0", "1", "2", "3"], 2) == ["2", "3"]
+    assert second.claim(["0", "1"], 1) is None and second.held_elsewhere == ["0", "1"]
+    # the first launch notices, makes its lock files again and keeps its GPUs
+    assert first.verify() == ClaimCheck(remade=("0", "1"))
+    assert first.replaced == 1 and first.verify() == ClaimCheck()
+    assert sorted(p.name for p in locks.iterdir() if p.name.startswith("gpu-")) == [
+        f"gpu-{i}.lock" for i in range(4)
+    ]
+    first.release(["0"])
+    assert second.claim(["0", "1"], 1) == ["0"]
+    # a directory replaced (moved away, a new one made) is the same case
+    locks.rename(tmp_path / "moved")
+    locks.mkdir(mode=0o700)
+    assert GpuClaims(locks).claim(["0", "1", "2", "3", "4"], 1) == ["4"]
+
+
+def test_a_launch_goes_on_claiming_after_its_lock_directory_was_removed(tmp_path: Path) -> None:
+    """Issue 23: the first launch kept its descriptor of the removed directory, could make no lock file in it
+    and waited for ever for GPUs nobody held."""
+    locks = tmp_path / "locks"
+    claims = GpuClaims(locks)
+    assert claims.claim(["0"], 1) == ["0"]
+    shutil.rmtree(locks)
+    assert claims.claim(["0", "1"], 1) == ["1"] and claims.replaced == 1 and claims.unusable_gpus == {}
+    assert (locks / "gpu-1.lock").is_file()
+
+
+def test_a_claim_whose_new_lock_file_another_process_took_is_reported_lost_once(tmp_path: Path) -> None:
+    """A process that does not share the guards (another network namespace, an older version) can take the new
+    lock file: the holder says so, once, and makes the file its own again once it is free."""
+    locks = tmp_path / "locks"
+    claims = GpuClaims(locks)
+    assert claims.claim(["0"], 1) == ["0"]
+    shutil.rmtree(locks)
+    locks.mkdir(mode=0o700)
+    other = os.open(locks / "gpu-0.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(other, fcntl.LOCK_EX)
+    try:
+        assert claims.verify() == ClaimCheck(lost=("0",))
+        assert claims.verify() == ClaimCheck()
+    finally:
+        os.close(other)
+    assert claims.verify() == ClaimCheck(remade=("0",))
+    claims.release_all()
+
+
+def test_a_guard_dies_with_its_process(tmp_path: Path) -> None:
+    """Like the lock itself: a launch killed with SIGKILL leaves no claim behind."""
+    code = (
+        "import sys, time; from pathlib import Path; from miles_sglang_plugin.sweeps.gpu_claims import GpuClaims;"
+        "c = GpuClaims(Path(sys.argv[1])); assert c.claim(['5'], 1); print('held', flush=True); time.sleep(600)"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        shutil.rmtree(tmp_path)
+        assert GpuClaims(tmp_path).claim(["5"], 1) is None
+    finally:
+        holder.kill()
+        holder.wait()
+    assert GpuClaims(tmp_path).claim(["5"], 1) == ["5"]
 
 
 def test_the_gpu_lock_directory_is_as_safe_as_the_ports_one(tmp_path: Path) -> None:

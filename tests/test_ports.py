@@ -157,3 +157,25 @@ def test_running_out_of_ports_says_how_many_were_in_use_and_how_many_claimed(tmp
     ) == str(info.value)
     assert mine.fds == {}  # nothing kept of the partial run
     other_launch.release()
+
+
+def test_port_claims_stay_exclusive_when_their_lock_directory_is_removed(tmp_path: Path) -> None:
+    """Issue 23, for ports (the same claims module): a launch coming after ``rm -rf`` of the lock directory
+    skips the ports a running launch holds, and the holder goes on claiming in the new directory."""
+    import shutil
+
+    base = random_port_base()
+    locks = tmp_path / "locks"
+    holder = PortClaims(locks)
+    assert holder.try_claim(base)
+    shutil.rmtree(locks)
+    later = PortClaims(locks)
+    try:
+        assert not later.try_claim(base) and later.unusable is None  # taken, not a broken lock file
+        assert later.try_claim(base + 1)
+        assert holder.try_claim(base + 2) and holder.replaced == 1 and (locks / f"{base + 2}.lock").is_file()
+        holder.release()
+        assert later.try_claim(base)
+    finally:
+        holder.release()
+        later.release()

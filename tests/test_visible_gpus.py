@@ -5,10 +5,13 @@ anything starts."""
 from __future__ import annotations
 
 # ruff: noqa: F811  (pytest fixtures imported from other modules, redefined as arguments)
+import itertools
 from pathlib import Path
 
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from miles_sglang_plugin.app.hydra_edge import launch_from_config
 from miles_sglang_plugin.backends.local import LocalBackend
@@ -211,3 +214,29 @@ def test_launch_refuses_such_a_list_with_status_2_and_starts_nothing(
     err = capsys.readouterr().err
     assert f"CUDA_VISIBLE_DEVICES: '{raw}'" in err and "Traceback" not in err
     assert started == []
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(
+    st.lists(
+        st.sampled_from(
+            ["0", "1", "7", "00", "-1", "", " 2 ", "GPU-1a", "GPU-1a2b", "GPU-1A", "MIG-3c", "x", "1.5"]
+        ),
+        max_size=6,
+    )
+)
+def test_a_list_is_accepted_only_when_it_names_distinct_gpus_of_one_kind(entries: list[str]) -> None:
+    """Whatever the list: refused with problems under the variable's name, or accepted with entries that are
+    all GPUs, all indices or all UUIDs, no two naming one GPU (equal as numbers, equal but for case, a prefix)."""
+    try:
+        got = inherited_visible_devices({"CUDA_VISIBLE_DEVICES": ",".join(entries)})
+    except DeploymentConfigError as exc:
+        assert exc.problems and all(p.key == "CUDA_VISIBLE_DEVICES" for p in exc.problems)
+        return
+    stripped = [e.strip() for e in entries]
+    assert list(got) == stripped or (not got and stripped in ([], [""]))
+    assert all(g.isdigit() or g.startswith(("GPU-", "MIG-")) for g in got)
+    assert len({g.isdigit() for g in got}) <= 1
+    assert len({int(g) for g in got if g.isdigit()}) == len([g for g in got if g.isdigit()])
+    uuids = sorted(g.lower() for g in got if not g.isdigit())
+    assert all(not b.startswith(a) for a, b in itertools.pairwise(uuids))  # a prefix sorts right before

@@ -204,7 +204,9 @@ def test_the_launchers_gpus_from_its_setting(monkeypatch: pytest.MonkeyPatch) ->
     assert gpus_of_setting(2) == (["4", "5"], [])
     assert gpus_of_setting("1,3") == (["1", "3"], [])
     assert gpus_of_setting(5)[1] == ["gpus: 5 GPUs asked for, but this machine shows 4: 4,5,6,7"]
-    assert gpus_of_setting([0, 0])[1] == ["gpus: [0, 0] names a GPU twice (a GPU is never given twice)"]
+    assert gpus_of_setting([0, 0])[1] == [
+        "gpus: [0, 0] names GPU 0 twice (entries 1 and 2): engines would share it; list each GPU once"
+    ]
     assert gpus_of_setting(0)[1] == ["gpus: 0 must be a count in 1..4096"]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert gpus_of_setting(8) == ([str(i) for i in range(8)], [])  # none visible: stand-ins' ids 0..7
@@ -428,7 +430,7 @@ def test_a_job_larger_than_the_launchers_gpus_is_marked_failed_and_the_others_ru
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["hydra.launcher.gpus=[0,0]"], "gpus: [0, 0] names a GPU twice"),
+        (["hydra.launcher.gpus=[0,0]"], "gpus: [0, 0] names GPU 0 twice (entries 1 and 2)"),
         (
             ["hydra.launcher.gpus=2", "hydra.launcher.max_parallel=0"],
             "max_parallel: 0 must be null or an integer >= 1",

@@ -179,3 +179,26 @@ def test_port_claims_stay_exclusive_when_their_lock_directory_is_removed(tmp_pat
     finally:
         holder.release()
         later.release()
+
+
+def test_a_relative_lock_directory_stays_where_it_was_when_the_working_directory_changes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The claims check the directory at its path before each use: the path as it was first used, not as a
+    later working directory (a Hydra job's own) would read it."""
+    (tmp_path / "first").mkdir()
+    (tmp_path / "later").mkdir()
+    monkeypatch.chdir(tmp_path / "first")
+    base = random_port_base()
+    claims = PortClaims(Path("locks"))
+    try:
+        assert claims.try_claim(base)
+        monkeypatch.chdir(tmp_path / "later")
+        assert claims.try_claim(base + 1) and claims.replaced == 0
+        assert sorted(p.name for p in (tmp_path / "first" / "locks").iterdir()) == [
+            f"{base}.lock",
+            f"{base + 1}.lock",
+        ]
+        assert not (tmp_path / "later" / "locks").exists()
+    finally:
+        claims.release()

@@ -335,7 +335,11 @@ def test_a_malformed_status_file_is_a_failed_row_with_its_reason(
 ) -> None:
     (sweep / "0" / "job_status.json").write_text(content)
     job = collect_sweep(sweep)[0]
-    assert (job.name, job.status, job.error, job.metrics) == ("0", "failed", reason, None)
+    assert (job.name, job.status, job.error) == ("0", "failed", reason)
+    build_report(sweep, plot=False)
+    assert [(r["model"], r["status"], r["error"]) for r in _csv_rows(sweep) if r["job"] == "0"] == [
+        ("", "failed", reason)
+    ]
 
 
 @pytest.mark.parametrize(

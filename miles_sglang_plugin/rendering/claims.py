@@ -130,9 +130,15 @@ def bind_guard(address: bytes) -> socket.socket | None:
 
 
 def _close_guard(guard: socket.socket | None) -> None:
-    if guard is not None:
+    if guard is None:
+        return
+    try:
         _GUARDS.discard(guard)
         guard.close()
+    except (
+        Exception
+    ):  # at interpreter exit (a claim's __del__) module globals may be gone; the kernel frees it
+        pass
 
 
 def _same_file(info: os.stat_result, other: os.stat_result) -> bool:
@@ -176,6 +182,9 @@ class LockClaims(Generic[Key]):
     #: Keys whose lock file vanished and another process now holds (reported once by :meth:`verify`).
     lost: set[Key] = field(default_factory=set, repr=False)
     _dir_fd: int | None = field(default=None, repr=False)
+    #: The directory's absolute path, fixed at first use (a later change of the working directory does not move
+    #: the claims), and its real path, which names the guards.
+    _dir_abs: str = field(default="", repr=False)
     _dir_path: str = field(default="", repr=False)
 
     def lock_file_name(self, key: Key) -> str:
@@ -189,14 +198,15 @@ class LockClaims(Generic[Key]):
             self._dir_fd = None
             self.replaced += 1
         if self._dir_fd is None:
-            self._dir_fd = open_lock_dir(self.lock_dir)
-            self._dir_path = os.path.realpath(self.lock_dir)
+            self._dir_abs = self._dir_abs or os.path.abspath(self.lock_dir)
+            self._dir_fd = open_lock_dir(Path(self._dir_abs))
+            self._dir_path = os.path.realpath(self._dir_abs)
         return self._dir_fd
 
     def _still_there(self) -> bool:
         assert self._dir_fd is not None
         try:
-            return _same_file(os.stat(self.lock_dir, follow_symlinks=False), os.fstat(self._dir_fd))
+            return _same_file(os.stat(self._dir_abs, follow_symlinks=False), os.fstat(self._dir_fd))
         except OSError:
             return False
 

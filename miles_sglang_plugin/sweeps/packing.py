@@ -4,11 +4,14 @@
    GPUs its plan's engines use on one machine (:func:`gpu_need`: the highest local GPU id of the rollout, plus
    one, so that the trainer's own GPUs before the rollout on that node come with it). A job whose deployment
    does not resolve runs without GPUs (``CUDA_VISIBLE_DEVICES=""``) and reports its own error; a job that
-   needs more GPUs than the launcher has is marked failed, with that message, without running.
+   needs more GPUs than the launcher has is marked failed, with that message, without running. The launcher's
+   GPUs must be distinct (``CUDA_VISIBLE_DEVICES=0,0`` is refused before any job runs).
 2. Jobs start in order as soon as their GPUs are free (a smaller job may go ahead of one that waits): the
    lowest free GPU ids are claimed (:mod:`.gpu_claims`, so concurrent launches on the machine keep apart too)
    and the job runs in a process forked from this one, with ``CUDA_VISIBLE_DEVICES`` set to its GPUs (the
-   local backend indexes the plan's local GPU ids into it) and ports claimed as every launch claims them.
+   local backend indexes the plan's local GPU ids into it) and ports claimed as every launch claims them. A
+   job that can never get its GPUs (lock files of the launcher's GPUs cannot be opened) is failed, saying so,
+   instead of waiting; as it polls the launcher checks its claims and says when their lock files vanished.
 3. When a job's process ends, its GPUs are given back and waiting jobs start; a failed job is a failed
    ``JobReturn`` (Hydra's sweeper then fails the multirun at its end, after every job ran). A job process that
    dies without a result (killed) is failed with its exit status, and ``job_status.json`` says so.
@@ -139,8 +142,6 @@ def _explicit_gpus(value: Any) -> tuple[list[str] | None, list[str]]:
     shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:60] + "…"
     if not ids or len(ids) > MAX_GPUS:
         return None, [f"gpus: {shown} must list 1..{MAX_GPUS} GPU ids"]
-    if len(set(ids)) != len(ids):  # the words of the simplest case, then every other finding
-        return None, [f"gpus: {shown} names a GPU twice (a GPU is never given twice)"]
     problems = [f"gpus: {shown} {problem}" for problem in gpu_list_problems(ids)]
     return (ids, []) if not problems else (None, problems)
 

@@ -154,7 +154,7 @@ def load_job(sweep_dir: Path, job_dir: Path) -> JobResult:
         overrides=overrides,
         status=status,
         error=error,
-        metrics=metrics if status == "ok" else None,
+        metrics=metrics,
         params=dict(parse_override(o) for o in overrides),
         notes=notes,
     )

@@ -17,7 +17,9 @@ dies). A key is claimed only when its guard binds and its lock file locks, in th
 share the directory's path never hold one key, whatever happened to the directory. The guard is this
 process's own: forked children close their copies at once (a lingering child never keeps a key), and release
 frees both. Guards are per network namespace: launches in different ones (sharing the directory through the
-file system) keep apart through the lock files alone, as before.
+file system) keep apart through the lock files alone, as before. Abstract names have no permissions: another
+local user who binds a guard's name first makes that key look taken (a denial of service, never a key held
+twice). Each claim takes two file descriptors (its lock file and its guard).
 
 The holder notices a removed or replaced directory (:meth:`LockClaims.directory` compares the open directory
 with the path before each use, and opens the new one) and :meth:`LockClaims.verify` makes the held keys' lock

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
+import subprocess
 import sys
 import textwrap
 import threading
@@ -104,8 +106,25 @@ def test_a_group_that_ignores_sigterm_is_killed_when_the_grace_period_ends(tmp_p
 SLEEPER = "import time\nwhile True: time.sleep(0.1)"
 
 
-@pytest.mark.skipif(processes._PRCTL is None, reason="parent-death signals need Linux's prctl")
-def test_a_child_is_killed_when_the_thread_that_started_it_exits(tmp_path: Path) -> None:
+needs_prctl = pytest.mark.skipif(processes._PRCTL is None, reason="parent-death signals need Linux's prctl")
+#: setpriv is part of util-linux (Debian's base system): where it exists, the exec-time guard must work.
+needs_setpriv = pytest.mark.skipif(shutil.which("setpriv") is None, reason="util-linux's setpriv is not here")
+
+
+@pytest.fixture(params=["setpriv", "preexec_fn"])
+def spawn_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways of arming the parent-death signal: at exec time (setpriv + the shell guard) and from a
+    ``preexec_fn`` (where setpriv is missing)."""
+    if request.param == "setpriv":
+        if processes.exec_time_guard() is None:
+            pytest.skip("setpriv cannot arm the parent-death signal here")
+    else:
+        monkeypatch.setattr(processes, "exec_time_guard", lambda: None)
+    return str(request.param)
+
+
+@needs_prctl
+def test_a_child_is_killed_when_the_thread_that_started_it_exits(tmp_path: Path, spawn_mode: str) -> None:
     # PR_SET_PDEATHSIG fires when the thread that forked the child ends (prctl(2)): the same signal that
     # takes engines down with a SIGKILLed launcher, observed here without killing the test process.
     proc = ManagedProcess(name="orphan", argv=[sys.executable, "-c", SLEEPER, MARKER], env={},
@@ -267,3 +286,131 @@ def test_a_child_reads_no_terminal_and_inherits_no_descriptors_of_the_launcher(t
             os.close(fd)
     assert proc.popen is not None and proc.popen.wait(timeout=20) == 0
     assert proc.tail(1) == "/dev/null closed"
+
+
+#: A launcher in a process of its own: starts a sleeper through ManagedProcess (with the exec-time guard, or
+#: with the preexec_fn where argv[1] says so), prints its pid, and waits to be SIGKILLed.
+LAUNCHER = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from miles_sglang_plugin.backends import processes
+    if sys.argv[1] == "preexec_fn":
+        processes.exec_time_guard = lambda: None
+    proc = processes.ManagedProcess(name="child", argv=[sys.executable, "-c", sys.argv[3], sys.argv[4]], env={},
+                                    log_path=Path(sys.argv[2]))
+    proc.start()
+    print(proc.pid, flush=True)
+    time.sleep(600)
+    """
+)
+
+
+@needs_prctl
+def test_a_child_dies_with_a_sigkilled_launcher(tmp_path: Path, spawn_mode: str) -> None:
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, spawn_mode, str(tmp_path / "child.log"), SLEEPER, MARKER],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    tracker = LeakTracker()
+    try:
+        assert launcher.stdout is not None
+        child = int(launcher.stdout.readline())
+        tracker.add_process(child, "child of the launcher", MARKER)
+        deadline = time.monotonic() + 20
+        while not process_alive(child, MARKER):  # the guard has exec'd the command
+            assert time.monotonic() < deadline, "the child never ran its command"
+            time.sleep(0.02)
+        launcher.kill()
+        launcher.wait(timeout=10)
+        assert _gone_soon(child, timeout_s=10), "the child outlived its SIGKILLed launcher"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait(timeout=10)
+        tracker.assert_nothing_left(wait_s=2.0)
+
+
+@needs_prctl
+@needs_setpriv
+def test_a_child_whose_launcher_died_before_the_signal_was_armed_never_runs_its_command(
+    tmp_path: Path,
+) -> None:
+    # The launcher dying between fork and prctl: the child's parent is then another process (init, a subreaper),
+    # so the signal would never come. The guard sees a parent that is not the launcher it was given and kills the
+    # child before the command runs; here the "launcher" it is given is pid 1, which is not its parent.
+    guard = processes.exec_time_guard()
+    assert guard is not None
+    marker = tmp_path / "ran"
+    child = subprocess.run(
+        [*guard, "1", sys.executable, "-c", f"open({str(marker)!r}, 'w')"], capture_output=True, timeout=30
+    )
+    assert child.returncode == -signal.SIGKILL
+    assert not marker.exists()
+    # Given its real parent, the same guard runs the command, in place of the shell (same pid).
+    script = f"import os; open({str(marker)!r}, 'w').write(str(os.getpid()))"
+    proc = subprocess.Popen([*guard, str(os.getpid()), sys.executable, "-c", script])
+    assert proc.wait(timeout=30) == 0
+    assert marker.read_text() == str(proc.pid)
+
+
+@needs_setpriv
+def test_a_child_is_started_without_python_between_fork_and_exec(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where setpriv arms the signal, Popen gets no preexec_fn (so it may vfork) and runs the command under
+    setpriv and the guard; the command itself is what runs, found on the child's PATH."""
+    if processes.exec_time_guard() is None:
+        pytest.skip("setpriv cannot arm the parent-death signal here")
+    seen: dict[str, object] = {}
+    real_popen = subprocess.Popen
+
+    def recording_popen(argv: list[str], **kwargs: object) -> subprocess.Popen[bytes]:
+        seen.update(argv=argv, **kwargs)
+        return real_popen(argv, **kwargs)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(processes.subprocess, "Popen", recording_popen)
+    proc = ManagedProcess(name="p", argv=["env"], env={"MSP_PROBE": "1"}, log_path=tmp_path / "p.log")
+    proc.start()
+    assert proc.popen is not None and proc.popen.wait(timeout=20) == 0
+    assert "preexec_fn" not in seen
+    argv = seen["argv"]
+    assert isinstance(argv, list)
+    assert argv[:4] == [shutil.which("setpriv"), "--pdeathsig", "KILL", "--"]
+    assert argv[-2:] == [str(os.getpid()), shutil.which("env")]
+    assert "MSP_PROBE=1" in proc.tail(200).splitlines()
+
+
+def test_a_command_that_cannot_run_is_refused_as_popen_refuses_it(tmp_path: Path, spawn_mode: str) -> None:
+    missing = ManagedProcess(name="m", argv=["msp-no-such-command"], env={}, log_path=tmp_path / "m.log")
+    with pytest.raises(FileNotFoundError) as exc:
+        missing.start()
+    assert str(exc.value) == "[Errno 2] No such file or directory: 'msp-no-such-command'"
+    assert missing.popen is None
+    script = tmp_path / "not-executable"
+    script.write_text("#!/bin/sh\nexit 0\n")
+    script.chmod(0o644)
+    refused = ManagedProcess(name="n", argv=[str(script)], env={}, log_path=tmp_path / "n.log")
+    with pytest.raises(PermissionError) as denied:
+        refused.start()
+    assert str(denied.value) == f"[Errno 13] Permission denied: {str(script)!r}"
+
+
+def test_without_a_working_setpriv_the_child_arms_the_signal_itself(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No setpriv on PATH, or one that cannot arm the signal: no exec-time guard, the preexec_fn instead."""
+    processes.exec_time_guard.cache_clear()
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty PATH directory: no setpriv there
+    try:
+        assert processes.exec_time_guard() is None
+        broken = tmp_path / "setpriv"  # one that fails whatever it is asked (an old util-linux, a sandbox)
+        broken.write_text("#!/bin/sh\necho 'setpriv: unrecognized option' >&2\nexit 1\n")
+        broken.chmod(0o755)
+        processes.exec_time_guard.cache_clear()
+        assert processes.exec_time_guard() is None
+        argv, options = processes.spawn_options([sys.executable, "-c", "pass"], {})
+        assert argv == [sys.executable, "-c", "pass"] and "preexec_fn" in options
+    finally:
+        processes.exec_time_guard.cache_clear()

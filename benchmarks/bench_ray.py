@@ -8,9 +8,13 @@ On a Ray cluster of fake-GPU nodes on this machine (``ray.cluster_utils.Cluster`
     ``launch_from_config`` until it yields) with ``backend=local`` and with ``backend=ray``, and their ratio.
 (2) three nodes: 24 GPUs in engines of 2 GPUs (12 engines, 4 per node); the local backend runs the three
     planned nodes side by side on this machine (stand-ins only), the ray backend on three Ray nodes.
-(3) Ray's own overhead: the ray backend's ``prepare`` (placement group chosen and placed, one actor per engine
-    process started and asked where it runs, ports found on each node) against the local one's (ports probed
+(3) Ray's own overhead: the ray backend's ``prepare`` (placement group chosen and placed, the engine actors
+    started and asked where they run, ports found on each node) against the local one's (ports probed
     here), and (ready_ray - ready_local) / engines, per engine; teardown time of both.
+
+The ray backend runs twice in each cell: with one actor per node starting all engine processes of that node
+(``sglang_deploy.launch.ray.engine_actors=per_node``, the default; row ``ray``) and with one actor per engine
+process (``per_process``; row ``ray per process``), so that the two are compared in the same run.
 
 The benchmark process connects to the cluster once, first (as a trainer already running on Ray is connected),
 so connection time is shown apart. Repetitions run round-robin (local, ray, local, ray, ...) so that load on
@@ -47,6 +51,14 @@ def in_loopback_only_netns() -> bool:
     return [name for _index, name in socket.if_nameindex()] == ["lo"]
 
 
+#: The launches compared in each cell: name -> (backend, extra overrides).
+MODES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "local": ("local", ()),
+    "ray": ("ray", ("sglang_deploy.launch.ray.engine_actors=per_node",)),
+    "ray per process": ("ray", ("sglang_deploy.launch.ray.engine_actors=per_process",)),
+}
+
+
 def overrides(backend: str, gpus: int, gpe: int, delay_s: float) -> list[str]:
     return [
         "sglang=default",
@@ -63,12 +75,13 @@ def overrides(backend: str, gpus: int, gpe: int, delay_s: float) -> list[str]:
     ]
 
 
-def launch_once(backend_name: str, gpus: int, gpe: int, delay_s: float, log_dir: Path) -> dict[str, float]:
+def launch_once(mode: str, gpus: int, gpe: int, delay_s: float, log_dir: Path) -> dict[str, float]:
     from miles_sglang_plugin.app.hydra_edge import launch_from_config
     from miles_sglang_plugin.backends import get_backend
     from miles_sglang_plugin.config.compose import compose_config
 
-    cfg = compose_config(overrides(backend_name, gpus, gpe, delay_s))
+    backend_name, extra = MODES[mode]
+    cfg = compose_config([*overrides(backend_name, gpus, gpe, delay_s), *extra])
     backend = get_backend(backend_name)
     phases: dict[str, float] = {}
     original = backend.prepare
@@ -86,33 +99,40 @@ def launch_once(backend_name: str, gpus: int, gpe: int, delay_s: float, log_dir:
         with launch_from_config(cfg, log_dir=log_dir, backend=backend) as deployment:
             phases["ready_s"] = time.perf_counter() - t0
             engines = len(deployment.engines())
+            actors = len(getattr(backend, "actors", ()))
             t1 = time.perf_counter()
         phases["teardown_s"] = time.perf_counter() - t1
-    phases["engines"] = engines
+    phases["engines"], phases["actors"] = engines, actors
     return phases
 
 
 def bench_cell(gpus: int, gpe: int, delay_s: float, reps: int, tmp: Path, warm_up: bool) -> dict[str, Any]:
-    runs: dict[str, list[dict[str, float]]] = {"local": [], "ray": []}
+    runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
+    slug = {mode: mode.replace(" ", "-") for mode in MODES}
     if warm_up:  # first launches pay one-off imports and Ray's first worker processes: not counted
-        for name in ("local", "ray"):
-            launch_once(name, gpus, gpe, 0.0, tmp / f"{name}-{gpus}-warm-up")
+        for mode in MODES:
+            launch_once(mode, gpus, gpe, 0.0, tmp / f"{slug[mode]}-{gpus}-warm-up")
     for rep in range(reps):
-        for name in ("local", "ray"):
-            runs[name].append(launch_once(name, gpus, gpe, delay_s, tmp / f"{name}-{gpus}-{rep}"))
+        for mode in MODES:
+            runs[mode].append(launch_once(mode, gpus, gpe, delay_s, tmp / f"{slug[mode]}-{gpus}-{rep}"))
     out: dict[str, Any] = {"gpus": gpus, "gpus_per_engine": gpe, "delay_s": delay_s, "reps": reps}
-    for name, results in runs.items():
-        out[name] = {
+    for mode, results in runs.items():
+        out[mode] = {
             k: statistics.median(r[k] for r in results) for k in ("ready_s", "prepare_s", "teardown_s")
         }
+        out[mode]["actors"] = int(results[0]["actors"])
         out["engines"] = int(results[0]["engines"])
-    out["ray_over_local"] = out["ray"]["ready_s"] / out["local"]["ready_s"]
-    out["ray_overhead_per_engine_ms"] = (
-        1000 * (out["ray"]["ready_s"] - out["local"]["ready_s"]) / out["engines"]
-    )
-    out["ray_prepare_per_engine_ms"] = (
-        1000 * (out["ray"]["prepare_s"] - out["local"]["prepare_s"]) / out["engines"]
-    )
+    local = out["local"]
+    for mode in ("ray", "ray per process"):
+        out[mode]["over_local"] = out[mode]["ready_s"] / local["ready_s"]
+        out[mode]["overhead_per_engine_ms"] = (
+            1000 * (out[mode]["ready_s"] - local["ready_s"]) / out["engines"]
+        )
+        out[mode]["prepare_per_engine_ms"] = (
+            1000 * (out[mode]["prepare_s"] - local["prepare_s"]) / out["engines"]
+        )
+    out["ray_over_local"] = out["ray"]["over_local"]
+    out["ray_over_ray_per_process"] = out["ray"]["ready_s"] / out["ray per process"]["ready_s"]
     return out
 
 
@@ -137,13 +157,22 @@ def start_cluster() -> Any:
 def print_cell(title: str, cell: dict[str, Any]) -> None:
     print(f"\n{title}: {cell['engines']} engines x {cell['gpus_per_engine']} GPU(s), stand-ins take T = "
           f"{cell['delay_s']:g} s, median of {cell['reps']}")  # fmt: skip
-    print(f"  {'backend':<8} {'ready s':>8} {'ready/T':>8} {'prepare s':>10} {'teardown s':>11}")
-    for name in ("local", "ray"):
-        r = cell[name]
+    print(
+        f"  {'backend':<16} {'actors':>6} {'ready s':>8} {'ready/T':>8} {'prepare s':>10} {'teardown s':>11}"
+    )
+    for mode in MODES:
+        r = cell[mode]
         per_t = f"{r['ready_s'] / cell['delay_s']:.2f}" if cell["delay_s"] else "-"
-        print(f"  {name:<8} {r['ready_s']:>8.2f} {per_t:>8} {r['prepare_s']:>10.2f} {r['teardown_s']:>11.2f}")
-    print(f"  ray/local time to ready: {cell['ray_over_local']:.2f}; ray's overhead per engine: "
-          f"{cell['ray_overhead_per_engine_ms']:.0f} ms to ready, {cell['ray_prepare_per_engine_ms']:.0f} ms in prepare")  # fmt: skip
+        actors = str(r["actors"]) if mode != "local" else "-"
+        print(f"  {mode:<16} {actors:>6} {r['ready_s']:>8.2f} {per_t:>8} {r['prepare_s']:>10.2f} "
+              f"{r['teardown_s']:>11.2f}")  # fmt: skip
+    for mode, label in (("ray", "ray/local"), ("ray per process", "ray per process/local")):
+        r = cell[mode]
+        print(f"  {label} time to ready: {r['over_local']:.2f}; overhead per engine: "
+              f"{r['overhead_per_engine_ms']:.0f} ms to ready, {r['prepare_per_engine_ms']:.0f} ms in prepare")  # fmt: skip
+    print(
+        f"  one actor per node against one per process: {cell['ray_over_ray_per_process']:.2f} of its time to ready"
+    )
 
 
 def main() -> int:

@@ -24,15 +24,19 @@ from miles_sglang_plugin.backends import get_backend
 from miles_sglang_plugin.backends.local import LocalBackend
 from miles_sglang_plugin.backends.ray_placement import (
     BundlePlan,
+    HostPlan,
     PlacementError,
     ProcessGrant,
     RayNodeInfo,
     address_order,
     assign_plan_nodes,
+    bundle_gpu_ids,
     check_grants,
+    engine_hosts,
     own_bundles,
     process_placements,
     slot_bundles,
+    spread_order,
 )
 from miles_sglang_plugin.config.compose import compose_config
 from miles_sglang_plugin.errors import DeploymentConfigError
@@ -56,47 +60,107 @@ def plan_of(*overrides: str):
 
 
 # ---------------------------------------------------------------------------------------- placement
-def test_own_placement_group_of_the_card_plan() -> None:
+def test_own_placement_group_of_the_card_plan_one_actor_per_node() -> None:
     # rollout_offset 8: actor prefill 8 = slots 8-15 (node 1), decode 12 = slots 16-27, ref 4 (TP 1 here, no
-    # rollout_num_gpus_per_engine) = slots 28-31 (node 3, local 4-7).
-    bundles = own_bundles(plan_of(*CARD))
-    assert bundles == [
-        BundlePlan(1, 4, ("actor.prefill.0", 0)),
-        BundlePlan(1, 4, ("actor.prefill.1", 0)),
-        BundlePlan(2, 4, ("actor.decode.0", 0)),
-        BundlePlan(2, 4, ("actor.decode.1", 0)),
-        BundlePlan(3, 4, ("actor.decode.2", 0)),
-        BundlePlan(3, 1, ("ref.regular.0", 0)),
-        BundlePlan(3, 1, ("ref.regular.1", 0)),
-        BundlePlan(3, 1, ("ref.regular.2", 0)),
-        BundlePlan(3, 1, ("ref.regular.3", 0)),
+    # rollout_num_gpus_per_engine) = slots 28-31 (node 3, local 4-7). One bundle per plan node, with all of its
+    # rollout GPUs and its engine processes.
+    plan = plan_of(*CARD)
+    node3 = (("actor.decode.2", 0), *((f"ref.regular.{i}", 0) for i in range(4)))
+    assert own_bundles(plan) == [
+        BundlePlan(1, (0, 1, 2, 3, 4, 5, 6, 7), (("actor.prefill.0", 0), ("actor.prefill.1", 0))),
+        BundlePlan(2, (0, 1, 2, 3, 4, 5, 6, 7), (("actor.decode.0", 0), ("actor.decode.1", 0))),
+        BundlePlan(3, (0, 1, 2, 3, 4, 5, 6, 7), node3),
+    ]  # fmt: skip
+    assert engine_hosts(process_placements(plan)) == [
+        HostPlan("node 1", 1, (("actor.prefill.0", 0), ("actor.prefill.1", 0))),
+        HostPlan("node 2", 2, (("actor.decode.0", 0), ("actor.decode.1", 0))),
+        HostPlan("node 3", 3, node3),
+    ]  # fmt: skip
+
+
+def test_own_placement_group_of_the_card_plan_one_actor_per_process() -> None:
+    plan = plan_of(*CARD)
+    assert own_bundles(plan, per_node=False) == [
+        BundlePlan(1, (0, 1, 2, 3), (("actor.prefill.0", 0),)),
+        BundlePlan(1, (4, 5, 6, 7), (("actor.prefill.1", 0),)),
+        BundlePlan(2, (0, 1, 2, 3), (("actor.decode.0", 0),)),
+        BundlePlan(2, (4, 5, 6, 7), (("actor.decode.1", 0),)),
+        BundlePlan(3, (0, 1, 2, 3), (("actor.decode.2", 0),)),
+        BundlePlan(3, (4,), (("ref.regular.0", 0),)),
+        BundlePlan(3, (5,), (("ref.regular.1", 0),)),
+        BundlePlan(3, (6,), (("ref.regular.2", 0),)),
+        BundlePlan(3, (7,), (("ref.regular.3", 0),)),
     ]
+    hosts = engine_hosts(process_placements(plan), per_node=False)
+    assert [(h.name, h.node, h.processes) for h in hosts[:2]] == [
+        ("actor.prefill.0", 1, (("actor.prefill.0", 0),)),
+        ("actor.prefill.1", 1, (("actor.prefill.1", 0),)),
+    ]
+    assert len(hosts) == 9
 
 
-def test_placeholder_gpus_get_bundles_of_their_own_so_engines_keep_their_local_ids() -> None:
-    # Placeholder first: 2 GPUs at slots 0-1 (reserved, no engine), then regular 6 in TP 2 at slots 2-7.
+def test_placeholder_gpus_keep_the_engines_local_ids() -> None:
+    # Placeholder first: 2 GPUs at slots 0-1 (reserved, no engine), then regular 6 in TP 2 at slots 2-7. Per
+    # process they get bundles of their own; per node the node's bundle holds them too.
     plan = plan_of("sglang=default", "hf_checkpoint=/c", "debug_rollout_only=true", "sglang.actor.regular.num_gpus=6",
                    "sglang.actor.num_gpus_per_engine=2", "sglang.actor.placeholder.num_gpus=2",
                    "sglang.actor.group_order=[placeholder,regular]")  # fmt: skip
-    assert own_bundles(plan) == [
-        BundlePlan(0, 2, None),
-        BundlePlan(0, 2, ("actor.regular.0", 0)),
-        BundlePlan(0, 2, ("actor.regular.1", 0)),
-        BundlePlan(0, 2, ("actor.regular.2", 0)),
+    assert own_bundles(plan, per_node=False) == [
+        BundlePlan(0, (0, 1), ()),
+        BundlePlan(0, (2, 3), (("actor.regular.0", 0),)),
+        BundlePlan(0, (4, 5), (("actor.regular.1", 0),)),
+        BundlePlan(0, (6, 7), (("actor.regular.2", 0),)),
     ]
+    keys = (("actor.regular.0", 0), ("actor.regular.1", 0), ("actor.regular.2", 0))
+    assert own_bundles(plan) == [BundlePlan(0, (0, 1, 2, 3, 4, 5, 6, 7), keys)]
+
+
+def test_a_node_of_placeholders_alone_has_a_bundle_and_no_actor() -> None:
+    # regular 8 at slots 0-7 (node 0), then placeholder 8 at slots 8-15 (node 1): node 1 has no engine.
+    plan = plan_of("sglang=default", "hf_checkpoint=/c", "debug_rollout_only=true", "sglang.actor.regular.num_gpus=8",
+                   "sglang.actor.num_gpus_per_engine=8", "sglang.actor.placeholder.num_gpus=8")  # fmt: skip
+    assert own_bundles(plan) == [
+        BundlePlan(0, tuple(range(8)), (("actor.regular.0", 0),)),
+        BundlePlan(1, tuple(range(8)), ()),
+    ]
+    assert [h.name for h in engine_hosts(process_placements(plan))] == ["node 0"]
 
 
 def test_an_engine_wider_than_a_node_gets_one_bundle_per_node() -> None:
     plan = plan_of("hf_checkpoint=/c", "debug_rollout_only=true", "sglang.actor.regular.num_gpus=16",
                    "sglang.actor.num_gpus_per_engine=16")  # fmt: skip
-    assert own_bundles(plan) == [
-        BundlePlan(0, 8, ("actor.regular.0", 0)),
-        BundlePlan(1, 8, ("actor.regular.0", 1)),
-    ]
+    for per_node in (True, False):
+        assert own_bundles(plan, per_node=per_node) == [
+            BundlePlan(0, tuple(range(8)), (("actor.regular.0", 0),)),
+            BundlePlan(1, tuple(range(8)), (("actor.regular.0", 1),)),
+        ]
     assert [(p.name, p.node, p.local_gpu_ids) for p in process_placements(plan)] == [
         ("actor.regular.0.node0", 0, tuple(range(8))),
         ("actor.regular.0.node1", 1, tuple(range(8))),
     ]
+    assert [h.name for h in engine_hosts(process_placements(plan))] == ["node 0", "node 1"]
+
+
+def test_plan_nodes_of_one_kind_take_the_spread_bundles_in_address_order() -> None:
+    # Bundle i was asked for plan node i; Ray put them on nodes in another order. Bundles of one kind (8 GPUs)
+    # are interchangeable: plan nodes 0, 1, 3 take them by address; plan node 2's (4 GPUs) is its own.
+    landed = [RayNodeInfo("c", "10.0.0.10"), RayNodeInfo("a", "10.0.0.9"), RayNodeInfo("d", "10.0.0.2"),
+              RayNodeInfo("b", "10.0.1.1")]  # fmt: skip
+    kinds = [8, 8, 4, 8]
+    assert spread_order(kinds, landed) == [1, 0, 2, 3]  # 10.0.0.9, 10.0.0.10, (10.0.0.2), 10.0.1.1
+    assert spread_order([8, 8], [RayNodeInfo("x", "10.0.0.1"), RayNodeInfo("y", "10.0.0.2")]) == [0, 1]
+
+
+def test_a_process_gets_the_gpus_ray_gave_at_its_local_ids_positions_in_the_bundle() -> None:
+    # A node's bundle holds local GPUs 4-7 (the trainer has 0-3): Ray's i-th GPU is local GPU 4 + i.
+    assert bundle_gpu_ids((4, 5, 6, 7), ["4", "5", "6", "7"], (6, 7)) == ("6", "7")
+    assert bundle_gpu_ids((4, 5, 6, 7), ["7", "6", "5", "4"], (4, 5)) == ("4", "5")  # Ray's order, sorted
+    # Ray gave GPUs 0-3 where the plan says 4-7: the process gets what is at its positions (then reported).
+    assert bundle_gpu_ids((4, 5, 6, 7), ["0", "1", "2", "3"], (6, 7)) == ("2", "3")
+    assert bundle_gpu_ids((4, 5, 6, 7), ["0", "1"], (6, 7)) == ("0", "1")  # another number: all of them
+    assert bundle_gpu_ids((0, 1), ["GPU-b", "GPU-a"], (1,)) == (
+        "GPU-a",
+    )  # ids that are not numbers: as given
 
 
 def test_plan_nodes_map_to_the_chosen_ray_nodes_in_address_order() -> None:

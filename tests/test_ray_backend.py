@@ -460,7 +460,7 @@ HYDRA_APP = textwrap.dedent(
         with launch_from_config(cfg) as launcher:
             url = launcher.registry.get_model_url("actor")
             httpx.post(url, json={"text": "hi", "sampling_params": {"max_new_tokens": 2}}, timeout=30).raise_for_status()
-            actors = [p.actor._actor_id.hex() for p in launcher.processes() if hasattr(p, "actor")]
+            actors = [a._actor_id.hex() for a in launcher.backend.actors]
             groups = [g.id.hex() for g in launcher.backend.placement_groups]
             job = {
                 "actors": actors,
@@ -503,7 +503,8 @@ def test_multirun_over_tp_sizes_job_after_job_on_one_cluster(
         {"actor.regular.0": "0,1", "actor.regular.1": "2,3"},
         {"actor.regular.0": "0,1,2,3"},
     ]
-    assert [len(job["actors"]) for job in jobs] == [2, 1] and all(len(job["groups"]) == 1 for job in jobs)
+    # One actor for the one node of each job; one placement group each.
+    assert [len(job["actors"]) for job in jobs] == [1, 1] and all(len(job["groups"]) == 1 for job in jobs)
     # When job 1 ran, job 0's actors were dead and its placement group removed.
     assert jobs[1]["earlier_actor_states"] == ["DEAD"] and jobs[1]["earlier_group_states"] == ["REMOVED"]
 
@@ -584,13 +585,13 @@ def test_supervision_heals_an_engine_killed_on_its_ray_node(
     clean_cluster.assert_clean()
 
 
-def test_an_engine_whose_actor_died_on_a_live_node_is_healed(
+def test_engines_whose_node_actor_died_on_a_live_node_are_healed(
     clean_cluster: FakeCluster,  # noqa: F811
     tmp_path: Path,
 ) -> None:
-    """The engine's Ray actor is killed (its node lives on): the engine dies with it, is noticed lost, and is
-    started again through a new actor in the same bundle, on the same node and GPUs (before: the whole
-    deployment failed, as for a lost node)."""
+    """The Ray actor of a node is killed (the node lives on): every engine it started dies with it, is noticed
+    lost, and is started again through one new actor in the same bundle, on the same node and GPUs (before: the
+    whole deployment failed, as for a lost node)."""
     import ray
 
     cfg = compose_config(
@@ -602,8 +603,52 @@ def test_an_engine_whose_actor_died_on_a_live_node_is_healed(
         )
     )
     with launch_from_config(cfg, log_dir=tmp_path / "logs") as deployment:
-        victim = deployment.engines()[1]
+        engines = deployment.engines()
+        before = {e.id: httpx.get(e.url + "/server_info", timeout=10).json() for e in engines}
+        since = len(deployment.events())
+        (actor,) = deployment.backend.actors  # one node: one actor for both engines
+        ray.kill(actor, no_restart=True)  # type: ignore[attr-defined]
+        for engine in engines:
+            lost = deployment.wait_for_event("engine_lost", subject=engine.id, since=since, timeout_s=30)
+            assert "Ray actor" in lost.message, lost.message
+        for engine in engines:
+            deployment.wait_for_event("engine_recovered", subject=engine.id, since=since, timeout_s=90)
+        (again,) = deployment.backend.actors
+        assert again is not actor
+        for engine, gpus in zip(engines, ("0,1", "2,3"), strict=True):
+            after = httpx.get(engine.url + "/server_info", timeout=10).json()
+            assert (after["node_id"], after["cuda_visible_devices"], after["port"]) == (
+                before[engine.id]["node_id"],
+                gpus,
+                before[engine.id]["port"],
+            )
+            assert after["pid"] != before[engine.id]["pid"]
+        assert deployment.state().status == "serving" and deployment.failure is None
+    clean_cluster.assert_clean()
+
+
+def test_an_engine_whose_own_actor_died_is_healed_alone_with_one_actor_per_process(
+    clean_cluster: FakeCluster,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """engine_actors=per_process: each engine process has an actor of its own; killing one takes only its
+    engine, which comes back through a new actor in its bundle, on its node and GPUs."""
+    import ray
+
+    cfg = compose_config(
+        ray_overrides(
+            "debug_rollout_only=true",
+            "sglang.actor.regular.num_gpus=4",
+            "sglang.actor.num_gpus_per_engine=2",
+            "sglang_deploy.supervision.health_interval_s=0.3",
+            "sglang_deploy.launch.ray.engine_actors=per_process",
+        )
+    )
+    with launch_from_config(cfg, log_dir=tmp_path / "logs") as deployment:
+        assert len(deployment.backend.actors) == 2
+        survivor, victim = deployment.engines()
         before = httpx.get(victim.url + "/server_info", timeout=10).json()
+        untouched = httpx.get(survivor.url + "/server_info", timeout=10).json()["pid"]
         since = len(deployment.events())
         (process,) = deployment.fleet.engine(victim.id).processes
         ray.kill(process.actor, no_restart=True)  # type: ignore[attr-defined]
@@ -616,7 +661,45 @@ def test_an_engine_whose_actor_died_on_a_live_node_is_healed(
             "2,3",
             before["port"],
         )
+        assert httpx.get(survivor.url + "/server_info", timeout=10).json()["pid"] == untouched
+        assert not [e for e in deployment.events()[since:] if e.subject == survivor.id]
         assert deployment.state().status == "serving" and deployment.failure is None
+    clean_cluster.assert_clean()
+
+
+@pytest.mark.parametrize("engine_actors", ["per_node", "per_process"])
+def test_each_engine_gets_its_own_gpus_from_the_actors_of_its_nodes(
+    clean_cluster: FakeCluster,  # noqa: F811
+    tmp_path: Path,
+    engine_actors: str,
+) -> None:
+    # 16 GPUs from slot 0 in TP 4: engines 0-1 on node 0 (local GPUs 0-3, 4-7), engines 2-3 on node 1. Per node,
+    # one actor per node starts both engines there; per process, one actor each.
+    cfg = compose_config(
+        ray_overrides(
+            "debug_rollout_only=true",
+            "sglang.actor.regular.num_gpus=16",
+            "sglang.actor.num_gpus_per_engine=4",
+            f"sglang_deploy.launch.ray.engine_actors={engine_actors}",
+        )
+    )
+    with launch_from_config(cfg, log_dir=tmp_path / "logs") as deployment:
+        assert len(deployment.backend.actors) == (2 if engine_actors == "per_node" else 4)
+        assert any(
+            f"one per {'node' if engine_actors == 'per_node' else 'engine process'}" in n
+            for n in deployment.notes
+        )
+        got = {}
+        for e in deployment.engines():
+            info = httpx.get(e.url + "/server_info", timeout=10).json()
+            got[e.id] = (info["node_id"], info["cuda_visible_devices"])
+        nodes = [got[f"actor.regular.{i}"][0] for i in range(4)]
+        assert nodes[0] == nodes[1] != nodes[2] == nodes[3]
+        assert [got[f"actor.regular.{i}"][1] for i in range(4)] == ["0,1,2,3", "4,5,6,7"] * 2
+        tails = [
+            p.tail() for p in deployment.processes() if hasattr(p, "actor")
+        ]  # logs fetched from the nodes
+        assert all("CUDA_VISIBLE_DEVICES=" in tail for tail in tails), tails
     clean_cluster.assert_clean()
 
 
@@ -633,6 +716,7 @@ def test_benchmark_smoke_run_on_the_cluster(clean_cluster: FakeCluster) -> None:
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert result.stdout.count("ray/local time to ready:") == 2, result.stdout
+    assert result.stdout.count("ray per process/local time to ready:") == 2, result.stdout
 
 
 # ---------------------------------------------------------------------- the packed sweep launcher on the cluster

@@ -1,11 +1,14 @@
-"""The small Ray actor under each engine process: it holds that process's GPUs on its node and runs the engine
-command there as a child process (the :class:`~miles_sglang_plugin.backends.processes.ManagedProcess` of the
-local backend: own process group, log file, ``PR_SET_PDEATHSIG``, so the engine dies with the actor).
+"""The Ray actor that starts and watches engine processes on its node: it holds their GPUs there and runs each
+engine command as a child process (the :class:`~miles_sglang_plugin.backends.processes.ManagedProcess` of
+the local backend: own process group, log file, parent-death signal, so the engines die with the actor).
 
-The ray backend creates one per engine process (``ray.remote(EngineHost)``, an async actor: its methods run on
-one event-loop thread that lives as long as the actor, which is the thread the parent-death signal is tied
-to; calls may start in any order, so each names the run of the process it is about) and keeps it until the deployment is closed, so that a restart runs the same command on the same GPUs.
-The first actor of each node also finds and claims the ports of the engine processes on that node.
+The ray backend creates one per plan node, for all engine processes of that node
+(``sglang_deploy.launch.ray.engine_actors=per_node``), or one per engine process (``per_process``), as an async
+actor (``ray.remote(EngineHost)``): its methods run on one event-loop thread that lives as long as the actor,
+which is the thread the parent-death signal is tied to. Calls may start in any order, so each names the
+process (by its launch name) and the run of it that it is about. The backend keeps the actor until the
+deployment is closed, so that a restart runs the same command on the same GPUs. The first actor of each
+node also finds and claims the ports of the engine processes on that node.
 
 This module does not import Ray at the top: it is imported on the driver to define the actor, and by Ray on
 the nodes to run it.
@@ -17,6 +20,7 @@ import asyncio
 import contextlib
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,19 +29,25 @@ from miles_sglang_plugin.rendering.ports import PortClaims, default_lock_dir, fr
 
 #: Exit code reported for an engine command that could not be started (as a shell reports it).
 EXIT_NOT_STARTED = 127
-#: How often the actor looks at its process while waiting for it to exit.
+#: How often the actor looks at a process while waiting for it to exit.
 POLL_S = 0.1
 
 
+@dataclass
+class _Run:
+    """The latest run of one engine process."""
+
+    number: int = 0
+    process: ManagedProcess | None = None
+    start_error: str | None = None
+
+
 class EngineHost:
-    """Holds one engine process's GPUs on its node and runs the engine there (see the module docstring)."""
+    """Starts and watches engine processes on its node, holding their GPUs (see the module docstring)."""
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.process: ManagedProcess | None = None
-        self.start_error: str | None = None
-        self.log_path: Path | None = None
-        self.runs = 0
+        self.runs: dict[str, _Run] = {}
         self.claims: PortClaims | None = None
 
     async def where(self) -> dict[str, Any]:
@@ -65,68 +75,81 @@ class EngineHost:
             self.claims.release()
 
     async def spawn(
-        self, run: int, argv: Sequence[str], env: Mapping[str, str], log_path: str, display_command: str
+        self,
+        name: str,
+        run: int,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        log_path: str,
+        display_command: str,
     ) -> dict[str, Any]:
-        """Start run number ``run`` of the engine process. Returns its pid, or the reason it could not be
+        """Start run number ``run`` of engine process ``name``. Returns its pid, or the reason it could not be
         started."""
-        if self.process is not None and self.process.running:
-            raise RuntimeError(f"{self.name} is still running (pid {self.process.pid}); stop it first")
-        self.runs = run
-        self.start_error = None
-        self.log_path = Path(log_path)
-        self.process = ManagedProcess(
-            name=self.name,
-            argv=list(argv),
-            env=dict(env),
-            log_path=self.log_path,
-            display_command=display_command,
+        latest = self.runs.get(name)
+        if latest is not None and latest.process is not None and latest.process.running:
+            raise RuntimeError(f"{name} is still running (pid {latest.process.pid}); stop it first")
+        path = Path(log_path)
+        process = ManagedProcess(
+            name=name, argv=list(argv), env=dict(env), log_path=path, display_command=display_command
         )
+        self.runs[name] = latest = _Run(run, process)
         try:
-            self.process.start()
+            process.start()
         except OSError as exc:
-            self.start_error = f"could not be started on this node: {exc}"
+            latest.start_error = f"could not be started on this node: {exc}"
             with contextlib.suppress(OSError):
-                self.log_path.parent.mkdir(parents=True, exist_ok=True)
-                with self.log_path.open("a") as log:
-                    log.write(f"[{self.name}] {self.start_error}\n")
-            return {"pid": None, "run": self.runs, "error": self.start_error}
-        return {"pid": self.process.pid, "run": self.runs, "error": None}
+                path.parent.mkdir(parents=True, exist_ok=True)
+                with path.open("a") as log:
+                    log.write(f"[{name}] {latest.start_error}\n")
+            return {"pid": None, "run": run, "error": latest.start_error}
+        return {"pid": process.pid, "run": run, "error": None}
 
-    async def wait_exit(self, run: int) -> dict[str, Any]:
-        """Returns when run number ``run`` of the process has exited: its exit code (and a reason when it
+    async def wait_exit(self, name: str, run: int) -> dict[str, Any]:
+        """Returns when run number ``run`` of process ``name`` has exited: its exit code (and a reason when it
         never started). Ray does not promise that an async actor starts calls in the order they were made:
         this call may come before the ``spawn`` of its run, and then waits for it."""
         while True:
-            if self.runs < run:
+            latest = self.runs.get(name)
+            if latest is None or latest.number < run:
                 await asyncio.sleep(POLL_S)
                 continue
-            if self.runs > run or self.process is None:
+            if latest.number > run or latest.process is None:
                 return {"code": None, "reason": "superseded by a later start"}
-            if self.start_error is not None:
-                return {"code": EXIT_NOT_STARTED, "reason": self.start_error}
-            code = self.process.exit_code()
+            if latest.start_error is not None:
+                return {"code": EXIT_NOT_STARTED, "reason": latest.start_error}
+            code = latest.process.exit_code()
             if code is not None:
                 return {"code": code, "reason": None}
             await asyncio.sleep(POLL_S)
 
     async def status(self) -> dict[str, Any]:
-        p = self.process
+        """Every process's pid, exit code and run (an answer at all says the actor lives)."""
         return {
-            "pid": p.pid if p else None,
-            "code": p.exit_code() if p else None,
-            "run": self.runs,
-            "error": self.start_error,
+            name: {
+                "pid": r.process.pid if r.process else None,
+                "code": r.process.exit_code() if r.process else None,
+                "run": r.number,
+                "error": r.start_error,
+            }
+            for name, r in self.runs.items()
         }
 
-    async def tail(self, lines: int = 20) -> str:
-        return self.process.tail(lines) if self.process is not None else ""
+    async def tail(self, name: str, lines: int = 20) -> str:
+        latest = self.runs.get(name)
+        return latest.process.tail(lines) if latest is not None and latest.process is not None else ""
 
-    async def stop(self, grace_s: float) -> int | None:
-        """SIGTERM to the engine's process group, SIGKILL after ``grace_s``; its exit code."""
-        if self.process is None or self.process.popen is None:
-            return None
-        codes = await asyncio.to_thread(stop_processes, [self.process], grace_s)
-        return codes.get(self.name)
+    async def stop(self, names: Sequence[str], grace_s: float) -> dict[str, int | None]:
+        """SIGTERM to the process groups of ``names`` (together), SIGKILL after ``grace_s``; their exit codes."""
+        processes = [
+            r.process
+            for name in names
+            if (r := self.runs.get(name)) is not None
+            and r.process is not None
+            and r.process.popen is not None
+        ]
+        if not processes:
+            return {}
+        return await asyncio.to_thread(stop_processes, processes, grace_s)
 
 
 def gpu_probe() -> dict[str, Any]:

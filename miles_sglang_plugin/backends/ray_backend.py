@@ -9,17 +9,20 @@
 2. **Place** (:mod:`.ray_placement`): in the placement group the trainer handed over (one GPU per bundle,
    indexed by GPU slot), or in one of the backend's own for the rollout GPUs alone (one bundle per engine
    process and per run of placeholder GPUs, each plan node's bundles pinned to one Ray node, Ray's scheduler
-   choosing the nodes). One :class:`~.ray_actor.EngineHost` actor per engine process holds its GPUs; what Ray
-   gave (node, GPU ids) is checked against the plan, with one message for every mismatch.
+   choosing the nodes; or one bundle per plan node). One :class:`~.ray_actor.EngineHost` actor per plan node
+   (``sglang_deploy.launch.ray.engine_actors=per_node``, the default; ``per_process``: one per engine process)
+   holds the GPUs of its processes and starts and watches them; what Ray gave (node, GPU ids) is checked
+   against the plan, with one message for every mismatch.
 3. **Address and ports**: each plan node's address is its Ray node's IP (``--host``, worker URLs,
    ``--dist-init-addr``); the engine ports of a node are found free and claimed on that node by its first
    actor; routers run on this (the driver's) node, with ports found and claimed here.
 
 :meth:`RayBackend.start` runs the engine command through its actor (returns at once), with
-``CUDA_VISIBLE_DEVICES`` from Ray's assignment. A dead actor or a lost node is an exited process with its
-reason. :meth:`RayBackend.close` kills every actor (their engine processes die with them: parent-death signal),
-waits until Ray reports them dead and removes the backend's placement group. Actors are owned by this process
-(not detached): if it dies, Ray kills them too.
+``CUDA_VISIBLE_DEVICES`` from Ray's assignment. A dead actor or a lost node is an exited process (every process
+of that actor) with its reason; an actor that died on a node that lives is made again in its bundle at the next
+start of one of its processes. :meth:`RayBackend.close` kills every actor (their engine processes die with
+them: parent-death signal), waits until Ray reports them dead and removes the backend's placement group.
+Actors are owned by this process (not detached): if it dies, Ray kills them too.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,19 +44,24 @@ from miles_sglang_plugin.backends.processes import SHOWN_ENV_NAMES, ExitWatcher,
 from miles_sglang_plugin.backends.ray_actor import EngineHost, gpu_probe
 from miles_sglang_plugin.backends.ray_placement import (
     NODE_ID_LABEL,
+    BundlePlan,
+    HostPlan,
     PlacementError,
     ProcessGrant,
     ProcessPlacement,
     RayNodeInfo,
     assign_plan_nodes,
+    bundle_gpu_ids,
     check_grants,
+    engine_hosts,
     gpus_per_plan_node,
     grant_error,
     own_bundles,
     process_placements,
     slot_bundles,
+    spread_order,
 )
-from miles_sglang_plugin.config.schema import RayConf, SGLangDeployConf
+from miles_sglang_plugin.config.schema import EngineActors, RayConf, SGLangDeployConf
 from miles_sglang_plugin.engine_env import NODE_ID_ENV
 from miles_sglang_plugin.errors import DeploymentConfigError, Problem, ProblemCollector, first_line
 from miles_sglang_plugin.masking import mask_text, secret_values
@@ -150,8 +159,23 @@ def connect(ray: Any, conf: RayConf) -> bool:
     )
 
 
+@dataclass
+class _Host:
+    """One engine actor of the backend: its plan, its handle, and where it was made (to make it again)."""
+
+    plan: HostPlan
+    actor: Any
+    #: Placement group, bundle index, GPUs and CPUs it reserves there.
+    group: Any
+    bundle: int
+    num_gpus: float
+    num_cpus: float
+    #: The plan's local GPU ids of its bundle in the backend's own group (empty in the trainer's group).
+    bundle_gpus: tuple[int, ...] = ()
+
+
 class RayEngineProcess(EngineProcess):
-    """An engine process under its :class:`~.ray_actor.EngineHost` actor on a Ray node."""
+    """An engine process started by its :class:`~.ray_actor.EngineHost` actor on a Ray node."""
 
     def __init__(
         self,
@@ -167,7 +191,7 @@ class RayEngineProcess(EngineProcess):
         super().__init__(launch)
         self._ray, self.actor, self.node, self.log_path = ray, actor, node, log_path
         self._spawn_ref, self._run = spawn_ref, run
-        self._exit_ref = actor.wait_exit.remote(run)
+        self._exit_ref = actor.wait_exit.remote(launch.name, run)
         self._result: tuple[int, str | None] | None = None
         #: True once Ray reported its actor dead (a lost node): the process cannot be started on it again.
         self.actor_lost = False
@@ -202,7 +226,7 @@ class RayEngineProcess(EngineProcess):
                 self._result = (result["code"] if result["code"] is not None else 0, result["reason"])
             except getattr(exceptions, "ActorUnavailableError", ()):
                 # Unreachable, not (yet) known dead: ask again; Ray says which once its health checks decide.
-                self._exit_ref = self.actor.wait_exit.remote(self._run)
+                self._exit_ref = self.actor.wait_exit.remote(self.launch.name, self._run)
                 return None
             except exceptions.RayError as exc:
                 self.actor_lost = True
@@ -220,7 +244,7 @@ class RayEngineProcess(EngineProcess):
 
     def tail(self, lines: int = 20) -> str:
         try:
-            self._last_tail = self._ray.get(self.actor.tail.remote(lines), timeout=10)
+            self._last_tail = self._ray.get(self.actor.tail.remote(self.launch.name, lines), timeout=10)
             return self._last_tail
         except Exception:  # the node is gone or does not answer: what we can still read
             local = log_tail(self.log_path, lines) if self.log_path.exists() else ""
@@ -307,21 +331,30 @@ class RayBackend(Backend):
         self._settings: SGLangDeployConf | None = None
         self._connected_here = False
         self._own_groups: list[Any] = []
-        self._actors: dict[tuple[str, int], Any] = {}
+        #: The engine actors by name, and which one starts each engine process.
+        self._hosts: dict[str, _Host] = {}
+        self._host_of: dict[tuple[str, int], str] = {}
         self._grants: dict[tuple[str, int], ProcessGrant] = {}
         self._placements: list[ProcessPlacement] = []
         self._runs: dict[tuple[str, int], int] = {}
         self._latest: dict[tuple[str, int], RayEngineProcess] = {}
         self._actor_class: Any = None
         self._exits = _RayExits(self.ray)
-        #: How each process's actor was made (placement group, bundle, GPU share), to make it again.
-        self._actor_options: dict[tuple[str, int], tuple[ProcessPlacement, Any, int, float]] = {}
         self._closed = False
 
     @property
     def placement_groups(self) -> tuple[Any, ...]:
         """The placement groups this backend created and holds (removed at :meth:`close`)."""
         return tuple(self._own_groups)
+
+    @property
+    def actors(self) -> tuple[Any, ...]:
+        """The engine actors (one per plan node, or one per engine process), in deployment order."""
+        return tuple(host.actor for host in self._hosts.values())
+
+    @property
+    def _per_node(self) -> bool:
+        return self.conf.engine_actors is EngineActors.per_node
 
     # ------------------------------------------------------------------------------------------ prepare
     def prepare(
@@ -407,13 +440,75 @@ class RayBackend(Backend):
         }
 
     def _place_in_own_group(self, plan: DeploymentPlan) -> None:
+        bundles = own_bundles(plan, per_node=self._per_node)
+        cpus = self.conf.engine_num_cpus
+        specs = [
+            {"GPU": float(b.gpus), **({"CPU": cpus * len(b.processes)} if cpus and b.processes else {})}
+            for b in bundles
+        ]
+        if self._per_node:
+            group, index_of = self._spread_group(bundles, specs)
+        else:
+            group, index_of = self._pinned_group(bundles, specs), list(range(len(bundles)))
+        by_key = {p.key: p for p in self._placements}
+        for position, b in enumerate(bundles):
+            if not b.processes:
+                continue
+            name = f"node {b.node}" if self._per_node else by_key[b.processes[0]].name
+            spec = specs[position]
+            host = HostPlan(name, b.node, b.processes)
+            self._create_host(
+                host, group, index_of[position], spec["GPU"], spec.get("CPU", 0.0), b.local_gpu_ids
+            )
+        wheres = self._wheres()
+        for name, host in self._hosts.items():
+            node, given = (
+                RayNodeInfo(wheres[name]["node_id"], wheres[name]["address"]),
+                wheres[name]["gpu_ids"],
+            )
+            for key in host.plan.processes:
+                gpus = bundle_gpu_ids(host.bundle_gpus, given, by_key[key].local_gpu_ids)
+                self._grants[key] = ProcessGrant(node=node, gpu_ids=gpus)
+
+    def _spread_group(
+        self, bundles: Sequence[BundlePlan], specs: Sequence[dict[str, float]]
+    ) -> tuple[Any, list[int]]:
+        """One bundle per plan node, each on a Ray node of its own (``STRICT_SPREAD``: placed at once, so two
+        launches never pick the same node); plan nodes that need the same take their nodes in address order.
+        The group, and the bundle index of each plan node's bundle."""
+        from ray.util.placement_group import placement_group, placement_group_table
+
+        group = placement_group(list(specs), strategy="STRICT_SPREAD")
+        self._own_groups.append(group)
+        need = ", ".join(str(b.gpus) for b in bundles)
+        self._wait_group(group, f"{len(bundles)} node(s) with {need} free GPU(s)")
+        landed = placement_group_table(group)["bundles_to_node_id"]
+        info = self._node_info()
+        kinds = [tuple(sorted(spec.items())) for spec in specs]
+        return group, spread_order(kinds, [info[landed[i]] for i in range(len(bundles))])
+
+    def _pinned_group(self, bundles: Sequence[BundlePlan], specs: Sequence[dict[str, float]]) -> Any:
+        """Bundles in slot order, each plan node's pinned to the Ray node chosen for it."""
+        from ray.util.placement_group import placement_group
+
+        node_of = self._choose_nodes(bundles, specs)
+        group = placement_group(
+            list(specs),
+            strategy="PACK",
+            bundle_label_selector=[{NODE_ID_LABEL: node_of[b.node].node_id} for b in bundles],
+        )
+        self._own_groups.append(group)
+        self._wait_group(group, "the engines' placement group")
+        return group
+
+    def _choose_nodes(
+        self, bundles: Sequence[Any], specs: Sequence[Mapping[str, float]]
+    ) -> dict[int, RayNodeInfo]:
+        """Ray's scheduler picks the nodes: one per plan node, each with what its bundles need free (a
+        ``STRICT_SPREAD`` group, removed at once); the plan nodes take them in address order."""
         from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
-        bundles = own_bundles(plan)
         need = gpus_per_plan_node(bundles)
-        cpus = self.conf.engine_num_cpus
-        specs = [{"GPU": float(b.gpus), **({"CPU": cpus} if cpus and b.process else {})} for b in bundles]
-        # Ray's scheduler picks the nodes (one per plan node, each with what its bundles need free) ...
         per_node: dict[int, dict[str, float]] = {node: {} for node in need}
         for b, spec in zip(bundles, specs, strict=True):
             for resource, amount in spec.items():
@@ -429,20 +524,7 @@ class RayBackend(Backend):
             remove_placement_group(chooser)
             self._own_groups.remove(chooser)
         info = self._node_info()
-        node_of = assign_plan_nodes(list(need), [info[chosen[i]] for i in range(len(need))])
-        # ... and each plan node's bundles are pinned there, in slot order.
-        group = placement_group(
-            specs,
-            strategy="PACK",
-            bundle_label_selector=[{NODE_ID_LABEL: node_of[b.node].node_id} for b in bundles],
-        )
-        self._own_groups.append(group)
-        self._wait_group(group, "the engines' placement group")
-        by_key = {p.key: p for p in self._placements}
-        for index, b in enumerate(bundles):
-            if b.process is not None:
-                self._create_actor(by_key[b.process], group, index, num_gpus=float(b.gpus))
-        self._collect_grants(lambda key, where: tuple(where["gpu_ids"]))
+        return assign_plan_nodes(list(need), [info[chosen[i]] for i in range(len(need))])
 
     def _place_in_trainer_group(self, plan: DeploymentPlan) -> None:
         pg = self.placement_group
@@ -463,8 +545,11 @@ class RayBackend(Backend):
         probe = self.ray.remote(gpu_probe)
         refs = [probe.options(**self._in_bundle(pg, bundle_of[s], PROBE_GPU_SHARE)).remote() for s in slots]
         probed = dict(zip(slots, self._wait(refs, "asking Ray which GPU each bundle holds"), strict=True))
-        for p in self._placements:
-            self._create_actor(p, pg, bundle_of[p.gpu_slots[0]], num_gpus=self.conf.bundle_gpu_share)
+        by_key = {p.key: p for p in self._placements}
+        for host in engine_hosts(self._placements, per_node=self._per_node):
+            first = by_key[host.processes[0]].gpu_slots[0]
+            cpus = self.conf.engine_num_cpus * len(host.processes)
+            self._create_host(host, pg, bundle_of[first], self.conf.bundle_gpu_share, cpus)
         split = [
             f"{p.name}: its GPU slots {list(p.gpu_slots)} are bundles on different nodes"
             for p in self._placements
@@ -472,8 +557,11 @@ class RayBackend(Backend):
         ]
         if split:
             raise grant_error(split, self._mismatch_hint())
-        by_key = {p.key: p for p in self._placements}
-        self._collect_grants(lambda key, where: tuple(probed[s]["gpu_ids"][0] for s in by_key[key].gpu_slots))
+        self._wheres()  # every actor started (a process of a node may only run where its node's actor is)
+        for p in self._placements:
+            where = probed[p.gpu_slots[0]]
+            node = RayNodeInfo(where["node_id"], where["address"])
+            self._grants[p.key] = ProcessGrant(node, tuple(probed[s]["gpu_ids"][0] for s in p.gpu_slots))
 
     def _wait_group(self, pg: Any, what: str) -> None:
         self._wait([pg.ready()], f"placing {what}")
@@ -489,47 +577,64 @@ class RayBackend(Backend):
             ),
         }
 
-    def _create_actor(self, p: ProcessPlacement, pg: Any, bundle: int, *, num_gpus: float) -> None:
-        options = {**self._in_bundle(pg, bundle, num_gpus), "num_cpus": self.conf.engine_num_cpus}
+    def _create_host(
+        self,
+        plan: HostPlan,
+        pg: Any,
+        bundle: int,
+        num_gpus: float,
+        num_cpus: float,
+        bundle_gpus: tuple[int, ...] = (),
+    ) -> None:
+        host = _Host(plan, None, pg, bundle, num_gpus, num_cpus, bundle_gpus)
+        host.actor = self._new_actor(host)
+        self._hosts[plan.name] = host
+        for key in plan.processes:
+            self._host_of[key] = plan.name
+
+    def _new_actor(self, host: _Host) -> Any:
+        options = {**self._in_bundle(host.group, host.bundle, host.num_gpus), "num_cpus": host.num_cpus}
         if self._actor_class is None:  # one remote class: Ray ships its definition to the cluster once
             self._actor_class = self.ray.remote(EngineHost)
-        self._actors[p.key] = self._actor_class.options(max_restarts=0, **options).remote(p.name)
-        self._actor_options[p.key] = (p, pg, bundle, num_gpus)
+        return self._actor_class.options(max_restarts=0, **options).remote(host.plan.name)
+
+    def _wheres(self) -> dict[str, dict[str, Any]]:
+        """Host name -> where its actor runs (node, address, GPU ids): waits until every actor has started."""
+        names = list(self._hosts)
+        refs = [self._hosts[name].actor.where.remote() for name in names]
+        return dict(zip(names, self._wait(refs, "starting the engine actors"), strict=True))
 
     def _node_alive(self, node_id: str) -> bool:
         return any(n["NodeID"] == node_id and n.get("Alive") for n in self.ray.nodes())
 
-    def _replace_actor(self, key: tuple[str, int], name: str) -> None:
-        """The actor of ``key`` died on a node that is alive: make it again in its bundle (same node, same GPUs),
-        checked against what Ray gave the first one."""
-        placement, pg, bundle, num_gpus = self._actor_options[key]
-        self._create_actor(placement, pg, bundle, num_gpus=num_gpus)
-        (where,) = self._wait([self._actors[key].where.remote()], f"starting the actor of {name} again")
-        grant = self._grants[key]
-        if where["node_id"] != grant.node.node_id or (
-            self.placement_group is None and tuple(where["gpu_ids"]) != tuple(grant.gpu_ids)
-        ):
-            raise LaunchError(
-                f"{name}: its actor came back on {where['address']} with GPUs {','.join(where['gpu_ids'])}, not on "
-                f"{grant.node.short} with GPUs {','.join(grant.gpu_ids)} as planned"
+    def _replace_actor(self, host: _Host) -> None:
+        """The actor of ``host`` died on a node that is alive: make it again in its bundle (same node, same
+        GPUs), checked against what Ray gave the first one."""
+        host.actor = self._new_actor(host)
+        (where,) = self._wait([host.actor.where.remote()], f"starting the actor of {host.plan.name} again")
+        by_key = {p.key: p for p in self._placements}
+        for key in host.plan.processes:
+            grant = self._grants[key]
+            gpus = (
+                bundle_gpu_ids(host.bundle_gpus, where["gpu_ids"], by_key[key].local_gpu_ids)
+                if self.placement_group is None
+                else grant.gpu_ids
             )
-
-    def _collect_grants(self, gpu_ids: Any) -> None:
-        keys = list(self._actors)
-        wheres = self._wait([self._actors[k].where.remote() for k in keys], "starting the engine actors")
-        for key, where in zip(keys, wheres, strict=True):
-            node = RayNodeInfo(where["node_id"], where["address"])
-            self._grants[key] = ProcessGrant(node=node, gpu_ids=gpu_ids(key, where))
+            if where["node_id"] != grant.node.node_id or tuple(gpus) != tuple(grant.gpu_ids):
+                raise LaunchError(
+                    f"{by_key[key].name}: its actor came back on {where['address']} with GPUs {','.join(gpus)}, "
+                    f"not on {grant.node.short} with GPUs {','.join(grant.gpu_ids)} as planned"
+                )
 
     def _find_node_ports(self, requests: Mapping[int, Sequence[Sequence[int]]]) -> dict[int, list[list[int]]]:
         assert self._settings is not None
         launch = self._settings.launch
-        first_on = {}
+        first_on: dict[int, tuple[str, int]] = {}
         for p in self._placements:
             first_on.setdefault(p.node, p.key)
         nodes = list(requests)
         refs = [
-            self._actors[first_on[n]].find_ports.remote(
+            self._hosts[self._host_of[first_on[n]]].actor.find_ports.remote(
                 self._grants[first_on[n]].node.address, requests[n], launch.port_base, launch.port_max
             )
             for n in nodes
@@ -544,28 +649,32 @@ class RayBackend(Backend):
         group = (
             "the trainer's placement group" if self.placement_group is not None else "its own placement group"
         )
-        return [f"ray: {len(self._placements)} engine process(es) in {group}: {where}"]
+        actors = f"{len(self._hosts)} actor(s), one per {'node' if self._per_node else 'engine process'}"
+        return [f"ray: {len(self._placements)} engine process(es) under {actors}, in {group}: {where}"]
 
     # -------------------------------------------------------------------------------------- processes
     def start(self, launch: EngineProcessLaunch, *, log_path: Path) -> RayEngineProcess:
         key = (launch.engine_id, launch.node_rank)
-        if self._closed or key not in self._actors:
+        if self._closed or key not in self._host_of:
             raise LaunchError(f"{launch.name}: not prepared by this ray backend (or it was closed)")
+        host = self._hosts[self._host_of[key]]
         earlier = self._latest.get(key)
         if earlier is not None and earlier.exit_code() is None:
             raise LaunchError(
                 f"{launch.name} is still running ({earlier.where}); stop it before starting it again"
             )
-        if earlier is not None and earlier.actor_lost:  # its actor died, its node did not (cannot_restart)
-            self._replace_actor(key, launch.name)
-        actor, grant = self._actors[key], self._grants[key]
+        if earlier is not None and earlier.actor_lost and earlier.actor is host.actor:
+            self._replace_actor(host)  # its actor died, its node did not (cannot_restart): once per actor
+        grant = self._grants[key]
         env = {**launch.env, "CUDA_VISIBLE_DEVICES": ",".join(grant.gpu_ids), NODE_ID_ENV: grant.node.node_id}
         run = self._runs[key] = self._runs.get(key, 0) + 1
-        spawn_ref = actor.spawn.remote(run, list(launch.argv), env, str(log_path), launch.display_command())
+        spawn_ref = host.actor.spawn.remote(
+            launch.name, run, list(launch.argv), env, str(log_path), launch.display_command()
+        )
         handle = self._latest[key] = RayEngineProcess(
             launch,
             ray=self.ray,
-            actor=actor,
+            actor=host.actor,
             node=grant.node,
             log_path=log_path,
             spawn_ref=spawn_ref,
@@ -592,7 +701,12 @@ class RayBackend(Backend):
         if not self.ray.is_initialized():  # disconnected (Ray's own exit hook ran first): the actors and
             return  # their engines die with this job
         running = [p for p in processes if isinstance(p, RayEngineProcess) and p.exit_code() is None]
-        refs = [p.actor.stop.remote(grace_s) for p in running]
+        by_actor: dict[Any, list[str]] = {}
+        actor_of: dict[Any, Any] = {}
+        for p in running:  # one call per actor: its processes are stopped together
+            by_actor.setdefault(id(p.actor), []).append(p.launch.name)
+            actor_of[id(p.actor)] = p.actor
+        refs = [actor_of[a].stop.remote(names, grace_s) for a, names in by_actor.items()]
         if refs:
             self.ray.wait(refs, num_returns=len(refs), timeout=grace_s + 15)
             # ... and until each handle has seen its exit (an actor notices within its poll interval).
@@ -608,7 +722,7 @@ class RayBackend(Backend):
         ray = self.ray
         # Not connected any more (Ray's own exit hook ran first): the actors and groups go with the job.
         connected = ray.is_initialized()
-        actors = list(self._actors.values()) if connected else []
+        actors = list(self.actors) if connected else []
         try:
             for actor in actors:
                 with contextlib.suppress(Exception):
@@ -621,7 +735,7 @@ class RayBackend(Backend):
                     remove_placement_group(group)
         finally:
             self._own_groups.clear()
-            self._actors.clear()
+            self._hosts.clear()
             if self.claims is not None:
                 self.claims.release()
             if self._connected_here:

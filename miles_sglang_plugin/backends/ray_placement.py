@@ -4,10 +4,16 @@ needs, which Ray node plays which plan node, and whether what Ray gave matches t
 The plan numbers GPU *slots* (``slot // num_gpus_per_node`` is the plan node, ``slot % num_gpus_per_node`` the
 local GPU id). On Ray:
 
-* **A placement group of the backend's own** holds the rollout GPUs alone: per plan node, in slot order, one
-  bundle per engine process (``{"GPU": k}``) and one per run of placeholder GPUs (reserved, no engine), pinned
-  to that plan node's Ray node with a label selector. Ray hands a node's GPUs to its bundles in bundle order,
-  so an otherwise free node gives each process exactly the plan's local GPU ids.
+* **Engine actors** (:class:`HostPlan`): one per plan node, which starts and watches every engine process of
+  that node (``sglang_deploy.launch.ray.engine_actors=per_node``, the default), or one per engine process
+  (``per_process``).
+* **A placement group of the backend's own** holds the rollout GPUs alone. Per node: one bundle per plan node
+  with all of its rollout GPUs (engine processes and placeholders), held by the node's actor, each on a Ray
+  node of its own (``STRICT_SPREAD``, placed at once). Per process: per plan node, in slot order, one bundle
+  per engine process (``{"GPU": k}``) and one per run of placeholder GPUs (reserved, no engine), pinned to
+  the plan node's Ray node (chosen first) with a label selector. Ray hands a node's GPUs to its bundles in
+  bundle order, and a bundle's to its actor in order, so an otherwise free node gives each process exactly
+  the plan's local GPU ids: the i-th GPU of a bundle is its i-th local GPU.
 * **A placement group the trainer hands over** (Miles and slime: one bundle per GPU, actor and rollout GPUs
   together) is indexed by slot: slot ``s`` is bundle ``bundle_indices[s]`` (Miles' ``reordered_bundle_indices``)
   or bundle ``s``.
@@ -19,7 +25,7 @@ one Ray node, distinct plan nodes on distinct Ray nodes, each process's GPU ids 
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 from miles_sglang_plugin.backends.base import LaunchError
@@ -48,12 +54,28 @@ class ProcessPlacement:
 
 @dataclass(frozen=True)
 class BundlePlan:
-    """One bundle of the backend's own placement group: an engine process's GPUs, or placeholder GPUs."""
+    """One bundle of the backend's own placement group: the GPUs of an engine actor (one engine process's, or
+    all of a plan node's), or placeholder GPUs."""
 
     node: int
-    gpus: int
-    #: The process it holds (``(engine id, node rank)``), None for placeholder GPUs.
-    process: tuple[str, int] | None
+    #: The plan's local GPU ids it holds, ascending: the i-th GPU Ray gives the bundle is ``local_gpu_ids[i]``.
+    local_gpu_ids: tuple[int, ...]
+    #: The engine processes of the actor it holds (``(engine id, node rank)``); empty for placeholder GPUs.
+    processes: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def gpus(self) -> int:
+        return len(self.local_gpu_ids)
+
+
+@dataclass(frozen=True)
+class HostPlan:
+    """One engine actor: the engine processes it starts and watches, all on plan node ``node``."""
+
+    #: ``node <n>`` (one actor per node) or the process's name (one per process).
+    name: str
+    node: int
+    processes: tuple[tuple[str, int], ...]
 
 
 @dataclass(frozen=True)
@@ -100,22 +122,60 @@ def placeholder_slots(plan: DeploymentPlan) -> list[int]:
     return sorted(slots)
 
 
-def own_bundles(plan: DeploymentPlan) -> list[BundlePlan]:
-    """Bundles of the backend's own placement group: per plan node (ascending), in slot order, one per engine
-    process and one per run of consecutive placeholder GPUs."""
+def own_bundles(plan: DeploymentPlan, *, per_node: bool = True) -> list[BundlePlan]:
+    """Bundles of the backend's own placement group, per plan node (ascending). ``per_node``: one bundle per
+    plan node holding all of its rollout GPUs and every engine process there. Else, in slot order, one per
+    engine process and one per run of consecutive placeholder GPUs."""
     gpn = plan.num_gpus_per_node
-    items: list[tuple[int, int, tuple[str, int] | None]] = []  # (first slot, GPUs, process)
-    for p in process_placements(plan):
-        items.append((p.gpu_slots[0], len(p.gpu_slots), p.key))
+    placements = process_placements(plan)
+    if per_node:
+        slots: dict[int, list[int]] = {}
+        processes: dict[int, list[tuple[str, int]]] = {}
+        for p in placements:
+            slots.setdefault(p.node, []).extend(p.gpu_slots)
+            processes.setdefault(p.node, []).append(p.key)
+        for slot in placeholder_slots(plan):
+            slots.setdefault(slot // gpn, []).append(slot)
+        return [
+            BundlePlan(node, tuple(sorted(s % gpn for s in slots[node])), tuple(processes.get(node, ())))
+            for node in sorted(slots)
+        ]
+    items: list[tuple[int, int, tuple[tuple[str, int], ...]]] = []  # (first slot, GPUs, processes)
+    for p in placements:
+        items.append((p.gpu_slots[0], len(p.gpu_slots), (p.key,)))
     run: list[int] = []
     for slot in [*placeholder_slots(plan), None]:
         if run and (slot is None or slot != run[-1] + 1 or slot // gpn != run[0] // gpn):
-            items.append((run[0], len(run), None))
+            items.append((run[0], len(run), ()))
             run = []
         if slot is not None:
             run.append(slot)
     items.sort(key=lambda item: item[0])
-    return [BundlePlan(node=first // gpn, gpus=gpus, process=proc) for first, gpus, proc in items]
+    return [
+        BundlePlan(first // gpn, tuple(range(first % gpn, first % gpn + gpus)), keys)
+        for first, gpus, keys in items
+    ]
+
+
+def engine_hosts(placements: Sequence[ProcessPlacement], *, per_node: bool = True) -> list[HostPlan]:
+    """The engine actors of ``placements`` (in deployment order): one per plan node, or one per process."""
+    if not per_node:
+        return [HostPlan(p.name, p.node, (p.key,)) for p in placements]
+    by_node: dict[int, list[tuple[str, int]]] = {}
+    for p in placements:
+        by_node.setdefault(p.node, []).append(p.key)
+    return [HostPlan(f"node {node}", node, tuple(keys)) for node, keys in by_node.items()]
+
+
+def bundle_gpu_ids(bundle: Sequence[int], given: Sequence[str], wanted: Sequence[int]) -> tuple[str, ...]:
+    """The GPU ids Ray gave the local GPUs ``wanted`` of a bundle holding the local GPUs ``bundle``: the i-th
+    id Ray gave (ascending) is local GPU ``bundle[i]``. All that Ray gave where it gave another number (so that
+    the check against the plan names them)."""
+    ordered = sorted(given, key=int) if all(g.isdigit() for g in given) else list(given)
+    if len(ordered) != len(bundle):
+        return tuple(ordered)
+    at = dict(zip(bundle, ordered, strict=True))
+    return tuple(at[g] for g in wanted)
 
 
 def gpus_per_plan_node(bundles: Sequence[BundlePlan]) -> dict[int, int]:
@@ -140,6 +200,22 @@ def assign_plan_nodes(plan_nodes: Sequence[int], chosen: Sequence[RayNodeInfo]) 
     whichever order Ray reported them in."""
     ordered = sorted(chosen, key=lambda n: (address_order(n.address), n.node_id))
     return dict(zip(sorted(plan_nodes), ordered, strict=True))
+
+
+def spread_order(kinds: Sequence[Hashable], landed: Sequence[RayNodeInfo]) -> list[int]:
+    """Which bundle of a ``STRICT_SPREAD`` group each plan node takes, given each bundle's kind (its resources)
+    and the Ray node it landed on (bundle ``i`` was asked for plan node ``i``): bundles of one kind are
+    interchangeable, so the plan nodes of a kind (ascending) take them in their nodes' address order, the same
+    mapping whichever bundle Ray put where."""
+    order = list(range(len(kinds)))
+    by_kind: dict[Hashable, list[int]] = {}
+    for index, kind in enumerate(kinds):
+        by_kind.setdefault(kind, []).append(index)
+    for indices in by_kind.values():
+        by_address = sorted(indices, key=lambda i: (address_order(landed[i].address), landed[i].node_id))
+        for position, bundle in zip(indices, by_address, strict=True):
+            order[position] = bundle
+    return order
 
 
 def slot_bundles(
@@ -205,16 +281,20 @@ def grant_error(problems: Sequence[str], hint: str) -> PlacementError:
 __all__ = [
     "NODE_ID_LABEL",
     "BundlePlan",
+    "HostPlan",
     "PlacementError",
     "ProcessGrant",
     "ProcessPlacement",
     "RayNodeInfo",
     "address_order",
     "assign_plan_nodes",
+    "bundle_gpu_ids",
     "check_grants",
+    "engine_hosts",
     "gpus_per_plan_node",
     "own_bundles",
     "placeholder_slots",
     "process_placements",
     "slot_bundles",
+    "spread_order",
 ]

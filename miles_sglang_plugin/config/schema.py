@@ -115,6 +115,14 @@ class BackendKind(StrEnum):
     ray = "ray"
 
 
+class EngineActors(StrEnum):
+    """How many Ray actors start and watch the engine processes: one per node (``per_node``), or one per
+    engine process (``per_process``)."""
+
+    per_node = "per_node"
+    per_process = "per_process"
+
+
 @dataclass
 class RouterConf:
     """sglang-router (SGLang Model Gateway) settings, one router per model."""
@@ -171,8 +179,10 @@ class RayConf:
     """Start a one-machine Ray cluster when none is found (off: a missing cluster is an error, never started silently)."""
     placement_timeout_s: float = 120.0
     """Deadline for the placement group to be placed and the engine actors to start, in seconds."""
+    engine_actors: EngineActors = EngineActors.per_node
+    """per_node: one Ray actor per node starts and watches all engine processes of that node (Ray starts one worker process per actor, ~0.5 s of CPU each); per_process: one actor per engine process (an actor's death takes only its own process)."""
     engine_num_cpus: float = 0.0
-    """CPUs each engine actor reserves (its engine process uses the node's CPUs either way)."""
+    """CPUs reserved per engine process, by the actor that starts it (its engine process uses the node's CPUs either way)."""
     bundle_gpu_share: float = 0.2
     """Share of its first bundle's GPU each engine actor reserves in the trainer's placement group (Miles: 0.2)."""
 

@@ -30,6 +30,7 @@ import functools
 import logging
 import os
 import queue
+import select
 import selectors
 import shutil
 import signal
@@ -239,12 +240,14 @@ def stop_processes(processes: Iterable[ManagedProcess], grace_s: float = 10.0) -
         if process.running:
             process.signal_group(signal.SIGTERM)
     deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(_still_running(process) for process in started):
+    while (left := deadline - time.monotonic()) > 0 and any(_still_running(process) for process in started):
+        leaderless = False
         for process in started:
             if not process.running and _group_alive(process.popen.pid):  # type: ignore[union-attr]
                 # The leader is gone but members of its group are not: keep asking them to stop.
                 process.signal_group(signal.SIGTERM)
-        time.sleep(0.05)
+                leaderless = True
+        _await_an_exit([p for p in started if p.running], min(left, MEMBER_POLL_S if leaderless else 0.5))
     killed = [process for process in started if _still_running(process)]
     for process in killed:
         process.signal_group(signal.SIGKILL)
@@ -260,6 +263,33 @@ def stop_processes(processes: Iterable[ManagedProcess], grace_s: float = 10.0) -
     while any(_group_has_live_members(p.popen.pid) for p in killed) and time.monotonic() < deadline:  # type: ignore[union-attr]
         time.sleep(0.01)
     return codes
+
+
+#: How often a group whose leader is gone is looked at while its other members are asked to stop.
+MEMBER_POLL_S = 0.01
+
+
+def _await_an_exit(leaders: Sequence[ManagedProcess], timeout_s: float) -> None:
+    """Until one of ``leaders`` exits or ``timeout_s`` passes: woken at the exit by a pidfd per process where
+    Linux has them (a stop returns as soon as the last process is gone), else polled every
+    :data:`MEMBER_POLL_S`."""
+    fds: list[int] = []
+    try:
+        for process in leaders:
+            fds.append(os.pidfd_open(process.popen.pid))  # type: ignore[union-attr]
+    except (AttributeError, OSError):  # no pidfds here, or one is gone already: look again soon
+        timeout_s = min(timeout_s, MEMBER_POLL_S)
+    try:
+        if not fds:
+            time.sleep(max(0.0, min(timeout_s, MEMBER_POLL_S)))
+            return
+        poller = select.poll()
+        for fd in fds:
+            poller.register(fd, select.POLLIN)
+        poller.poll(max(0, int(timeout_s * 1000)))
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def _group_has_live_members(pgid: int) -> bool:

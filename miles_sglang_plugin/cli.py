@@ -86,9 +86,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     import json
 
     from miles_sglang_plugin.app.hydra_edge import prepare_from_config
-    from miles_sglang_plugin.planning.views import print_plan
     from miles_sglang_plugin.rendering.server_arg_fields import known_server_arg_fields
-    from miles_sglang_plugin.rendering.views import print_commands
 
     known = known_server_arg_fields()
     prepared = prepare_from_config(_composed(args), sglang_key=args.sglang_key)
@@ -97,6 +95,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         data["server_args_checked_against"] = known.source
         sys.stdout.write(json.dumps(data, indent=2) + "\n")
         return 0
+    from miles_sglang_plugin.planning.views import print_plan  # the tables (rich) only for the text form
+    from miles_sglang_plugin.rendering.views import print_commands
+
     console = _out_console()
     print_plan(prepared.plan, console)
     if args.commands:

@@ -401,3 +401,80 @@ def test_example_app_user_error_exits_2_cleanly(tmp_path):
         "sglang.actor.decode.num_gpus: 11 GPUs do not split into engines of num_gpus_per_engine=2"
         in " ".join(proc.stderr.split())
     )
+
+
+# ------------------------------------------------------------------ the registration every Hydra app pays
+def test_each_lazily_stored_node_loads_as_its_structured_schema() -> None:
+    """The schemas are stored unbuilt (``LazyNode``) and built when Hydra first loads one: what
+    ``ConfigStore.load`` hands out is the structured config ``ConfigStore.store`` would have stored."""
+    from hydra.core.config_store import ConfigStore
+
+    from miles_sglang_plugin.config.deployment_spec import WorkerType
+    from miles_sglang_plugin.config.schema import (
+        ExtraServerGroupConf,
+        LaunchConf,
+        MilesTrainerArgs,
+        ModelConf,
+        SGLangDeployConf,
+    )
+    from miles_sglang_plugin.config.store import GROUP_OPTIONS, register_configs
+
+    register_configs()
+    expected = {
+        "sglang_model/base.yaml": ModelConf,
+        "sglang_deploy/default.yaml": SGLangDeployConf,
+        "sglang_deploy/simulated.yaml": SGLangDeployConf(launch=LaunchConf(engine=EngineKind.simulated)),
+        "miles_trainer_args.yaml": MilesTrainerArgs,
+        **{f"sglang_group/{w}.yaml": ExtraServerGroupConf(worker_type=WorkerType(w)) for w in GROUP_OPTIONS},
+    }
+    assert sorted(GROUP_OPTIONS) == sorted(w.value for w in WorkerType)
+    store = ConfigStore.instance()
+    for path, schema in expected.items():
+        loaded = store.load(path)
+        assert loaded.provider == "miles_sglang_plugin", path
+        assert OmegaConf.get_type(loaded.node) is OmegaConf.get_type(OmegaConf.structured(schema)), path
+        assert OmegaConf.to_container(loaded.node) == OmegaConf.to_container(OmegaConf.structured(schema)), (
+            path
+        )
+    first = store.load("sglang_deploy/default.yaml").node
+    first.launch.port_base = 20001  # a copy: the stored node stays as it was
+    assert store.load("sglang_deploy/default.yaml").node.launch.port_base == 15000
+
+
+def test_hydras_plugin_scan_imports_no_schema_and_nothing_of_a_launch() -> None:
+    """Every Hydra app imports the plugin modules at start-up, sglang group used or not: they store the
+    nodes unbuilt and import neither the schemas nor anything a launch needs (HTTP clients, serving, backends)."""
+    code = (
+        "import sys\n"
+        "from hydra.core.plugins import Plugins\n"
+        "Plugins.instance()\n"
+        "from hydra.core.config_store import ConfigStore\n"
+        "assert 'base.yaml' in ConfigStore.instance().repo['sglang_model']\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('miles_sglang_plugin', 'httpx', 'rich', 'yaml'))))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
+    assert result.returncode == 0, result.stderr
+    loaded = json.loads(result.stdout.strip().replace("'", '"'))
+    heavy = [m for m in loaded if m.startswith(("httpx", "rich", "miles_sglang_plugin.serving",
+                                                 "miles_sglang_plugin.backends", "miles_sglang_plugin.config.schema",
+                                                 "miles_sglang_plugin.rendering", "miles_sglang_plugin.planning"))]  # fmt: skip
+    assert heavy == [], heavy
+
+
+def test_plan_json_imports_nothing_of_a_launch() -> None:
+    """``miles-sglang plan --json`` plans only: no HTTP client, serving, backend or table rendering loads."""
+    code = (
+        "import sys\n"
+        "from miles_sglang_plugin.cli import main\n"
+        "code = main(['plan', '--json', 'sglang=pd_actor_ref', 'hf_checkpoint=/c'])\n"
+        "loaded = sorted(m for m in sys.modules if m.startswith(('httpx', 'rich', 'anyio', 'miles_sglang_plugin.serving',"
+        " 'miles_sglang_plugin.backends.processes', 'miles_sglang_plugin.backends.local', 'miles_sglang_plugin.miles.sglang_config')))\n"
+        "print(code, loaded, file=sys.stderr)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == "0 []", result.stderr

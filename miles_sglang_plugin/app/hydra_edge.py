@@ -11,12 +11,11 @@ import sys
 import time
 from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hydra.errors import CompactHydraException
 from omegaconf import DictConfig
 
-from miles_sglang_plugin.backends import Backend, get_backend
 from miles_sglang_plugin.config.reading import read_config
 from miles_sglang_plugin.config.schema import BackendKind, EngineKind, SGLangDeployConf
 from miles_sglang_plugin.errors import DeploymentConfigError, Problem
@@ -24,7 +23,11 @@ from miles_sglang_plugin.planning.plan import DeploymentPlan
 from miles_sglang_plugin.planning.resolution import resolve_deployment
 from miles_sglang_plugin.rendering.prepared import PreparedDeployment, prepare_deployment
 from miles_sglang_plugin.rendering.server_arg_fields import known_server_arg_fields
-from miles_sglang_plugin.serving.deployment import Deployment
+
+# A launch's stages load with the launch: planning alone (plan, resolve_config) needs neither.
+if TYPE_CHECKING:
+    from miles_sglang_plugin.backends import Backend
+    from miles_sglang_plugin.serving.deployment import Deployment
 
 #: How a printed plan shows an address that the launch decides (each node's, the routers' node).
 NODE_ADDRESS = "<node {} address>"
@@ -156,6 +159,9 @@ def launch_from_config(
     ``placement_group`` (and ``bundle_indices``, GPU slot -> bundle): the trainer's Ray placement group to
     place the engines in, for ``sglang_deploy.launch.backend=ray`` (Miles: its placement group and
     ``reordered_bundle_indices``). ``backend``: a backend instance to use instead of the configured one."""
+    from miles_sglang_plugin.backends import get_backend
+    from miles_sglang_plugin.serving.deployment import Deployment
+
     fields = known_server_arg_fields().fields
     checked = prepare_from_config(cfg, sglang_key=sglang_key, server_arg_fields=fields)
     settings = checked.settings

@@ -21,13 +21,15 @@ import abc
 import time
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
-from miles_sglang_plugin.backends.processes import ExitWatcher
 from miles_sglang_plugin.config.schema import SGLangDeployConf
 from miles_sglang_plugin.planning.plan import DeploymentPlan
 from miles_sglang_plugin.rendering.launch_specs import EngineProcessLaunch
 from miles_sglang_plugin.rendering.prepared import PreparedDeployment
+
+if TYPE_CHECKING:  # the child processes' module loads with a backend that starts them, not with the interface
+    from miles_sglang_plugin.backends.processes import ExitWatcher
 
 
 class LaunchError(RuntimeError):

@@ -16,50 +16,115 @@ Config groups registered here (the ``sglang`` presets themselves are YAML files 
 
 from __future__ import annotations
 
-from hydra.core.config_store import ConfigStore
+import copy
+import functools
+from collections.abc import Callable
+from typing import Any
 
-from miles_sglang_plugin.config.deployment_spec import WorkerType
+from hydra.core.config_store import ConfigNode, ConfigStore
+
 from miles_sglang_plugin.config.locating import register_resolvers
-from miles_sglang_plugin.config.schema import (
-    EngineKind,
-    ExtraServerGroupConf,
-    LaunchConf,
-    MilesTrainerArgs,
-    ModelConf,
-    SGLangDeployConf,
-)
 
 PROVIDER = "miles_sglang_plugin"
 
+
+class LazyNode:
+    """A ConfigStore node made on first use. Hydra's plugin scan registers the package's schemas in every Hydra
+    app, whether it uses them or not; building a structured config of a large schema (``OmegaConf.structured``)
+    is the costly part, so the node stored is this one, which builds it when Hydra first loads it
+    (``ConfigStore.load`` hands out a deep copy of the stored node: that copy is built here) and keeps it.
+    ``make`` returns the dataclass (or instance) the node is made of; a module-level function, so that Hydra's
+    launchers that pickle the ConfigStore can."""
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self.make = make
+        self._node: Any = None
+
+    def node(self) -> Any:
+        """The structured config (built once)."""
+        if self._node is None:
+            from omegaconf import OmegaConf
+
+            self._node = OmegaConf.structured(self.make())
+        return self._node
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        return copy.deepcopy(self.node(), memo)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"make": self.make, "_node": None}
+
+
+def store_lazily(
+    name: str, make: Callable[[], Any], group: str | None = None, package: str | None = None
+) -> None:
+    """What ``ConfigStore.store`` does, with the node made on first use (:class:`LazyNode`)."""
+    where = ConfigStore.instance().repo
+    for part in group.split("/") if group else ():
+        where = where.setdefault(part, {})
+    file_name = f"{name}.yaml"
+    where[file_name] = ConfigNode(
+        name=file_name,
+        node=LazyNode(make),  # type: ignore[arg-type]
+        group=group,
+        package=package,
+        provider=PROVIDER,
+    )
+
+
+def _model_conf() -> Any:
+    from miles_sglang_plugin.config.schema import ModelConf
+
+    return ModelConf
+
+
+def _extra_group(worker_type: str) -> Any:
+    from miles_sglang_plugin.config.deployment_spec import WorkerType
+    from miles_sglang_plugin.config.schema import ExtraServerGroupConf
+
+    return ExtraServerGroupConf(worker_type=WorkerType(worker_type))
+
+
+def _deploy_default() -> Any:
+    from miles_sglang_plugin.config.schema import SGLangDeployConf
+
+    return SGLangDeployConf
+
+
+def _deploy_simulated() -> Any:
+    from miles_sglang_plugin.config.schema import EngineKind, LaunchConf, SGLangDeployConf
+
+    return SGLangDeployConf(launch=LaunchConf(engine=EngineKind.simulated))
+
+
+def _trainer_args() -> Any:
+    from miles_sglang_plugin.config.schema import MilesTrainerArgs
+
+    return MilesTrainerArgs
+
+
+#: The worker types of the ``sglang_group`` options (``WorkerType``'s values; a test holds them equal).
+GROUP_OPTIONS = ("regular", "prefill", "decode", "placeholder")
 
 _registered = False
 
 
 def register_configs() -> None:
     """Store the schemas and register the ``msp.trainer`` resolver their defaults use (once per process;
-    Hydra's plugin scan and the CLI both call this)."""
+    Hydra's plugin scan and the CLI both call this). Cheap: no schema is imported or built until Hydra loads
+    one of them (:class:`LazyNode`)."""
     global _registered
     if _registered:
         return
     _registered = True
     register_resolvers()
+    store_lazily("base", _model_conf, group="sglang_model")
+    for worker_type in GROUP_OPTIONS:
+        store_lazily(worker_type, functools.partial(_extra_group, worker_type), group="sglang_group")
+    store_lazily("default", _deploy_default, group="sglang_deploy")
+    store_lazily("simulated", _deploy_simulated, group="sglang_deploy")
+    store_lazily("miles_trainer_args", _trainer_args)
     config_store = ConfigStore.instance()
-    config_store.store(group="sglang_model", name="base", node=ModelConf, provider=PROVIDER)
-    for worker_type in WorkerType:
-        config_store.store(
-            group="sglang_group",
-            name=worker_type.value,
-            node=ExtraServerGroupConf(worker_type=worker_type),
-            provider=PROVIDER,
-        )
-    config_store.store(group="sglang_deploy", name="default", node=SGLangDeployConf, provider=PROVIDER)
-    config_store.store(
-        group="sglang_deploy",
-        name="simulated",
-        node=SGLangDeployConf(launch=LaunchConf(engine=EngineKind.simulated)),
-        provider=PROVIDER,
-    )
-    config_store.store(name="miles_trainer_args", node=MilesTrainerArgs, provider=PROVIDER)
     config_store.store(
         group="hydra/callbacks",
         name="sglang_cleanup",

@@ -21,13 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from miles_sglang_plugin.config.deployment_spec import NAME_RE, DeploymentSpec
-from miles_sglang_plugin.miles.sglang_config import (
-    BASE64_PREFIX,
-    load_miles_config,
-    miles_trainer_args,
-    spec_to_miles_yaml,
-    spec_to_preset,
-)
+
+# The Miles file format (and its YAML reader) loads when a command runs, not when ``miles-sglang`` builds its
+# parser: every other command (``plan``) starts without it.
 
 EXIT_USER_ERROR = 2
 #: A preset name usable as ``sglang=<name>`` and as a file name.
@@ -125,6 +121,7 @@ def _summary(spec: DeploymentSpec) -> tuple[str, int]:
 def _loaded_for_this_sglang(source: str) -> tuple[DeploymentSpec, tuple[str, ...]]:
     """The file's deployment without the override keys the installed SGLang lacks (as Miles drops them: an
     unmodified Miles file must give a preset that plans), and one note per key left out."""
+    from miles_sglang_plugin.miles.sglang_config import load_miles_config
     from miles_sglang_plugin.planning.resolution import without_unknown_override_keys
     from miles_sglang_plugin.rendering.server_arg_fields import known_server_arg_fields
 
@@ -135,6 +132,8 @@ def _loaded_for_this_sglang(source: str) -> tuple[DeploymentSpec, tuple[str, ...
 
 def _preset_name(args: argparse.Namespace) -> tuple[str | None, str | None]:
     """(the preset's name, None), or (None, why the name cannot be used)."""
+    from miles_sglang_plugin.miles.sglang_config import BASE64_PREFIX
+
     source: str = args.file
     name = args.name
     if name is None:
@@ -179,6 +178,8 @@ def cmd_import(args: argparse.Namespace) -> int:
     name, error = _preset_name(args)
     if name is None:
         return _fail(error or "no preset name")
+    from miles_sglang_plugin.miles.sglang_config import spec_to_preset
+
     spec, dropped = _loaded_for_this_sglang(args.file)
     text = spec_to_preset(spec, notes=dropped)
     if args.print_only:
@@ -276,6 +277,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from miles_sglang_plugin.app.hydra_edge import prepare_from_config
     from miles_sglang_plugin.config.compose import compose_config
     from miles_sglang_plugin.config.reading import spec_from_config
+    from miles_sglang_plugin.miles.sglang_config import miles_trainer_args, spec_to_miles_yaml
 
     cfg = compose_config(args.overrides)
     prepared = prepare_from_config(cfg)  # every check `plan` makes: never export what Miles would run wrongly

@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from miles_sglang_plugin.backends.base import Backend, EngineProcess, LaunchError, UnsupportedPlanError
+if TYPE_CHECKING:  # at run time these load on first use: a Ray actor imports its own module of this package
+    from miles_sglang_plugin.backends.base import Backend, EngineProcess, LaunchError, UnsupportedPlanError
+
+#: The interface's names, importable from here, loaded from :mod:`.base` on first use.
+_INTERFACE = ("Backend", "EngineProcess", "LaunchError", "UnsupportedPlanError")
 
 #: Backend name -> ``module:class``, imported only when chosen (a backend may need an optional extra).
 BACKENDS: dict[str, str] = {
@@ -38,6 +42,14 @@ def get_backend(name: str, **options: Any) -> Backend:
             + (f" (it takes: {', '.join(accepted)})" if accepted else "")
         )
     return backend_class(**options)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _INTERFACE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module("miles_sglang_plugin.backends.base"), name)
+    globals()[name] = value
+    return value
 
 
 __all__ = ["BACKENDS", "Backend", "EngineProcess", "LaunchError", "UnsupportedPlanError", "get_backend"]

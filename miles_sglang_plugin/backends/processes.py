@@ -43,9 +43,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
-from miles_sglang_plugin.engine_env import NODE_ID_ENV
+from miles_sglang_plugin.engine_env import NODE_ID_ENV, PACKAGE_ENV_NAMES
 from miles_sglang_plugin.masking import mask_text, secret_values
-from miles_sglang_plugin.rendering.launch_specs import PACKAGE_ENV_NAMES
 
 T = TypeVar("T")
 

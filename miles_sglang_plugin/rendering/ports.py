@@ -25,10 +25,13 @@ import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from miles_sglang_plugin.config.deployment_spec import WorkerType
-from miles_sglang_plugin.planning.plan import DeploymentPlan
 from miles_sglang_plugin.rendering.claims import LockClaims
+
+if TYPE_CHECKING:  # the port search alone (a Ray actor's on its node) needs no plan
+    from miles_sglang_plugin.planning.plan import DeploymentPlan
 
 #: Linux's default ephemeral range starts here; SGLang's own defaults (30000, 8998) stay outside our range too.
 EPHEMERAL_START = 32768

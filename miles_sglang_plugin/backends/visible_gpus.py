@@ -170,12 +170,7 @@ def restrict_to_visible(prepared: PreparedDeployment, visible: Sequence[str]) ->
     engines = tuple(
         dataclasses.replace(
             launch,
-            env={
-                **launch.env,
-                VISIBLE_DEVICES_ENV: ",".join(
-                    visible[i] for i in local_ids[(launch.engine_id, launch.node_rank)]
-                ),
-            },
+            visible_devices=",".join(visible[i] for i in local_ids[(launch.engine_id, launch.node_rank)]),
         )
         for launch in prepared.launch.engines
     )

@@ -15,6 +15,7 @@ in SGLang 0.5.23) are left out and noted, never sent to an engine that would rej
 from __future__ import annotations
 
 import fnmatch
+import functools
 import json
 import shlex
 import sys
@@ -26,6 +27,7 @@ from miles_sglang_plugin.addresses import host_port, http_base_url
 from miles_sglang_plugin.config.deployment_spec import WorkerType, thaw
 from miles_sglang_plugin.config.schema import EngineKind, SGLangDeployConf
 from miles_sglang_plugin.config.trainer_inputs import TrainerInputs
+from miles_sglang_plugin.engine_env import MILES_ENGINE_ENV, PACKAGE_ENV_NAMES
 from miles_sglang_plugin.errors import Problem
 from miles_sglang_plugin.masking import mask_argv, mask_env
 from miles_sglang_plugin.planning.plan import (
@@ -38,7 +40,7 @@ from miles_sglang_plugin.planning.plan import (
 from miles_sglang_plugin.planning.resolution import PLAN_OWNED_OVERRIDES, suggest
 from miles_sglang_plugin.rendering.deploy_checks import deploy_setting_problems
 from miles_sglang_plugin.rendering.lora import lora_server_args
-from miles_sglang_plugin.rendering.ports import EnginePorts, PortAssignment
+from miles_sglang_plugin.rendering.ports import PortAssignment
 from miles_sglang_plugin.rendering.router_specs import (
     RouterLaunchSpec,
     RouterSettings,
@@ -47,32 +49,6 @@ from miles_sglang_plugin.rendering.router_specs import (
 )
 
 STANDIN_COMMAND = ("{python}", "-m", "miles_sglang_plugin.standin")
-
-#: Engine environment defaults (Miles), below the user's ``sglang_deploy.env``.
-MILES_ENGINE_ENV: Mapping[str, str] = {
-    "NVSHMEM_DISABLE_NCCL": "1",
-    "SGLANG_JIT_DEEPGEMM_PRECOMPILE": "false",
-    "SGLANG_DG_CACHE_DIR_PER_PROCESS": "1",
-    "SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK": "false",
-    "SGLANG_MEMORY_SAVER_CUDA_GRAPH": "true",
-    "SGLANG_BATCH_INVARIANT_OPS_ENABLE_MM_FALLBACK_VARIANT": "true",
-    "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false",
-    "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "false",
-}
-
-#: Variables this package sets itself in an engine's environment (shown in a printed plan; every other value
-#: from ``sglang_deploy.env`` is masked there, see :func:`~miles_sglang_plugin.masking.mask_env`).
-PACKAGE_ENV_NAMES: frozenset[str] = frozenset(
-    {
-        *MILES_ENGINE_ENV,
-        "SGLANG_OPT_USE_CUSTOM_ALL_REDUCE_V2",
-        "CUDA_VISIBLE_DEVICES",
-        "MSP_STANDIN_START_DELAY_S",
-        "MSP_STANDIN_FAIL_AT_START",
-        "MSP_STANDIN_NEVER_HEALTHY",
-        "MSP_STANDIN_DIE_AFTER_S",
-    }
-)
 
 #: server_defaults may not set what the plan decides (beyond the keys a group override may not set either).
 PLAN_OWNED_DEFAULTS: Mapping[str, str] = {
@@ -110,9 +86,77 @@ def server_args_to_argv(values: Mapping[str, Any]) -> list[str]:
     return argv
 
 
-@dataclass(frozen=True)
+#: ServerArgs fields whose values differ between the processes of one group (their node, ports, rank); every
+#: other value of a group is the same for each of its processes, and is kept (and rendered) once.
+PER_PROCESS_FIELDS = (
+    "random_seed",
+    "host",
+    "port",
+    "nccl_port",
+    "dist_init_addr",
+    "nnodes",
+    "node_rank",
+    "engine_info_bootstrap_port",
+    "disaggregation_bootstrap_port",
+)
+
+
+@dataclass(frozen=True, eq=False)
+class ProcessTemplate:
+    """What every engine process of one group shares: the command prefix, the ServerArgs values in command
+    line order (``own_keys``: those each process gives itself), the argv of the shared values, rendered once,
+    and the environment but for the process's own part."""
+
+    prefix: tuple[str, ...]
+    values: Mapping[str, Any] = field(repr=False)
+    own_keys: tuple[str, ...]
+    #: The argv after the prefix: rendered tokens of shared values, or the name of an own key.
+    chunks: tuple[tuple[str, ...] | str, ...] = field(repr=False)
+    #: Miles' engine variables (below the stand-in's faults) and what comes above them (``sglang_deploy.env``).
+    env_head: Mapping[str, str] = field(repr=False)
+    env_tail: Mapping[str, str] = field(repr=False)
+    #: The deployment's settings, for the stand-in's fault variables (None: real engines, no faults).
+    standin: SGLangDeployConf | None = field(default=None, repr=False)
+
+    @classmethod
+    def of(
+        cls,
+        prefix: tuple[str, ...],
+        values: Mapping[str, Any],
+        own_keys: tuple[str, ...],
+        env_head: Mapping[str, str],
+        env_tail: Mapping[str, str],
+        standin: SGLangDeployConf | None,
+    ) -> ProcessTemplate:
+        own = set(own_keys)
+        chunks: list[tuple[str, ...] | str] = []
+        for key, value in values.items():
+            chunks.append(key if key in own else tuple(server_args_to_argv({key: value})))
+        return cls(prefix, dict(values), own_keys, tuple(chunks), dict(env_head), dict(env_tail), standin)
+
+    def server_args(self, own: tuple[Any, ...]) -> dict[str, Any]:
+        values = dict(self.values)
+        values.update(zip(self.own_keys, own, strict=True))  # every own key is in values: its place is kept
+        return values
+
+    def argv(self, own: tuple[Any, ...]) -> tuple[str, ...]:
+        given = dict(zip(self.own_keys, own, strict=True))
+        tokens = list(self.prefix)
+        for chunk in self.chunks:
+            tokens += server_args_to_argv({chunk: given[chunk]}) if isinstance(chunk, str) else chunk
+        return tuple(tokens)
+
+    def env(self, engine_id: str, visible_devices: str) -> dict[str, str]:
+        """Miles' engine defaults < the stand-in's faults < ``sglang_deploy.env`` < ``CUDA_VISIBLE_DEVICES``."""
+        faults = standin_fault_env(self.standin, engine_id) if self.standin is not None else {}
+        return {**self.env_head, **faults, **self.env_tail, "CUDA_VISIBLE_DEVICES": visible_devices}
+
+
+@dataclass(frozen=True, slots=True)
 class EngineProcessLaunch:
-    """One engine process: what to run, where, with which environment."""
+    """One engine process: what to run, where, with which environment. Its argv, environment and ServerArgs
+    values are made from its group's :class:`ProcessTemplate` and its own values when asked (a plan of
+    65,536 engines keeps one template per group, not 65,536 command lines)."""
 
     engine_id: str
     model: str
@@ -123,11 +167,25 @@ class EngineProcessLaunch:
     nnodes: int
     host: str
     port: int
-    #: May hold the API key: never in repr; show :meth:`display_command` / :meth:`to_dict` instead.
-    argv: tuple[str, ...] = field(repr=False)
-    env: Mapping[str, str] = field(repr=False)
-    server_args: Mapping[str, Any] = field(repr=False)
+    template: ProcessTemplate = field(repr=False, compare=False)
+    #: Its values of the template's ``own_keys``, in that order.
+    own: tuple[Any, ...] = field(repr=False)
+    #: ``CUDA_VISIBLE_DEVICES``: its local GPU ids (the local backend maps them onto the GPUs it was given).
+    visible_devices: str = ""
     bootstrap_port: int | None = None
+
+    @property
+    def argv(self) -> tuple[str, ...]:
+        """May hold the API key: never in repr; show :meth:`display_command` / :meth:`to_dict` instead."""
+        return self.template.argv(self.own)
+
+    @property
+    def env(self) -> dict[str, str]:
+        return self.template.env(self.engine_id, self.visible_devices)
+
+    @property
+    def server_args(self) -> dict[str, Any]:
+        return self.template.server_args(self.own)
 
     @property
     def name(self) -> str:
@@ -185,7 +243,14 @@ class LaunchSpecs:
     notes: tuple[str, ...] = ()
 
     def for_engine(self, engine_id: str) -> tuple[EngineProcessLaunch, ...]:
-        return tuple(e for e in self.engines if e.engine_id == engine_id)
+        return self._by_engine.get(engine_id, ())
+
+    @functools.cached_property
+    def _by_engine(self) -> dict[str, tuple[EngineProcessLaunch, ...]]:
+        by_engine: dict[str, list[EngineProcessLaunch]] = {}
+        for launch in self.engines:
+            by_engine.setdefault(launch.engine_id, []).append(launch)
+        return {engine_id: tuple(launches) for engine_id, launches in by_engine.items()}
 
     def router(self, model: str) -> RouterLaunch:
         for router in self.routers:
@@ -216,46 +281,59 @@ def check_deploy_settings(settings: SGLangDeployConf, fields: Collection[str] | 
     return out + deploy_setting_problems(settings)
 
 
-def _placement_args(
+def _process_values(
     plan: DeploymentPlan,
-    group: GroupPlan,
     engine: EnginePlan,
     process: EngineProcessPlan,
     ports: PortAssignment,
     host: str,
     dist_host: str,
 ) -> dict[str, Any]:
-    """What the plan decides for every engine process: model, seed, addresses and ports, node rank, TP."""
-    trainer = plan.trainer
+    """The values of :data:`PER_PROCESS_FIELDS` of one engine process: its seed, addresses, ports and rank."""
     own = ports.engines[(engine.id, process.node_rank)]
     first = ports.engines[(engine.id, 0)]
     return {
-        "model_path": group.overrides.get("model_path"),
-        "trust_remote_code": True,
-        "random_seed": trainer.seed + process.rank,
+        "random_seed": plan.trainer.seed + process.rank,
         "host": host,
         "port": own.http,
         "nccl_port": own.nccl,
         "dist_init_addr": host_port(dist_host, first.dist_init),
         "nnodes": engine.nnodes,
         "node_rank": process.node_rank,
-        "base_gpu_id": 0,
-        "gpu_id_step": 1,
-        "tp_size": group.tp_size,
-        "enable_memory_saver": trainer.offload_rollout,
-        "skip_server_warmup": True,
-        "enable_metrics": True,
-        "enable_draft_weights_cpu_backup": True,
         "engine_info_bootstrap_port": first.engine_info_bootstrap,
+        "disaggregation_bootstrap_port": first.disaggregation_bootstrap,
     }
 
 
-def _disaggregation_args(worker_type: WorkerType, first_process_ports: EnginePorts) -> dict[str, Any]:
+def _placement_args(plan: DeploymentPlan, group: GroupPlan, own: Mapping[str, Any]) -> dict[str, Any]:
+    """What the plan decides for every engine process: model, seed, addresses and ports, node rank, TP."""
+    return {
+        "model_path": group.overrides.get("model_path"),
+        "trust_remote_code": True,
+        "random_seed": own["random_seed"],
+        "host": own["host"],
+        "port": own["port"],
+        "nccl_port": own["nccl_port"],
+        "dist_init_addr": own["dist_init_addr"],
+        "nnodes": own["nnodes"],
+        "node_rank": own["node_rank"],
+        "base_gpu_id": 0,
+        "gpu_id_step": 1,
+        "tp_size": group.tp_size,
+        "enable_memory_saver": plan.trainer.offload_rollout,
+        "skip_server_warmup": True,
+        "enable_metrics": True,
+        "enable_draft_weights_cpu_backup": True,
+        "engine_info_bootstrap_port": own["engine_info_bootstrap_port"],
+    }
+
+
+def _disaggregation_args(worker_type: WorkerType, own: Mapping[str, Any]) -> dict[str, Any]:
     """Miles' PD flags: the mode, a prefill engine's bootstrap port and load balancing."""
     if worker_type is WorkerType.prefill:
         return {
             "disaggregation_mode": "prefill",
-            "disaggregation_bootstrap_port": first_process_ports.disaggregation_bootstrap,
+            "disaggregation_bootstrap_port": own["disaggregation_bootstrap_port"],
             "load_balance_method": "round_robin",
         }
     if worker_type is WorkerType.decode:
@@ -278,21 +356,17 @@ def _trainer_feature_args(trainer: TrainerInputs) -> dict[str, Any]:
 def _engine_server_args(
     plan: DeploymentPlan,
     group: GroupPlan,
-    engine: EnginePlan,
-    process: EngineProcessPlan,
+    own: Mapping[str, Any],
     settings: SGLangDeployConf,
-    ports: PortAssignment,
-    host: str,
-    dist_host: str,
     fields: Collection[str] | None,
     dropped: set[str],
 ) -> dict[str, Any]:
-    """The ServerArgs values of one engine process: Miles' derived defaults (colocate) < server defaults < the
-    plan's values < group overrides. Values the plan derives for fields the installed SGLang lacks are left out
-    and added to ``dropped``."""
+    """The ServerArgs values of an engine process of ``group`` whose own values are ``own``: Miles' derived
+    defaults (colocate) < server defaults < the plan's values < group overrides. Values the plan derives for
+    fields the installed SGLang lacks are left out and added to ``dropped``."""
     derived = {
-        **_placement_args(plan, group, engine, process, ports, host, dist_host),
-        **_disaggregation_args(group.worker_type, ports.engines[(engine.id, 0)]),
+        **_placement_args(plan, group, own),
+        **_disaggregation_args(group.worker_type, own),
         **_trainer_feature_args(plan.trainer),
         **lora_server_args(settings.lora, colocate=plan.trainer.colocate),
     }
@@ -364,14 +438,31 @@ class _EngineRendering:
         launches: list[EngineProcessLaunch] = []
         workers: list[WorkerRegistration] = []
         for group in model.groups:
+            template: ProcessTemplate | None = None
             for engine in group.engines:
                 dist_host = self.host_of_node(engine.processes[0].node)
                 for process in engine.processes:
-                    launch = self.process_launch(model, group, engine, process, dist_host)
+                    host = self.host_of_node(process.node)
+                    own = _process_values(self.plan, engine, process, self.ports, host, dist_host)
+                    template = template or self.template(group, own)
+                    launch = self.process_launch(model, group, engine, process, own, template)
                     launches.append(launch)
                     if process.node_rank == 0:
                         workers.append(_worker_registration(launch))
         return launches, workers
+
+    def template(self, group: GroupPlan, own: Mapping[str, Any]) -> ProcessTemplate:
+        """What the processes of ``group`` share, from the values of one of them (``own``)."""
+        values = _engine_server_args(
+            self.plan, group, own, self.settings, self.server_arg_fields, self.dropped
+        )
+        own_keys = tuple(k for k in values if k in own and k not in group.overrides)
+        custom_all_reduce = "0" if self.plan.trainer.colocate and group.num_gpus_per_engine > 1 else "1"
+        env_tail = {"SGLANG_OPT_USE_CUSTOM_ALL_REDUCE_V2": custom_all_reduce, **self.settings.env}
+        simulated = self.kind is EngineKind.simulated
+        return ProcessTemplate.of(
+            self.prefix, values, own_keys, MILES_ENGINE_ENV, env_tail, self.settings if simulated else None
+        )
 
     def process_launch(
         self,
@@ -379,22 +470,13 @@ class _EngineRendering:
         group: GroupPlan,
         engine: EnginePlan,
         process: EngineProcessPlan,
-        dist_host: str,
+        own: Mapping[str, Any],
+        template: ProcessTemplate,
     ) -> EngineProcessLaunch:
-        host = self.host_of_node(process.node)
-        values = _engine_server_args(
-            self.plan,
-            group,
-            engine,
-            process,
-            self.settings,
-            self.ports,
-            host,
-            dist_host,
-            self.server_arg_fields,
-            self.dropped,
-        )
-        bootstrap_port = values.get("disaggregation_bootstrap_port")
+        def value(key: str) -> Any:
+            return own[key] if key in template.own_keys else template.values.get(key)
+
+        bootstrap_port = value("disaggregation_bootstrap_port")
         return EngineProcessLaunch(
             engine_id=engine.id,
             model=model.name,
@@ -403,25 +485,13 @@ class _EngineRendering:
             node=process.node,
             node_rank=process.node_rank,
             nnodes=engine.nnodes,
-            host=host,
-            port=int(values["port"]),
-            argv=(*self.prefix, *server_args_to_argv(values)),
-            env=self.env(group, engine, process),
-            server_args=values,
+            host=own["host"],
+            port=int(value("port")),
+            template=template,
+            own=tuple(own[k] for k in template.own_keys),
+            visible_devices=",".join(str(i) for i in process.local_gpu_ids),
             bootstrap_port=int(bootstrap_port) if bootstrap_port is not None else None,
         )
-
-    def env(self, group: GroupPlan, engine: EnginePlan, process: EngineProcessPlan) -> dict[str, str]:
-        """Miles' engine defaults < the stand-in's faults < ``sglang_deploy.env`` < ``CUDA_VISIBLE_DEVICES``."""
-        simulated = self.kind is EngineKind.simulated
-        custom_all_reduce = "0" if self.plan.trainer.colocate and group.num_gpus_per_engine > 1 else "1"
-        return {
-            **MILES_ENGINE_ENV,
-            **(standin_fault_env(self.settings, engine.id) if simulated else {}),
-            "SGLANG_OPT_USE_CUSTOM_ALL_REDUCE_V2": custom_all_reduce,
-            **self.settings.env,
-            "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in process.local_gpu_ids),
-        }
 
 
 def _router_launch(

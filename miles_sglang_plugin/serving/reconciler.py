@@ -177,6 +177,8 @@ class Reconciler:
         self.policy = Policy.from_settings(settings)
         self.backend, self.log_dir, self.events, self.status = backend, log_dir, events, status
         self._serving, self.pool, self._spawner, self._io, self.exits = loop, pool, spawner, io, exits
+        #: Reads of the routers' lists, shared by the registrations that wait on one router at a time.
+        self.router_reads = router_client.SharedReads(pool, loop.create_task)
         self._on_fail, self.clock = on_fail, clock
         self.phase = "starting"
         self.failure: str | None = None
@@ -427,7 +429,7 @@ class Reconciler:
         problem = None
         if router is not None:
             problem = await router_client.register(
-                self.pool, router.url, row.registration, self.settings.api_key
+                self.router_reads, router.url, row.registration, self.settings.api_key
             )
         self.observe(done("register", row.id, generation, problem))
 
@@ -519,7 +521,7 @@ class Reconciler:
         row = self._router(a)
         generation = row.restarts
         expected = [self.fleet.engine(engine).registration for engine in a.details.get("workers", ())]
-        ok, detail = await router_client.listed(self.pool, row.url, expected)
+        ok, detail = await router_client.listed(self.router_reads, row.url, expected)
         self.observe(router_done("router_list", row.model, None if ok else detail, generation=generation))
 
     # ----------------------------------------------------------------------------------------- control

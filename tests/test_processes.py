@@ -414,3 +414,38 @@ def test_without_a_working_setpriv_the_child_arms_the_signal_itself(
         assert argv == [sys.executable, "-c", "pass"] and "preexec_fn" in options
     finally:
         processes.exec_time_guard.cache_clear()
+
+
+#: Counts Python's at-fork hooks around starts of a ManagedProcess (in a process of its own: hooks cannot be
+#: unregistered). argv[1]: "setpriv" or "preexec_fn"; prints how many times the hooks ran for 3 starts.
+FORK_HOOKS = textwrap.dedent(
+    """
+    import os, sys
+    from pathlib import Path
+    from miles_sglang_plugin.backends import processes
+    if sys.argv[1] == "preexec_fn":
+        processes.exec_time_guard = lambda: None
+    ran = []
+    os.register_at_fork(before=lambda: ran.append("before"), after_in_parent=lambda: ran.append("after"))
+    for i in range(3):
+        proc = processes.ManagedProcess(name=f"p{i}", argv=[sys.executable, "-c", "pass"], env={},
+                                        log_path=Path(sys.argv[2]) / f"p{i}.log")
+        proc.start()
+        proc.popen.wait(30)
+    print(len(ran))
+    """
+)
+
+
+def test_a_spawn_runs_no_python_fork_hook(tmp_path: Path, spawn_mode: str) -> None:
+    """With setpriv a child is vforked and execs at once: no Python code runs around the spawn (no at-fork
+    hook, so no signal handler can run inside one, e.g. logging's, which takes locks); with a preexec_fn the
+    child is forked and the hooks run, before and after each start."""
+    result = subprocess.run(
+        [sys.executable, "-c", FORK_HOOKS, spawn_mode, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert int(result.stdout) == (0 if spawn_mode == "setpriv" else 6)

@@ -115,6 +115,25 @@ def test_wait_wakes_for_a_signal_sent_from_elsewhere(own_handlers: dict[int, _Re
     assert own_handlers[signal.SIGINT].calls == [signal.SIGINT]
 
 
+def test_a_poke_wakes_one_wait_and_the_next_one_sleeps_again(own_handlers: dict[int, _Recorder]) -> None:
+    """What woke a wait is read from its pipe: a poke left there made every later wait return at once (the
+    deployment's signal watcher looped at 100% CPU for as long as it served)."""
+    import select
+
+    with signals.recorded() as watch:
+        assert watch is not None
+        watch.poke()
+        watch.poke()
+        assert watch.wait(10.0) is None  # woken by the pokes, no signal
+        assert select.select([watch._read_fd], [], [], 0)[0] == []  # nothing left to wake the next wait
+        waiter = threading.Thread(target=watch.wait, args=(30.0,))
+        waiter.start()
+        watch.poke()  # a later poke still wakes a waiting thread
+        waiter.join(20.0)
+        assert not waiter.is_alive()
+    assert own_handlers[signal.SIGINT].calls == []
+
+
 def test_a_signal_the_program_ignores_stays_ignored(own_handlers: dict[int, _Recorder]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     with signals.recorded():
@@ -214,13 +233,20 @@ def test_signal_inside_loggings_fork_hook_while_spawning(
     sig: signal.Signals,
     fork: int,
 ) -> None:
-    """Forks 1, 2 and 3 of the launcher are the router and the two engines, in that order."""
+    """Forks 1, 2 and 3 of the launcher are the router and the two engines, in that order. Python's at-fork
+    hooks run only where a child is forked with a ``preexec_fn`` (no setpriv): the launcher runs here with a
+    PATH that has no setpriv (its children are started by absolute paths); with setpriv, ``Popen`` vforks
+    and no Python code runs around a spawn at all (``test_a_spawn_runs_no_python_fork_hook``)."""
     run = ScriptRun(
         tmp_path,
         launch_overrides(TWO_ENGINES, shutdown_grace_s=GRACE_S),
         tracker=leak_check,
         prelude=AT_FORK_PRELUDE,
-        extra_env={"MSP_TEST_SIGNAL": sig.name, "MSP_TEST_FORK": str(fork)},
+        extra_env={
+            "MSP_TEST_SIGNAL": sig.name,
+            "MSP_TEST_FORK": str(fork),
+            "PATH": str(Path(sys.executable).parent),
+        },
     )
     try:
         code = run.wait_exit(timeout_s=60)  # the old handler hung here for good

@@ -83,11 +83,19 @@ class SignalWatch:
             raise Interrupted(self.received)
 
     def wait(self, timeout_s: float | None) -> int | None:
-        """Sleep until a signal arrives (or the watch is closed) or ``timeout_s`` passes; the signal or None."""
+        """Sleep until a signal arrives (or the watch is closed, or :meth:`poke`) or ``timeout_s`` passes; the
+        signal or None. What woke it is read from the pipe, so that the next wait sleeps again (a byte left
+        there made every later wait return at once: the watcher thread spun at 100% CPU while serving)."""
         if self.received is None and not self.closed:
             with contextlib.suppress(OSError, ValueError):  # closed meanwhile: nothing to wait for
-                select.select([self._read_fd], [], [], timeout_s)
+                if select.select([self._read_fd], [], [], timeout_s)[0]:
+                    self._drain()
         return self.received
+
+    def _drain(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self._read_fd, 4096):
+                pass
 
     def close(self) -> None:
         """Stop watching (idempotent); wakes a thread blocked in :meth:`wait`. See :func:`unwatch`."""

@@ -2,7 +2,8 @@
 
 (1) fan-out: K stand-in engines of 1 GPU (K = 1, 8, 32), every group needing offload (colocate, offload on).
     Wall time of ``offload(["kv_cache"])`` + ``onload(["kv_cache"])`` (one cycle) and of ``update_weight_version``
-    through ``deployment.control``, median over the repetitions, K = 32 against K = 1. Measured twice: with each
+    through ``deployment.control``, median over the repetitions, K = 32 against K = 1, and this process's CPU
+    time (all its threads) per engine call. Measured twice: with each
     engine taking ``--latency`` seconds per control call (``sglang_deploy.standin.control_latency_s``, as a real
     engine's release/resume of tens of GB takes), which is the case the goal is about, and with 0 s (the stand-in
     answers at once), which shows the client's and the machine's own overhead per engine.
@@ -85,23 +86,28 @@ def launch(k: int, tmp: Path, verbose: bool, *extra: str) -> contextlib.Abstract
     return launch_from_config(compose_config(overrides(k, *extra)), log_dir=log_dir)
 
 
-def _timed(operation: Callable[[], Any]) -> float:
-    started = time.perf_counter()
+def _timed(operation: Callable[[], Any]) -> tuple[float, float]:
+    """Wall time and this process's CPU time (every thread: the caller's, the serving loop's) of one call."""
+    started, cpu = time.perf_counter(), time.process_time()
     operation()
-    return time.perf_counter() - started
+    return time.perf_counter() - started, time.process_time() - cpu
 
 
 # ------------------------------------------------------------------------------------------ (1) fan-out
-def _fan_out_times(d: Deployment, k: int, reps: int) -> tuple[list[float], list[float]]:
+def _fan_out_times(d: Deployment, k: int, reps: int) -> dict[str, list[float]]:
     control = d.control
     control.update_weight_version("warm-up")  # the stand-ins read SGLang's request classes once
-    cycles, versions = [], []
+    out: dict[str, list[float]] = {"cycle": [], "cycle_cpu": [], "version": [], "version_cpu": []}
     for rep in range(reps):
-        cycles.append(_timed(lambda: (control.offload(["kv_cache"]), control.onload(["kv_cache"]))))
-        versions.append(_timed(lambda rep=rep: control.update_weight_version(str(rep))))
+        wall, cpu = _timed(lambda: (control.offload(["kv_cache"]), control.onload(["kv_cache"])))
+        out["cycle"].append(wall)
+        out["cycle_cpu"].append(cpu)
+        wall, cpu = _timed(lambda rep=rep: control.update_weight_version(str(rep)))
+        out["version"].append(wall)
+        out["version_cpu"].append(cpu)
     assert len(control.offload(["kv_cache"]).engines) == k
     control.onload(["kv_cache"])
-    return cycles, versions
+    return out
 
 
 def fan_out(ks: list[int], latency_s: float, reps: int, tmp: Path, verbose: bool) -> list[dict[str, Any]]:
@@ -111,14 +117,17 @@ def fan_out(ks: list[int], latency_s: float, reps: int, tmp: Path, verbose: bool
             quiet(verbose),
             launch(k, tmp, verbose, f"sglang_deploy.standin.control_latency_s={latency_s}") as d,
         ):
-            cycles, versions = _fan_out_times(d, k, reps)
+            times = _fan_out_times(d, k, reps)
         rows.append(
             {
                 "k": k,
                 "latency_s": latency_s,
-                "offload_onload_s": statistics.median(cycles),
-                "weight_version_s": statistics.median(versions),
-                "offload_onload_all_s": [round(x, 4) for x in cycles],
+                "offload_onload_s": statistics.median(times["cycle"]),
+                "weight_version_s": statistics.median(times["version"]),
+                "offload_onload_all_s": [round(x, 4) for x in times["cycle"]],
+                # client CPU per engine call: an offload + onload cycle is two calls to each of the k engines
+                "offload_onload_cpu_ms_per_call": 1000 * statistics.median(times["cycle_cpu"]) / (2 * k),
+                "weight_version_cpu_ms_per_call": 1000 * statistics.median(times["version_cpu"]) / k,
             }
         )
     base = rows[0]
@@ -345,12 +354,14 @@ def _print_chaos(row: dict[str, Any]) -> None:
 
 
 def _print_fan_out(rows: list[dict[str, Any]]) -> None:
-    print("(1) control fan-out, median wall time per call (ratio to K=1)")
-    print(f"    {'K':>3} {'engine latency':>15} {'offload+onload':>16} {'weight version':>16}")
+    print("(1) control fan-out, median wall time per operation (ratio to K=1); client CPU per engine call")
+    print(f"    {'K':>3} {'engine latency':>15} {'offload+onload':>24} {'weight version':>24}")
     for row in rows:
         print(
             f"    {row['k']:>3} {row['latency_s']:>13.2f} s {row['offload_onload_s'] * 1000:>9.1f} ms ({row['offload_onload_ratio']:.2f}x)"
+            f" {row['offload_onload_cpu_ms_per_call']:>5.2f} ms CPU"
             f" {row['weight_version_s'] * 1000:>9.1f} ms ({row['weight_version_ratio']:.2f}x)"
+            f" {row['weight_version_cpu_ms_per_call']:>5.2f} ms CPU"
         )
 
 

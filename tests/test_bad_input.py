@@ -21,6 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from rich.console import Console
 
 from miles_sglang_plugin import cli
@@ -42,7 +44,11 @@ from miles_sglang_plugin.planning.resolution import MAX_DEPLOYMENT_GPUS, resolve
 from miles_sglang_plugin.planning.views import print_plan
 from miles_sglang_plugin.rendering.ports import PortClaims, default_lock_dir
 from miles_sglang_plugin.rendering.prepared import prepare_deployment
-from miles_sglang_plugin.rendering.server_arg_checks import value_problem
+from miles_sglang_plugin.rendering.server_arg_checks import (
+    _problem_of,
+    shipped_server_arg_types,
+    value_problem,
+)
 from tests.conftest import group, model, spec
 from tests.conftest_launch import leak_check  # noqa: F401  (fixture)
 from tests.launch_helpers import LeakTracker, launch_overrides
@@ -403,9 +409,36 @@ def test_values_against_the_type_table(value: object, spec_: dict, problem: str 
     assert value_problem(value, spec_) == problem
 
 
-def test_the_shipped_type_table_is_sglang_0_5_23s() -> None:
-    from miles_sglang_plugin.rendering.server_arg_checks import shipped_server_arg_types
+_TABLE_SPECS = sorted(
+    {json.dumps(spec, sort_keys=True) for spec in shipped_server_arg_types()["fields"].values()}
+)
+_VALUES = st.one_of(
+    st.integers(min_value=-(10**12), max_value=10**12),
+    st.booleans(),
+    st.none(),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=12),
+    st.sampled_from(["-1", "32k", "4Ki", "auto", "fa3", "1.5", "{}", "[1]", "-x"]),
+    st.lists(st.one_of(st.integers(-5, 5), st.text(max_size=4)), max_size=3),
+    st.dictionaries(st.text(max_size=3), st.integers(0, 3), max_size=2),
+)
 
+
+@settings(max_examples=400, deadline=None)
+@given(value=_VALUES, spec_json=st.sampled_from(_TABLE_SPECS), again=st.booleans())
+def test_the_checks_shortcuts_and_memo_answer_as_the_full_check(
+    value: object, spec_json: str, again: bool
+) -> None:
+    """The check of every engine's values decides plain integers and texts without rendering them, and each
+    other distinct value once: always what ``value_problem`` says, for every kind of flag of the shipped table."""
+    spec_ = json.loads(spec_json)
+    seen: dict = {}
+    assert _problem_of("f", value, spec_, seen) == value_problem(value, spec_)
+    if again:  # from the memo
+        assert _problem_of("f", value, spec_, seen) == value_problem(value, spec_)
+
+
+def test_the_shipped_type_table_is_sglang_0_5_23s() -> None:
     table = shipped_server_arg_types()
     assert table["sglang_version"] == "0.5.23"
     fields = table["fields"]

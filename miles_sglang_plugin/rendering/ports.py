@@ -134,6 +134,9 @@ class _Cursor:
 
     def take(self, count: int = 1) -> int:
         """The first of ``count`` consecutive usable ports."""
+        if not self.probe and self.next + count - 1 <= self.limit:  # nothing to look at: the next ones
+            start, self.next = self.next, self.next + count
+            return start
         while self.next + count - 1 <= self.limit:
             start = self.next
             usable = []

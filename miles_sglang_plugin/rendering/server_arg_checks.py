@@ -117,6 +117,34 @@ def value_problem(value: Any, spec: Mapping[str, Any]) -> str | None:
     return None
 
 
+def _plainly_fine(value: Any, spec: Mapping[str, Any]) -> bool:
+    """Whether ``value`` is one integer for a number flag, or one text for a text flag, without choices: what
+    :func:`value_problem` would pass, decided without rendering it (the plan's ports, seeds and addresses of
+    every engine process are such values, each one of its own)."""
+    if spec.get("choices") is not None or spec.get("nargs") not in (None, "?", "+"):
+        return False
+    kind = spec["kind"]
+    if type(value) is int:
+        return kind in ("int", "float") or (kind == "size" and value >= 0)
+    return type(value) is str and kind == "str"
+
+
+def _problem_of(
+    field: str, value: Any, spec: Mapping[str, Any], seen: dict[tuple[str, type, Any], str | None]
+) -> str | None:
+    """:func:`value_problem`, once per distinct field and value (``seen``: what was found for each)."""
+    if _plainly_fine(value, spec):
+        return None
+    try:
+        key = (field, type(value), value)  # the type too: 1, 1.0 and True are equal keys
+        return seen[key]
+    except KeyError:
+        problem = seen[key] = value_problem(value, spec)
+        return problem
+    except TypeError:  # a list or a mapping: checked as it is
+        return value_problem(value, spec)
+
+
 def _where(field: str, process: EngineProcessLaunch, plan: DeploymentPlan, settings: SGLangDeployConf) -> str:
     """The config key a value of ``process`` came from: its group's overrides, the server defaults, or the plan."""
     for model in plan.models:
@@ -137,10 +165,11 @@ def type_table_problems(
     """Every value that the shipped table says SGLang's parser would refuse, once per config key."""
     table = shipped_server_arg_types()["fields"]
     found: dict[tuple[str, str], Problem] = {}
+    seen: dict[tuple[str, type, Any], str | None] = {}
     for process in processes:
         for field, value in process.server_args.items():
             spec = table.get(field)
-            problem = value_problem(value, spec) if spec is not None else None
+            problem = _problem_of(field, value, spec, seen) if spec is not None else None
             if problem is None:
                 continue
             if field in SECRET_FIELDS:

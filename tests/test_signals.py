@@ -134,6 +134,43 @@ def test_a_poke_wakes_one_wait_and_the_next_one_sleeps_again(own_handlers: dict[
     assert own_handlers[signal.SIGINT].calls == []
 
 
+#: A watch whose pipe is numbered above 1024 (a launch of many engines holds thousands of descriptors: its
+#: port claims): its wait must still sleep until poked. Prints the order of what happened.
+HIGH_FD_WATCH = textwrap.dedent(
+    """
+    import os, resource, threading
+    from miles_sglang_plugin.serving import signals
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096), hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    order = []
+    with signals.recorded() as watch:
+        assert watch._read_fd >= 1024, watch._read_fd
+        def later():
+            order.append("poked")
+            watch.poke()
+        threading.Timer(0.3, later).start()
+        watch.wait(30.0)
+        order.append("woke")
+    print(" ".join(order))
+    """
+)
+
+
+def test_a_wait_on_a_pipe_numbered_above_1024_still_sleeps() -> None:
+    """``select`` refuses descriptors numbered 1024 and up; the watcher's wait returned at once there (and its
+    thread spun) in a launch of 32 engines, whose port claims hold about 2,200 descriptors."""
+    import resource
+
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[1] < 1200:
+        pytest.skip("this machine allows fewer than 1,200 open files")
+    result = subprocess.run(
+        [sys.executable, "-c", HIGH_FD_WATCH], capture_output=True, text=True, timeout=60, cwd=REPO
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["poked", "woke"]
+
+
 def test_a_signal_the_program_ignores_stays_ignored(own_handlers: dict[int, _Recorder]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     with signals.recorded():

@@ -85,10 +85,14 @@ class SignalWatch:
     def wait(self, timeout_s: float | None) -> int | None:
         """Sleep until a signal arrives (or the watch is closed, or :meth:`poke`) or ``timeout_s`` passes; the
         signal or None. What woke it is read from the pipe, so that the next wait sleeps again (a byte left
-        there made every later wait return at once: the watcher thread spun at 100% CPU while serving)."""
+        there made every later wait return at once: the watcher thread spun at 100% CPU while serving). With
+        ``poll``, not ``select``: a launch of many engines holds thousands of descriptors (its port claims), and
+        ``select`` refuses one numbered 1024 or higher."""
         if self.received is None and not self.closed:
             with contextlib.suppress(OSError, ValueError):  # closed meanwhile: nothing to wait for
-                if select.select([self._read_fd], [], [], timeout_s)[0]:
+                poller = select.poll()
+                poller.register(self._read_fd, select.POLLIN)
+                if poller.poll(None if timeout_s is None else max(0, int(timeout_s * 1000))):
                     self._drain()
         return self.received
 

@@ -140,6 +140,14 @@ def _default_log_dir() -> Path:
     return Path.cwd() / "sglang_logs" / time.strftime("%Y-%m-%d_%H-%M-%S")
 
 
+def get_backend(name: str, **options: Any) -> Backend:
+    """The backend ``name`` (:func:`miles_sglang_plugin.backends.get_backend`), imported when a launch needs
+    it."""
+    from miles_sglang_plugin.backends import get_backend as backend_named
+
+    return backend_named(name, **options)
+
+
 @contextlib.contextmanager
 def launch_from_config(
     cfg: DictConfig,
@@ -159,7 +167,6 @@ def launch_from_config(
     ``placement_group`` (and ``bundle_indices``, GPU slot -> bundle): the trainer's Ray placement group to
     place the engines in, for ``sglang_deploy.launch.backend=ray`` (Miles: its placement group and
     ``reordered_bundle_indices``). ``backend``: a backend instance to use instead of the configured one."""
-    from miles_sglang_plugin.backends import get_backend
     from miles_sglang_plugin.serving.deployment import Deployment
 
     fields = known_server_arg_fields().fields

@@ -83,17 +83,13 @@ def _composed(args: argparse.Namespace) -> Any:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    import json
-
     from miles_sglang_plugin.app.hydra_edge import prepare_from_config
     from miles_sglang_plugin.rendering.server_arg_fields import known_server_arg_fields
 
     known = known_server_arg_fields()
     prepared = prepare_from_config(_composed(args), sglang_key=args.sglang_key)
     if args.json:
-        data = prepared.to_dict()
-        data["server_args_checked_against"] = known.source
-        sys.stdout.write(json.dumps(data, indent=2) + "\n")
+        prepared.write_json(sys.stdout, server_args_checked_against=known.source)
         return 0
     from miles_sglang_plugin.planning.views import print_plan  # the tables (rich) only for the text form
     from miles_sglang_plugin.rendering.views import print_commands

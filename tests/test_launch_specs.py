@@ -11,6 +11,8 @@ from __future__ import annotations
 import sys
 from dataclasses import replace
 
+import pytest
+
 from miles_sglang_plugin.app.hydra_edge import prepare_from_config, resolve_config
 from miles_sglang_plugin.config.compose import compose_config
 from miles_sglang_plugin.config.reading import deploy_settings_from_config
@@ -223,3 +225,36 @@ def test_standin_faults_reach_the_engines_their_patterns_match():
         "MSP_STANDIN_DIE_AFTER_S": "3.5",
     }
     assert standin_fault_env(settings, "ref.regular.0") == {"MSP_STANDIN_START_DELAY_S": "2.5"}
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["sglang=pd_actor_ref", "hf_checkpoint=/c", "sglang.actor.decode.num_gpus=12"],
+        ["hf_checkpoint=/c", "debug_rollout_only=true", "sglang.actor.regular.num_gpus=16",
+         "sglang.actor.num_gpus_per_engine=16"],
+        ["sglang=placeholder", "hf_checkpoint=/c"],
+        ["hf_checkpoint=/c", "+sglang_model@sglang.judge=base", "sglang.judge.model_path=/j",
+         "sglang.judge.update_weights=false", "sglang.judge.regular.num_gpus=0",
+         'sglang.judge.external=["http://10.0.0.5:30000"]'],
+        ["hf_checkpoint=/c", "debug_train_only=true"],
+    ],
+    ids=["pd_actor_ref", "an engine over two nodes", "placeholder", "an external engine", "no engines"],
+)  # fmt: skip
+def test_the_streamed_plan_json_is_the_plans_dictionary(overrides: list[str]) -> None:
+    """``plan --json`` writes the document as it makes it (an engine per line): the same JSON as the plan's
+    dictionary, whatever the plan holds."""
+    import io
+    import json
+
+    prepared = prepare_from_config(compose_config(overrides))
+    out = io.StringIO()
+    prepared.write_json(out, server_args_checked_against="the table")
+    assert json.loads(out.getvalue()) == {
+        **json.loads(json.dumps(prepared.to_dict())),
+        "server_args_checked_against": "the table",
+    }
+    engines = sum(len(g.engines) for _m, g in prepared.plan.groups())
+    engines += sum(len(m.external) for m in prepared.plan.models)
+    lines = out.getvalue().splitlines()
+    assert sum(1 for line in lines if line.lstrip().startswith('{"id": ')) == engines  # one line each

@@ -19,7 +19,7 @@ import functools
 import json
 import shlex
 import sys
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -222,17 +222,20 @@ class RouterLaunch:
     spec: RouterLaunchSpec
     workers: tuple[WorkerRegistration, ...]
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
+    def to_dict(self, *, workers: bool = True) -> dict[str, Any]:
+        out: dict[str, Any] = {
             "url": self.spec.url,
             "prometheus_port": self.spec.prometheus_port,
             "pd_disaggregation": self.spec.pd_disaggregation,
             "policy": self.spec.settings.policy,
-            "workers": [
-                {"url": w.url, "worker_type": w.worker_type, "bootstrap_port": w.bootstrap_port}
-                for w in self.workers
-            ],
         }
+        if workers:
+            out["workers"] = list(self.worker_dicts())
+        return out
+
+    def worker_dicts(self) -> Iterator[dict[str, Any]]:
+        for w in self.workers:
+            yield {"url": w.url, "worker_type": w.worker_type, "bootstrap_port": w.bootstrap_port}
 
 
 @dataclass(frozen=True)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
-from dataclasses import dataclass
-from typing import Any
+import json
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, TextIO
 
 from miles_sglang_plugin.config.schema import EngineKind, SGLangDeployConf
 from miles_sglang_plugin.errors import DeploymentConfigError, ProblemCollector
-from miles_sglang_plugin.planning.plan import DeploymentPlan
+from miles_sglang_plugin.planning.plan import DeploymentPlan, EnginePlan
 from miles_sglang_plugin.rendering.launch_specs import LaunchSpecs, check_deploy_settings, render_launch
 from miles_sglang_plugin.rendering.lora import lora_problems
 from miles_sglang_plugin.rendering.ports import (
@@ -42,6 +43,90 @@ class PreparedDeployment:
         data["engine_kind"] = self.launch.engine_kind.value
         data["notes"] = [*data["notes"], *self.launch.notes]
         return data
+
+    def write_json(self, out: TextIO, **extra: Any) -> None:
+        """:meth:`to_dict` (with ``extra`` keys at the end) as JSON to ``out``, written as it is made: the
+        plan's engines and a router's workers one compact object per line, every object above them spread
+        over lines. The same document as ``json.dumps(to_dict())``; for a plan of 65,536 engines, made one
+        engine at a time (no whole dictionary of the plan, no pure-Python indented encoder)."""
+        for chunk in _json_chunks(self._lazy_dict(extra), ""):
+            out.write(chunk)
+        out.write("\n")
+
+    def _lazy_dict(self, extra: Mapping[str, Any]) -> dict[str, Any]:
+        """:meth:`to_dict` with each group's engines and each router's workers as lazy arrays."""
+        plan = self.plan
+        bare = replace(
+            plan,
+            models=tuple(
+                replace(m, groups=tuple(replace(g, engines=()) for g in m.groups)) for m in plan.models
+            ),
+        )
+        data = bare.to_dict()
+        data["nodes"] = list(plan.nodes)
+        for model in plan.models:
+            model_dict = data["models"][model.name]
+            for group in model.groups:
+                model_dict["groups"][group.name]["engines"] = _LazyArray(self._engine_dicts(group.engines))
+            if model.has_router:
+                router = self.launch.router(model.name)
+                model_dict["router"] = {
+                    **router.to_dict(workers=False),
+                    "workers": _LazyArray(router.worker_dicts),
+                }
+        data["engine_kind"] = self.launch.engine_kind.value
+        data["notes"] = [*data["notes"], *self.launch.notes]
+        data.update(extra)
+        return data
+
+    def _engine_dicts(self, engines: Sequence[EnginePlan]) -> Callable[[], Iterator[dict[str, Any]]]:
+        def each() -> Iterator[dict[str, Any]]:
+            for engine in engines:
+                entry = engine.to_dict()
+                entry["launch"] = [process.to_dict() for process in self.launch.for_engine(entry["id"])]
+                yield entry
+
+        return each
+
+
+class _LazyArray:
+    """A JSON array whose items are made when it is written (:func:`_json_chunks`)."""
+
+    def __init__(self, items: Callable[[], Iterator[Any]]) -> None:
+        self.items = items
+
+
+def _json_chunks(value: Any, indent: str) -> Iterator[str]:
+    """``value`` as JSON text: objects one key per line, arrays of objects or arrays one item per line (each
+    item on one line, by the C encoder), arrays of plain values on one line."""
+    if isinstance(value, dict) and value:
+        inner = indent + "  "
+        yield "{"
+        for i, (key, item) in enumerate(value.items()):
+            yield f"{',' if i else ''}\n{inner}{json.dumps(key)}: "
+            yield from _json_chunks(item, inner)
+        yield f"\n{indent}}}"
+    elif isinstance(value, _LazyArray):
+        yield from _array_lines(value.items(), indent)
+    elif isinstance(value, list) and any(isinstance(item, dict | list) for item in value):
+        yield from _array_lines(iter(value), indent)
+    else:
+        yield json.dumps(value)
+
+
+def _array_lines(items: Iterator[Any], indent: str) -> Iterator[str]:
+    first = next(items, _END)
+    if first is _END:
+        yield "[]"
+        return
+    inner = indent + "  "
+    yield f"[\n{inner}{json.dumps(first)}"
+    for item in items:
+        yield f",\n{inner}{json.dumps(item)}"
+    yield f"\n{indent}]"
+
+
+_END = object()
 
 
 def prepare_deployment(

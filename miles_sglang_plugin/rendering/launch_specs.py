@@ -19,7 +19,7 @@ import json
 import shlex
 import sys
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from miles_sglang_plugin.addresses import host_port, http_base_url
@@ -173,6 +173,7 @@ class RouterLaunch:
             "pd_disaggregation": self.spec.pd_disaggregation,
             "gateway": self.spec.settings.gateway,
             "policy": self.spec.settings.policy,
+            "dp_aware": bool(self.spec.settings.extra.get("dp_aware", False)),
             "workers": [
                 {
                     "url": w.url,
@@ -473,6 +474,16 @@ class _EngineRendering:
         }
 
 
+def router_settings(model: ModelPlan, settings: SGLangDeployConf) -> RouterSettings:
+    """The settings of ``model``'s router: ``sglang_deploy.router`` with the gateway decided, and dp-aware
+    routing when its engines run DP attention (Miles: ``--sglang-enable-dp-attention`` sets
+    ``router_dp_aware``), unless ``router.extra.dp_aware`` says otherwise."""
+    router = RouterSettings.from_mapping(asdict(settings.router)).resolved()
+    if model.dp_attention and "dp_aware" not in router.extra:
+        router = replace(router, extra={**router.extra, "dp_aware": True})
+    return router
+
+
 def _router_launch(
     model: ModelPlan,
     settings: SGLangDeployConf,
@@ -487,10 +498,25 @@ def _router_launch(
         port=router_ports.http,
         prometheus_port=router_ports.prometheus,
         pd_disaggregation=model.is_pd,
-        settings=RouterSettings.from_mapping(asdict(settings.router)).resolved(),
+        settings=router_settings(model, settings),
         api_key=settings.api_key,
     )
     return RouterLaunch(model=model.name, spec=spec, workers=tuple(workers))
+
+
+def _dp_aware_note(model: ModelPlan, router: RouterLaunch) -> str | None:
+    """A dp-aware router's note: why it is dp-aware, and what sglang-router 0.3.2 cannot do then."""
+    settings = router.spec.settings
+    if router.model != model.name or not settings.extra.get("dp_aware"):
+        return None
+    why = "its engines run DP attention, as Miles sets it" if model.dp_attention else "router.extra.dp_aware"
+    note = f"router of model {router.model!r} is dp-aware ({why})"
+    if settings.gateway == "sglang_router":
+        note += (
+            "; sglang-router 0.3.2 cannot take a dp-aware worker out (its removal job fails), so a lost engine "
+            "stays listed: gateway=smg can"
+        )
+    return note
 
 
 def render_launch(
@@ -526,5 +552,5 @@ def render_launch(
     notes = tuple(
         f"left out {key}: Miles sets it, but the installed SGLang has no such ServerArgs field"
         for key in sorted(rendering.dropped)
-    )
+    ) + tuple(note for model in plan.models for router in routers if (note := _dp_aware_note(model, router)))
     return LaunchSpecs(engine_kind=kind, engines=tuple(engines), routers=tuple(routers), notes=notes)

@@ -161,6 +161,20 @@ def test_gateway_setting_problems(monkeypatch: pytest.MonkeyPatch) -> None:
     ]
 
 
+def test_plan_names_each_routers_gateway(capsys: pytest.CaptureFixture[str], test_gateway: str) -> None:
+    from miles_sglang_plugin import cli
+
+    assert cli.main(["plan", "sglang_deploy.router.gateway=sglang-router", "hf_checkpoint=/c"]) == 2
+    assert (
+        "  - sglang_deploy.router: gateway: 'sglang-router' is not one of auto, sglang_router, smg"
+        in capsys.readouterr().err.splitlines()
+    )
+    for choice, expected in (("sglang_router", "sglang_router"), ("auto", test_gateway)):
+        assert cli.main(["plan", "--json", f"sglang_deploy.router.gateway={choice}", "hf_checkpoint=/c"]) == 0
+        router = json.loads(capsys.readouterr().out)["models"]["actor"]["router"]
+        assert (router["gateway"], router["dp_aware"]) == (expected, False)
+
+
 def test_gateway_versions_are_the_installed_distributions() -> None:
     # sglang-router is pinned <0.4 and tested at 0.3.2; SMG's module says 1.1.0 in 1.13.0 (its __version__ is
     # not the package's), so the distribution is asked
@@ -1031,6 +1045,33 @@ def test_smg_rl_workers_show_the_labels_and_select_by_them(launcher: Launcher) -
     result = r.json()
     assert result["total"] == 1 and result["succeeded"] == 1, result
     assert [call["url"] for call in result["results"].values()] == [engines[1].url]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not gateway_installed("smg"), reason="SMG is not installed (the [smg] extra)")
+def test_smg_keeps_a_removed_worker_draining_for_its_drain_settle_time(launcher: Launcher) -> None:
+    """SMG's Rust router keeps a removed worker listed (a new POST of its URL refused) for drain_settle_secs
+    (SMG's default 5); the routers here set it from sglang_deploy.router.drain_settle_secs (default 0)."""
+    engine = launcher.engine()
+    for drain in (30, 0):
+        spec = _router_spec("actor", gateway="smg", policy="round_robin", drain_settle_secs=drain)
+        router, _ = launcher.router(spec)
+        worker = WorkerRegistration(engine.url)
+        register_workers(spec.url, [worker])
+        wait_router_ready(spec.url, [worker], timeout_s=30, alive=lambda: router.popen.poll() is None)
+        assert remove_worker(spec.url, engine.url) == 1
+        if drain:
+            time.sleep(1.0)  # well within its 30 s
+            assert [w["url"] for w in router_workers(spec.url)] == [engine.url]
+            raw = httpx.post(spec.url + "/workers", json=worker.payload(), timeout=10)
+            assert raw.status_code == 409 and raw.json()["code"] == "WORKER_ALREADY_EXISTS"
+        else:
+            deadline = time.monotonic() + 30
+            while router_workers(spec.url) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert router_workers(spec.url) == []
+            assert httpx.post(spec.url + "/workers", json=worker.payload(), timeout=10).status_code == 202
+        _stop(router)
 
 
 @pytest.mark.slow

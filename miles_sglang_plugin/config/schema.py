@@ -161,6 +161,10 @@ class RouterConf:
     """Turn the circuit breaker off."""
     log_level: str = "warn"
     """Router log level: debug, info, warn or error."""
+    drain_settle_secs: int = 0
+    """SMG only: how long a removed worker stays draining (listed, a new registration of its URL refused)
+    before it goes, in seconds. SMG's own default, 5, is for a load balancer in front of it; these routers are
+    reached directly, and a restarted engine is registered again at once. sglang-router removes at once."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Any other ``RouterArgs`` field of the gateway, by name (field -> value)."""
 

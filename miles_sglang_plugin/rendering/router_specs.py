@@ -170,8 +170,9 @@ def resolve_gateway(choice: str) -> str:
     return "smg" if gateway_installed("smg") else "sglang_router"
 
 
-#: Settings of this project that are not ``RouterArgs`` fields.
-_NOT_ROUTER_ARGS = frozenset({"extra", "gateway"})
+#: Settings of this project that are not ``RouterArgs`` fields (``drain_settle_secs`` is an argument of SMG's
+#: Rust router that its ``RouterArgs`` does not carry: the router's process passes it itself).
+_NOT_ROUTER_ARGS = frozenset({"extra", "gateway", "drain_settle_secs"})
 
 # RouterArgs fields that must not come through ``RouterSettings.extra``, with the reason.
 _MANAGED_BY_SPEC = {
@@ -498,6 +499,7 @@ _SETTING_BOUNDS = {
             "cb_failure_threshold",
         )
     },
+    "drain_settle_secs": Bounds(0, integer=True, maximum=MAX_DURATION_S, why="at most 30 days"),
     "retry_backoff_multiplier": Bounds(1.0, maximum=100.0),
     "retry_jitter_factor": Bounds(0.0, maximum=1.0),
 }

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib
 import json
 import os
@@ -104,6 +105,21 @@ def _spec_from_json(spec_json: str) -> RouterLaunchSpec:
     return dataclasses.replace(spec, settings=spec.settings.resolved())
 
 
+def _smg_router(router_module: Any, router_args: Any, drain_settle_secs: int) -> Any:
+    """SMG's ``Router.from_args`` with the Rust router's ``drain_settle_secs`` (an argument of its constructor,
+    ``smg.router._Router``, that ``RouterArgs`` does not carry). Where this SMG's router takes no such
+    argument, its own default stays, which the router's log says."""
+    rust = getattr(router_module, "_Router", None)
+    if rust is None or "drain_settle_secs" not in (getattr(rust, "__text_signature__", None) or ""):
+        print(f"{_TAG} this SMG takes no drain_settle_secs: its own drain time stays", flush=True)
+        return router_module.Router.from_args(router_args)
+    router_module._Router = functools.partial(rust, drain_settle_secs=drain_settle_secs)
+    try:
+        return router_module.Router.from_args(router_args)
+    finally:
+        router_module._Router = rust
+
+
 def _build_router(spec: RouterLaunchSpec) -> Any:
     gateway = gateway_info(spec.settings.gateway)
     router_module = importlib.import_module(f"{gateway.module}.router")
@@ -111,6 +127,8 @@ def _build_router(spec: RouterLaunchSpec) -> Any:
     try:
         router_args = args_module.RouterArgs(**build_router_args_kwargs(spec))
         router_args._validate_router_args()
+        if gateway.name == "smg":
+            return _smg_router(router_module, router_args, spec.settings.drain_settle_secs)
         return router_module.Router.from_args(router_args)
     except Exception as e:
         raise _StartError(

@@ -26,9 +26,11 @@ SMG 1.13.0, where it differs:
 * A ``POST /workers`` of a URL the router holds answers **409** ``{"code": "WORKER_ALREADY_EXISTS"}`` (also
   while that URL's registration is still in progress), so a worker is re-registered by :func:`replace_worker`.
 * ``DELETE /workers/{id}`` takes the worker out of routing at once, but the entry stays listed (and a new
-  ``POST`` of its URL answers 409) for its drain settle time, ~5 s; dp-aware entries are removed too.
+  ``POST`` of its URL answers 409) for the Rust router's ``drain_settle_secs`` (SMG's default 5 s; the routers
+  here get ``sglang_deploy.router.drain_settle_secs``, 0 by default); dp-aware entries are removed too.
 * ``labels`` are listed under ``labels`` (with SMG's own, e.g. ``model_path``), and in ``/v1/rl/workers``.
-* SIGTERM: the router keeps listening for the same ~5 s before it drains and exits.
+* SIGTERM: the router keeps listening for 5 s (its load-balancer propagation window, whatever
+  ``drain_settle_secs``) before it drains and exits.
 """
 
 from __future__ import annotations
@@ -460,8 +462,8 @@ def remove_worker(
 ) -> int:
     """Take the worker at ``url`` out of the router (every entry of it: dp-aware routers list one per rank);
     returns how many entries were removed (0: it was not listed). Removal is queued by the router (202): SMG
-    stops routing to it at once and lists it for its drain settle time (~5 s) more; :func:`replace_worker`
-    waits for that before it registers the URL again."""
+    stops routing to it at once and lists it for its drain settle time more; :func:`replace_worker` waits for
+    that before it registers the URL again."""
     base = _base(router_url)
     entries = _entries_of(base, url, api_key, timeout_s)
     _delete_entries(base, entries, api_key, timeout_s)

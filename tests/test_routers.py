@@ -265,6 +265,14 @@ def test_validate_other_fields() -> None:
     assert "disable_retries: must be true or false" in text
 
 
+def test_drain_settle_secs_is_a_duration_from_zero() -> None:
+    assert RouterSettings().drain_settle_secs == 0
+    assert validate_router_settings(RouterSettings(drain_settle_secs=5)) == []
+    assert validate_router_settings(RouterSettings(drain_settle_secs=-1)) == [
+        "drain_settle_secs: must be an integer in 0..2592000 (at most 30 days), got -1"
+    ]
+
+
 def test_validate_never_raises_on_garbage() -> None:
     s = RouterSettings(policy=None, extra={1: 2, "max_tree_size": object()})  # type: ignore[arg-type, dict-item]
     problems = validate_router_settings(s)
@@ -557,6 +565,7 @@ def test_router_args_kwargs_build_real_router_args(gateway: str) -> None:
     )
     kwargs = router_main.build_router_args_kwargs(spec)
     assert "gateway" not in kwargs  # which RouterArgs, not one of its fields
+    assert "drain_settle_secs" not in kwargs  # SMG's Rust router takes it, not its RouterArgs
     args = RouterArgs(**kwargs)
     assert (args.host, args.port, args.prometheus_host, args.prometheus_port) == (
         "127.0.0.2",
@@ -1058,7 +1067,7 @@ def test_smg_keeps_a_removed_worker_draining_for_its_drain_settle_time(launcher:
         router, _ = launcher.router(spec)
         worker = WorkerRegistration(engine.url)
         register_workers(spec.url, [worker])
-        wait_router_ready(spec.url, [worker], timeout_s=30, alive=lambda: router.popen.poll() is None)
+        wait_router_ready(spec.url, [worker], timeout_s=30, alive=lambda proc=router: proc.popen.poll() is None)
         assert remove_worker(spec.url, engine.url) == 1
         if drain:
             time.sleep(1.0)  # well within its 30 s

@@ -1067,7 +1067,9 @@ def test_smg_keeps_a_removed_worker_draining_for_its_drain_settle_time(launcher:
         router, _ = launcher.router(spec)
         worker = WorkerRegistration(engine.url)
         register_workers(spec.url, [worker])
-        wait_router_ready(spec.url, [worker], timeout_s=30, alive=lambda proc=router: proc.popen.poll() is None)
+        wait_router_ready(
+            spec.url, [worker], timeout_s=30, alive=lambda proc=router: proc.popen.poll() is None
+        )
         assert remove_worker(spec.url, engine.url) == 1
         if drain:
             time.sleep(1.0)  # well within its 30 s

@@ -175,6 +175,7 @@ def test_plan_json_entries_of_an_engine_process_and_its_router(test_gateway):
         "pd_disaggregation": False,
         "gateway": test_gateway,  # auto: the suite's gateway ($MSP_ROUTER_GATEWAY)
         "policy": "cache_aware",
+        "dp_aware": False,  # no DP attention
         "workers": [
             {
                 "url": "http://127.0.0.1:15002",

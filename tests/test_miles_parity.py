@@ -806,6 +806,16 @@ def test_dp_attention_of_one_group_makes_only_its_models_router_dp_aware():
     assert [m.dp_attention for m in plan.models] == [True, True, False]
     launch = prepare_deployment(plan, SGLangDeployConf(), server_arg_fields=FIELDS_0_5_23).launch
     assert [r.spec.settings.extra.get("dp_aware", False) for r in launch.routers] == [True, True, False]
+    # noted, with what sglang-router 0.3.2 cannot do for a dp-aware router
+    settings = SGLangDeployConf()
+    settings.router.gateway = "sglang_router"
+    notes = prepare_deployment(plan, settings, server_arg_fields=FIELDS_0_5_23).launch.notes
+    assert [note for note in notes if "dp-aware" in note] == [
+        f"router of model {name!r} is dp-aware (its engines run DP attention, as Miles sets it); sglang-router "
+        "0.3.2 cannot take a dp-aware worker out (its removal job fails), so a lost engine stays listed: "
+        "gateway=smg can"
+        for name in ("actor", "ref")
+    ]
     # the user's own router.extra.dp_aware wins
     settings = SGLangDeployConf()
     settings.router.extra = {"dp_aware": False}

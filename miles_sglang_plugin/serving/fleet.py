@@ -399,6 +399,16 @@ def _lora_paths(launch: EngineProcessLaunch) -> tuple[tuple[str, str], ...]:
     return tuple(sorted(pairs))
 
 
+def _registration(
+    prepared: PreparedDeployment, model: str, url: str, fallback: WorkerRegistration
+) -> WorkerRegistration:
+    """The router's registration of the worker at ``url`` (with the plan's labels), as rendered."""
+    try:
+        return prepared.launch.router(model).registration(url)
+    except KeyError:
+        return fallback
+
+
 def _local_row(
     model: ModelPlan, group: GroupPlan, launches: Sequence[EngineProcessLaunch], num_gpus: int
 ) -> EngineRow:
@@ -457,6 +467,8 @@ def engine_rows(prepared: PreparedDeployment) -> list[EngineRow]:
                 launches = sorted(prepared.launch.for_engine(engine.id), key=lambda p: p.node_rank)
                 rows.append(_local_row(model, group, launches, engine.num_gpus))
         rows += [_external_row(model, engine) for engine in model.external]
+    for row in rows:
+        row.registration = _registration(prepared, row.model, row.url, row.registration)
     return rows
 
 

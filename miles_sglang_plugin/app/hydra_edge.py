@@ -7,14 +7,16 @@ to the later stages; the backend is picked by ``sglang_deploy.launch.backend`` a
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import sys
 import time
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from hydra.errors import CompactHydraException
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from miles_sglang_plugin.backends import Backend, get_backend
 from miles_sglang_plugin.config.reading import read_config
@@ -137,6 +139,39 @@ def _default_log_dir() -> Path:
     return Path.cwd() / "sglang_logs" / time.strftime("%Y-%m-%d_%H-%M-%S")
 
 
+@dataclasses.dataclass
+class HydraConfigSource:
+    """How a deployment launched from a composed config resolves its changes (``Deployment.apply(cfg)``,
+    ``resize``, ``move_gpus``): with :func:`prepare_from_config`, every check of a launch."""
+
+    config: DictConfig
+    sglang_key: str | None = None
+    server_arg_fields: Collection[str] | None = None
+
+    def resolve(self, config: DictConfig) -> tuple[DeploymentPlan, SGLangDeployConf]:
+        checked = prepare_from_config(
+            config, sglang_key=self.sglang_key, server_arg_fields=self.server_arg_fields
+        )
+        return checked.plan, checked.settings
+
+    def resized(self, sizes: Mapping[tuple[str, str], int]) -> DictConfig:
+        """A copy of the current config with these groups' ``num_gpus`` (a group is found by the key it was
+        written at: ``sglang.actor.decode``)."""
+        plan, _settings = self.resolve(self.config)
+        config = copy.deepcopy(self.config)
+        problems = []
+        for (model, group), num_gpus in sizes.items():
+            try:
+                key = plan.model(model).group(group).key
+            except KeyError as exc:
+                problems.append(Problem(f"{model}.{group}", str(exc).strip('"')))
+                continue
+            OmegaConf.update(config, f"{key}.num_gpus", num_gpus, merge=True)
+        if problems:
+            raise DeploymentConfigError(problems)
+        return config
+
+
 @contextlib.contextmanager
 def launch_from_config(
     cfg: DictConfig,
@@ -166,7 +201,8 @@ def launch_from_config(
         )
     try:
         prepared = backend.prepare(checked.plan, settings, server_arg_fields=fields)
-        deployment = Deployment(prepared, backend, log_dir=target)
+        source = HydraConfigSource(cfg, sglang_key=sglang_key, server_arg_fields=fields)
+        deployment = Deployment(prepared, backend, log_dir=target, source=source)
     except BaseException:
         backend.close()
         raise

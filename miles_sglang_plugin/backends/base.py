@@ -27,6 +27,7 @@ from miles_sglang_plugin.backends.processes import ExitWatcher
 from miles_sglang_plugin.config.schema import SGLangDeployConf
 from miles_sglang_plugin.planning.plan import DeploymentPlan
 from miles_sglang_plugin.rendering.launch_specs import EngineProcessLaunch
+from miles_sglang_plugin.rendering.ports import PortAssignment
 from miles_sglang_plugin.rendering.prepared import PreparedDeployment
 
 
@@ -91,9 +92,13 @@ class Backend(abc.ABC):
         settings: SGLangDeployConf,
         *,
         server_arg_fields: Collection[str] | None = None,
+        fixed_ports: PortAssignment | None = None,
     ) -> PreparedDeployment:
         """Addresses, ports and launch specs for ``plan`` on this backend's machines, every check included.
-        Raises :class:`~miles_sglang_plugin.errors.DeploymentConfigError` or :class:`UnsupportedPlanError`."""
+        ``fixed_ports``: the ports of the processes and routers of a running deployment that keep running through
+        a change of it (``Deployment.apply``; a backend that cannot change a running deployment raises
+        :class:`UnsupportedPlanError` for them). Raises :class:`~miles_sglang_plugin.errors.DeploymentConfigError`
+        or :class:`UnsupportedPlanError`."""
 
     @abc.abstractmethod
     def check(self, prepared: PreparedDeployment) -> list[str]:

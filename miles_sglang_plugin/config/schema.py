@@ -204,6 +204,8 @@ class LaunchConf:
     """Time between health polls during start-up, in seconds."""
     shutdown_grace_s: float = 10.0
     """Time between SIGTERM and SIGKILL when stopping, in seconds."""
+    drain_timeout_s: float = 60.0
+    """Longest an engine removed by a change of the running deployment (``apply``) may take, out of its router, to finish its requests before it is stopped, in seconds."""
     port_base: int = 15000
     """First port tried for engines and routers (searched upward, below the ephemeral range; Miles: 15000)."""
     port_max: int = 32767

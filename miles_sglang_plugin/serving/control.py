@@ -95,7 +95,7 @@ class AsyncDeploymentControl:
         return tuple(row.info() for row in self._select(model, group))
 
     def _select(self, model: str | None, group: str | None) -> list[EngineRow]:
-        rows = list(self._serving.fleet.engines())
+        rows = [r for r in self._serving.fleet.engines() if not r.retired]  # removed by a change: not driven
         if model is not None:
             known = sorted({r.model for r in rows})
             if model not in known:

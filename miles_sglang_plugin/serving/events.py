@@ -29,6 +29,8 @@ EVENT_LEVELS: Mapping[str, int] = MappingProxyType(
         "engine_pending_weights": logging.WARNING,
         "engine_admitted": logging.INFO,
         "engine_diverged": logging.WARNING,
+        "engine_added": logging.INFO,
+        "engine_removed": logging.INFO,
         "external_engine_lost": logging.WARNING,
         "external_engine_back": logging.WARNING,
         "router_lost": logging.WARNING,

@@ -313,7 +313,7 @@ class Reconciler:
         except Exception as exc:  # an unexpected error becomes the action's failed outcome
             log.exception("supervision: %s of %s failed", a.kind, a.engine or a.router)
             problem = f"{type(exc).__name__}: {exc}"
-            if a.engine is not None:
+            if a.engine is not None and a.engine in self.fleet:
                 self.observe(done(a.kind, a.engine, self.fleet.engine(a.engine).restarts, problem))
             elif a.router is not None:
                 row = self.fleet.router(a.router)
@@ -420,6 +420,15 @@ class Reconciler:
             if self.fleet.engine(row.id).restarts == generation:
                 self.ledger.accepted(row.id, call.effect)
         self.observe(done("replay", row.id, generation, problem))
+
+    async def _do_drain(self, a: Action) -> None:
+        """How many requests a draining engine still has (its /metrics: running and queued); done when none,
+        or when it no longer answers (nothing is left to finish)."""
+        row = self.fleet.engine(a.engine or "")
+        generation = row.restarts
+        answer = await self.pool.call(row.url, "GET", "/metrics", deadline_s=self.policy.health_timeout_s)
+        left = requests_left(answer.body) if answer.ok else 0
+        self.observe(done("drain", row.id, generation, None if not left else f"{left} request(s) left"))
 
     async def _do_register(self, a: Action) -> None:
         row = self.fleet.engine(a.engine or "")
@@ -554,6 +563,22 @@ def _describe_exit(process: EngineProcess) -> tuple[int, str]:
     return (
         code if code is not None else -1
     ), f"process {process.name} exited with code {code} ({process.where}){why}"
+
+
+def requests_left(metrics: Any) -> int:
+    """Running plus queued requests of a Prometheus page of SGLang's (``sglang:num_running_reqs``,
+    ``sglang:num_queue_reqs``, summed over their labels); 0 when it holds neither."""
+    if not isinstance(metrics, str):
+        return 0
+    total = 0.0
+    for line in metrics.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in ("sglang:num_running_reqs", "sglang:num_queue_reqs"):
+            try:
+                total += float(line.rsplit(" ", 1)[1])
+            except (IndexError, ValueError):
+                continue
+    return int(total)
 
 
 def _whole_number(value: Any) -> int | None:

@@ -300,6 +300,8 @@ class EngineState:
     last_bootstrap: dict[str, Any] | None = None
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
+    #: Generation requests being answered now (what /metrics reports as running, as SGLang does).
+    in_flight: int = 0
     #: What the control routes change (memory, weights, pause, LoRA adapters): :mod:`.control`.
     control: ControlState = field(init=False)
     max_total_num_tokens: int = field(init=False)
@@ -533,13 +535,22 @@ def _stream_steps(max_new_tokens: int) -> list[int]:
 # Middlewares
 
 
+#: The routes that generate (their requests in flight are /metrics' running requests).
+GENERATION_PATHS = frozenset({"/generate", "/v1/chat/completions", "/v1/completions"})
+
+
 @web.middleware
 async def _count_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     state = request.app[STATE]
     routed = request.match_info.http_exception is None
+    generating = routed and request.path in GENERATION_PATHS
     if routed:
         state.received[request.path] += 1
-    response = await handler(request)
+    state.in_flight += generating
+    try:
+        response = await handler(request)
+    finally:
+        state.in_flight -= generating
     if routed and response.status < 400:
         state.served[request.path] += 1
     return response
@@ -882,7 +893,7 @@ async def metrics(request: web.Request) -> web.Response:
         ),
         ("sglang:prompt_tokens_total", "counter", "Prompt tokens processed.", state.prompt_tokens_total),
         ("sglang:generation_tokens_total", "counter", "Tokens generated.", state.generation_tokens_total),
-        ("sglang:num_running_reqs", "gauge", "Running requests.", 0),
+        ("sglang:num_running_reqs", "gauge", "Running requests.", state.in_flight),
         ("sglang:num_queue_reqs", "gauge", "Queued requests.", 0),
         ("sglang:token_usage", "gauge", "KV cache usage.", 0.0),
     ]

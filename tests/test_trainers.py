@@ -385,34 +385,48 @@ def test_a_tp_sweep_over_skyrls_own_key_plans_each_job(tmp_path: Path):
 @pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_cluster")
-def test_a_composed_verl_config_resolves_in_a_ray_task():
+def test_composed_verl_and_skyrl_configs_resolve_in_a_ray_task():
     import ray
 
     pd = [f"+sglang@{ENGINES}=pd", *VERL_BASE[1:], f"{R}.disaggregation.enabled=true"]
-    cfg = verl_config("trainer.nnodes=2", f"{R}.disaggregation.decode_replicas=3", base=pd)
-    with open_dict(cfg):
-        del cfg["hydra"]  # as Hydra hands it to the task function (verl's main, and so its TaskRunner)
+    verl = verl_config("trainer.nnodes=2", f"{R}.disaggregation.decode_replicas=3", base=pd)
+    skyrl = skyrl_config(
+        "generator.num_inference_engines=2", "generator.inference_engine_tensor_parallel_size=2"
+    )
+    for cfg in (verl, skyrl):
+        with open_dict(cfg):
+            del cfg["hydra"]  # as Hydra hands it to the task function (verl's main, SkyRL's main_base)
 
-    def resolve_in_a_fresh_process(blob: bytes) -> dict:
-        """What a trainer's Ray task does with the config it is handed (verl's TaskRunner.run, SkyRL's
-        tracker): unpickle, resolve, to plain containers. Defined here, so that Ray ships it by value: the
-        worker imports nothing of this package (nor this test module) before the config."""
+    def resolve_in_a_fresh_process(blob: bytes, key: str) -> dict:
+        """What a trainer's Ray task does with the config it is handed (verl's TaskRunner.run:
+        OmegaConf.resolve; SkyRL's tracker: to_container(resolve=True)): unpickle, resolve, to plain
+        containers. Defined here, so that Ray ships it by value: the worker imports nothing of this package
+        (nor this test module) before the config."""
         import pickle
 
         from omegaconf import OmegaConf
 
         before = OmegaConf.has_resolver("msp.trainer")
-        config = pickle.loads(blob)
-        OmegaConf.resolve(config)
-        return {"before": before, "engines": OmegaConf.to_container(config.actor_rollout_ref.sglang)}
+        config = OmegaConf.to_container(pickle.loads(blob), resolve=True)
+        for part in key.split("."):
+            config = config[part]
+        return {"before": before, "engines": config}
 
-    task = ray.remote(num_cpus=0)(resolve_in_a_fresh_process).options(
-        runtime_env={"env_vars": {"MSP_FRESH_WORKER": uuid.uuid4().hex}}  # a worker process of its own
-    )
-    result = ray.get(task.remote(pickle.dumps(cfg)), timeout=120)
+    def in_a_worker_of_its_own(cfg, key: str) -> dict:
+        task = ray.remote(num_cpus=0)(resolve_in_a_fresh_process).options(
+            runtime_env={"env_vars": {"MSP_FRESH_WORKER": uuid.uuid4().hex}}  # a new worker process
+        )
+        return ray.get(task.remote(pickle.dumps(cfg), key), timeout=120)
+
+    result = in_a_worker_of_its_own(verl, ENGINES)
     assert result["before"] is False
     actor = result["engines"]["actor"]
     assert actor["model_path"] == "/models/Qwen3-8B" and actor["num_gpus_per_engine"] == 2
     assert (actor["prefill"]["num_gpus"], actor["decode"]["num_gpus"]) == (4, 12)
     assert actor["decode"]["num_gpus_per_engine"] == 2
     assert "${" not in repr(result["engines"])
+    result = in_a_worker_of_its_own(skyrl, "sglang")
+    assert result["before"] is False
+    actor = result["engines"]["actor"]
+    assert (actor["model_path"], actor["num_gpus_per_engine"]) == ("Qwen/Qwen2.5-1.5B-Instruct", 2)
+    assert (actor["regular"]["num_gpus"], actor["regular"]["num_gpus_per_engine"]) == (4, 2)

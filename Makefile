@@ -12,7 +12,7 @@ TRAINERS_BIN := $(TRAINERS_VENV)/bin
 RAY_FLOOR_VENV ?= .venv-ray-floor
 RAY_FLOOR_BIN := $(RAY_FLOOR_VENV)/bin
 
-.PHONY: demo test test-ray test-ray-floor test-trainers lint bench mutation clean
+.PHONY: demo test test-smg test-ray test-ray-floor test-trainers lint bench mutation clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,16 @@ $(VENV)/.base-installed: pyproject.toml | $(BIN)/python
 $(VENV)/.sglang-installed: scripts/install-sglang-cpu.sh | $(VENV)/.base-installed
 	PYTHON=$(BIN)/python bash scripts/install-sglang-cpu.sh
 	touch $@
+
+# SMG, the second gateway the router-facing tests run against (the [smg] extra).
+$(VENV)/.smg-installed: pyproject.toml | $(VENV)/.base-installed
+	$(BIN)/python -m pip install --quiet -e '.[test,smg]' --config-settings editable_mode=compat
+	touch $@
+
+# The tests that start routers, run a second time with SMG as the gateway (the first run: sglang-router).
+ROUTER_TESTS := tests/test_routers.py tests/test_launcher.py tests/test_launcher_faults.py \
+	tests/test_supervision.py tests/test_control.py tests/test_control_lifecycle.py \
+	tests/test_standin_control.py tests/test_external_engines_live.py
 
 # The ray backend's extra (Ray itself), for the tests.
 $(VENV)/.ray-installed: pyproject.toml | $(VENV)/.base-installed
@@ -58,11 +68,16 @@ $(RAY_FLOOR_VENV)/.installed: pyproject.toml Makefile | $(RAY_FLOOR_BIN)/python
 demo: $(VENV)/.base-installed
 	cd examples && ../$(BIN)/python train.py sglang=agentic_32gpu sglang_deploy=simulated colocate=true actor_num_nodes=4 kill_engine_at_step=1
 
-test: $(VENV)/.sglang-installed $(VENV)/.ray-installed $(TRAINERS_VENV)/.installed $(RAY_FLOOR_VENV)/.installed
+test: $(VENV)/.sglang-installed $(VENV)/.ray-installed $(VENV)/.smg-installed $(TRAINERS_VENV)/.installed $(RAY_FLOOR_VENV)/.installed
 	$(BIN)/python -m pytest -m "not ray and not trainers"
+	$(BIN)/python -m pytest --gateway smg -m "not ray" -p no:cacheprovider $(ROUTER_TESTS)
 	bash scripts/in-loopback-netns.sh $(BIN)/python -m pytest -m "ray and not trainers" -p no:cacheprovider
 	bash scripts/in-loopback-netns.sh $(RAY_FLOOR_BIN)/python -m pytest -m "ray and not trainers" -p no:cacheprovider
 	bash scripts/in-loopback-netns.sh $(TRAINERS_BIN)/python -m pytest -m trainers -p no:cacheprovider
+
+# The router-facing tests against SMG alone.
+test-smg: $(VENV)/.sglang-installed $(VENV)/.smg-installed
+	$(BIN)/python -m pytest --gateway smg -m "not ray" -p no:cacheprovider $(ROUTER_TESTS)
 
 test-ray: $(VENV)/.ray-installed
 	bash scripts/in-loopback-netns.sh $(BIN)/python -m pytest -m "ray and not trainers" -p no:cacheprovider

@@ -9,15 +9,21 @@
 (2) healing: 4 engines, each taking ``--start-delay`` s to start (``sglang_deploy.standin.start_delay_s``); one is
     SIGKILLed; from the kill until the replacement serves again (registered and listed healthy by its router),
     minus the replacement's own start (process start to answering ``/health_generate``): detection, taking it
-    out of the router, the restart backoff, registration. With the default supervision settings and with fast
-    ones (polls every 0.2 s, no backoff).
+    out of the router, registration (the first restart has no backoff). Goal: at most 0.3 s with the default
+    supervision settings; also with fast ones (polls every 0.2 s).
 (3) requests under a loss: 2,000 ``POST /generate`` at concurrency 64 through the router (cache_aware, the
     router's default retries) of 8 engines; one engine is SIGKILLed after 500 answers. Requests failed, latency,
     the loss and the recovery reported by the deployment.
+(4) chaos soak: 10 engines, 32 clients sending ``/generate`` without pause for ``--soak-s`` (300) seconds,
+    default supervision settings; every 5-15 s a serving engine is SIGKILLed or SIGSTOPped (its hang is
+    noticed, it is killed and replaced), and the router is SIGKILLed twice (at 1/3 and 2/3 of the run). A
+    client whose connection is refused (no router at that moment: nothing was sent) tries again; every other
+    error or non-200 answer is a failure. Reported: failures while only engines failed (goal 0), 503s (goal 0),
+    and failures of requests that were in flight inside the router when it was killed (the only ones allowed).
 
 Everything binds 127.0.0.1 with ports from a random base; everything started is stopped (context managers).
 
-    python benchmarks/bench_control.py [--reps 5] [--latency 0.5] [--requests 2000] [--json]
+    python benchmarks/bench_control.py [--reps 5] [--latency 0.5] [--requests 2000] [--soak-s 300] [--json]
     python benchmarks/bench_control.py --smoke    # one quick repetition at the smallest sizes (run by the tests)
 """
 
@@ -33,8 +39,10 @@ import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -221,6 +229,96 @@ def requests_under_loss(k: int, total: int, concurrency: int, tmp: Path, verbose
     return row
 
 
+# ------------------------------------------------------------------------------------------ (4) chaos
+@dataclass
+class _Request:
+    started: float
+    ended: float
+    outcome: str  # "200", "HTTP 503", "ReadError", ...
+
+
+async def _soak_clients(url: str, clients: int, until: float, log: list[_Request]) -> int:
+    refused = 0
+
+    async def client() -> None:
+        nonlocal refused
+        async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=1)) as http:
+            while time.monotonic() < until:
+                started = time.monotonic()
+                try:
+                    response = await http.post(url, json=GEN_BODY)
+                    outcome = (
+                        str(response.status_code)
+                        if response.status_code == 200
+                        else f"HTTP {response.status_code}"
+                    )
+                except httpx.ConnectError:  # no router listening right now: nothing was sent, try again
+                    refused += 1
+                    await asyncio.sleep(0.01)
+                    continue
+                except httpx.HTTPError as exc:
+                    outcome = type(exc).__name__
+                log.append(_Request(started, time.monotonic(), outcome))
+
+    await asyncio.gather(*(client() for _ in range(clients)))
+    return refused
+
+
+def _chaos(
+    d: Deployment, stop: float, router_kills: list[float], faults: list[tuple[float, str, str]]
+) -> None:
+    """Until ``stop``: an engine fault every 5-15 s, the router killed at each time of ``router_kills``."""
+    rng = random.Random(7)
+    next_fault = time.monotonic() + rng.uniform(5, 15)
+    kills = sorted(router_kills)
+    while time.monotonic() < stop:
+        now = time.monotonic()
+        if kills and now >= kills[0]:
+            kills.pop(0)
+            os.kill(d.fleet.routers()[0].process.pid, signal.SIGKILL)  # type: ignore[arg-type]
+            faults.append((time.monotonic(), "router", "SIGKILL"))
+        if now >= next_fault:
+            serving = [row for row in d.fleet.engines() if row.state.value == "serving" and row.processes]
+            if serving:
+                row = rng.choice(serving)
+                how = rng.choice([signal.SIGKILL, signal.SIGSTOP])
+                os.kill(row.processes[0].pid, how)  # type: ignore[attr-defined]
+                faults.append((time.monotonic(), row.id, how.name))
+            next_fault = time.monotonic() + rng.uniform(5, 15)
+        time.sleep(0.05)
+
+
+def chaos_soak(k: int, clients: int, soak_s: float, tmp: Path, verbose: bool) -> dict[str, Any]:
+    log: list[_Request] = []
+    faults: list[tuple[float, str, str]] = []
+    with quiet(verbose), launch(k, tmp, verbose, "sglang_deploy.router.policy=round_robin") as d:
+        started = time.monotonic()
+        stop = started + soak_s
+        kills = [started + soak_s / 3, started + 2 * soak_s / 3]
+        chaos = threading.Thread(target=_chaos, args=(d, stop, list(kills), faults), daemon=True)
+        chaos.start()
+        refused = asyncio.run(_soak_clients(d.registry.get_model_url("actor"), clients, stop, log))
+        chaos.join(timeout=30)
+        events = [e.kind for e in d.events()]
+    router_kills = [t for t, what, _how in faults if what == "router"]
+    failed = [r for r in log if r.outcome != "200"]
+    in_router = [r for r in failed if any(r.started <= t <= r.ended for t in router_kills)]
+    return {
+        "engines": k,
+        "clients": clients,
+        "soak_s": soak_s,
+        "requests": len(log),
+        "refused_connections": refused,
+        "engine_faults": sum(1 for _t, what, _how in faults if what != "router"),
+        "router_kills": len(router_kills),
+        "failed": len(failed),
+        "failed_not_in_killed_router": len(failed) - len(in_router),
+        "http_503": sum(1 for r in failed if r.outcome == "HTTP 503"),
+        "failure_kinds": sorted({r.outcome for r in failed}),
+        "events": {kind: events.count(kind) for kind in sorted(set(events))},
+    }
+
+
 # ------------------------------------------------------------------------------------------ report
 def print_report(results: dict[str, Any]) -> None:
     if "fan_out" in results:
@@ -229,6 +327,21 @@ def print_report(results: dict[str, Any]) -> None:
         _print_healing(results["healing"])
     if "requests" in results:
         _print_requests(results["requests"])
+    if "chaos" in results:
+        _print_chaos(results["chaos"])
+
+
+def _print_chaos(row: dict[str, Any]) -> None:
+    print(
+        f"(4) chaos soak: {row['soak_s']:g} s, {row['engines']} engines, {row['clients']} clients, "
+        f"{row['engine_faults']} engine faults (SIGKILL/SIGSTOP), {row['router_kills']} router kills"
+    )
+    print(
+        f"    {row['requests']} requests, failed {row['failed']} ({row['failed_not_in_killed_router']} not in flight "
+        f"in a killed router; goal 0), 503s {row['http_503']} (goal 0); {row['refused_connections']} connections "
+        f"refused while the router was down (tried again)"
+    )
+    print(f"    failures: {row['failure_kinds']}; events: {row['events']}")
 
 
 def _print_fan_out(rows: list[dict[str, Any]]) -> None:
@@ -274,7 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="one quick repetition at the smallest sizes")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--verbose", action="store_true")
-    parser.add_argument("--skip", default="", help="parts to leave out: fan_out,healing,requests")
+    parser.add_argument("--soak-s", type=float, default=300.0, help="length of the chaos soak")
+    parser.add_argument("--skip", default="", help="parts to leave out: fan_out,healing,requests,chaos")
     args = parser.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
     ks = [1, 2] if args.smoke else [1, 8, 32]
@@ -303,6 +417,14 @@ def main(argv: list[str] | None = None) -> int:
                 2 if args.smoke else 8,
                 200 if args.smoke else args.requests,
                 16 if args.smoke else args.concurrency,
+                tmp,
+                args.verbose,
+            )
+        if "chaos" not in skip:
+            results["chaos"] = chaos_soak(
+                4 if args.smoke else 10,
+                8 if args.smoke else 32,
+                20.0 if args.smoke else args.soak_s,
                 tmp,
                 args.verbose,
             )

@@ -38,8 +38,8 @@ from rich.table import Table
 from miles_sglang_plugin.app.hydra_edge import launch_from_config, resolve_config_or_exit
 from miles_sglang_plugin.config.schema import MilesTrainerArgs
 from miles_sglang_plugin.planning.views import print_plan
-from miles_sglang_plugin.serving.control import OperationResult
 from miles_sglang_plugin.serving.deployment import Deployment
+from miles_sglang_plugin.serving.results import OperationResult
 from miles_sglang_plugin.sweeps.jobs import bench_from_config, bench_settings_from_config
 
 try:  # run as a script (python examples/train.py) or as a module

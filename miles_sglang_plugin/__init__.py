@@ -65,20 +65,23 @@ _EXPORTS: dict[str, str] = {
     "RayBackend": "miles_sglang_plugin.backends.ray_backend",
     # serving
     "Deployment": "miles_sglang_plugin.serving.deployment",
-    "EngineInfo": "miles_sglang_plugin.serving.members",
+    "EngineInfo": "miles_sglang_plugin.serving.fleet",
+    "EngineState": "miles_sglang_plugin.serving.fleet",
+    "RouterState": "miles_sglang_plugin.serving.fleet",
     "DeploymentControl": "miles_sglang_plugin.serving.control",
     "AsyncDeploymentControl": "miles_sglang_plugin.serving.control",
-    "OperationResult": "miles_sglang_plugin.serving.control",
-    "EngineReply": "miles_sglang_plugin.serving.control",
-    "ControlError": "miles_sglang_plugin.serving.control",
-    "WeightUpdateGroup": "miles_sglang_plugin.serving.control",
-    "WeightUpdateRank": "miles_sglang_plugin.serving.control",
-    "DeploymentEvent": "miles_sglang_plugin.serving.supervision",
-    "DeploymentState": "miles_sglang_plugin.serving.supervision",
-    "DeploymentFailedError": "miles_sglang_plugin.serving.supervision",
-    "DeploymentStoppedError": "miles_sglang_plugin.serving.supervision",
-    "RouterInfo": "miles_sglang_plugin.serving.supervision",
-    "StartupInterrupted": "miles_sglang_plugin.serving.deployment",
+    "BackgroundControl": "miles_sglang_plugin.serving.control",
+    "OperationResult": "miles_sglang_plugin.serving.results",
+    "EngineReply": "miles_sglang_plugin.serving.results",
+    "WeightUpdateGroup": "miles_sglang_plugin.serving.results",
+    "WeightUpdateRank": "miles_sglang_plugin.serving.results",
+    "ControlError": "miles_sglang_plugin.serving.errors",
+    "DeploymentFailedError": "miles_sglang_plugin.serving.errors",
+    "DeploymentStoppedError": "miles_sglang_plugin.serving.errors",
+    "StartupInterrupted": "miles_sglang_plugin.serving.errors",
+    "DeploymentEvent": "miles_sglang_plugin.serving.events",
+    "DeploymentState": "miles_sglang_plugin.serving.fleet",
+    "RouterInfo": "miles_sglang_plugin.serving.fleet",
     "RouterRegistry": "miles_sglang_plugin.serving.registry",
     "ModelRoute": "miles_sglang_plugin.serving.registry",
     "UnknownModelError": "miles_sglang_plugin.serving.registry",
@@ -110,6 +113,7 @@ _EXPORTS: dict[str, str] = {
 __all__ = [
     "AsyncDeploymentControl",
     "Backend",
+    "BackgroundControl",
     "BenchSettings",
     "CompositionError",
     "ControlError",
@@ -127,6 +131,7 @@ __all__ = [
     "EngineProcess",
     "EngineProcessLaunch",
     "EngineReply",
+    "EngineState",
     "GroupPlan",
     "GroupSpec",
     "LaunchError",
@@ -143,6 +148,7 @@ __all__ = [
     "RayBackend",
     "RouterInfo",
     "RouterRegistry",
+    "RouterState",
     "SGLangCleanupCallback",
     "SGLangDeployConf",
     "SGLangPlanCallback",
@@ -224,27 +230,35 @@ if TYPE_CHECKING:  # what static tools see; at run time the names load lazily th
     from miles_sglang_plugin.rendering.prepared import PreparedDeployment, prepare_deployment
     from miles_sglang_plugin.serving.control import (
         AsyncDeploymentControl,
-        ControlError,
+        BackgroundControl,
         DeploymentControl,
-        EngineReply,
-        OperationResult,
-        WeightUpdateGroup,
-        WeightUpdateRank,
     )
-    from miles_sglang_plugin.serving.deployment import Deployment, StartupInterrupted
-    from miles_sglang_plugin.serving.members import EngineInfo
+    from miles_sglang_plugin.serving.deployment import Deployment
+    from miles_sglang_plugin.serving.errors import (
+        ControlError,
+        DeploymentFailedError,
+        DeploymentStoppedError,
+        StartupInterrupted,
+    )
+    from miles_sglang_plugin.serving.events import DeploymentEvent
+    from miles_sglang_plugin.serving.fleet import (
+        DeploymentState,
+        EngineInfo,
+        EngineState,
+        RouterInfo,
+        RouterState,
+    )
     from miles_sglang_plugin.serving.registry import (
         ModelRoute,
         RouterRegistry,
         UnknownModelError,
         get_model_url,
     )
-    from miles_sglang_plugin.serving.supervision import (
-        DeploymentEvent,
-        DeploymentFailedError,
-        DeploymentState,
-        DeploymentStoppedError,
-        RouterInfo,
+    from miles_sglang_plugin.serving.results import (
+        EngineReply,
+        OperationResult,
+        WeightUpdateGroup,
+        WeightUpdateRank,
     )
     from miles_sglang_plugin.sweeps.bench import BenchSettings, arun_rollout_bench, run_rollout_bench
     from miles_sglang_plugin.sweeps.jobs import bench_from_config, bench_settings_from_config

@@ -2,7 +2,7 @@
 # Mutation testing with mutmut 3 (`make mutation`; by hand, not part of `make test` or CI).
 #
 #   scripts/mutation.sh [SET...]     sets: resolution resolution_more masking ports processes processes_child
-#                                     launch_specs router_specs (the default)
+#                                     launch_specs router_specs serving (the default)
 #   MUTANTS="NAME..." scripts/mutation.sh SET      only these mutants (mutmut names or globs), e.g. to show that
 #                                                  a new test kills them
 #
@@ -19,7 +19,7 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 MUTMUT="${MUTMUT:-$ROOT/.venv/bin/mutmut}"
-[ "$#" -gt 0 ] || set -- resolution resolution_more masking ports processes processes_child launch_specs router_specs
+[ "$#" -gt 0 ] || set -- resolution resolution_more masking ports processes processes_child launch_specs router_specs serving
 #: Each set stops after this many minutes (mutmut keeps what it has checked; the rest stays "not checked").
 MINUTES="${MUTATION_MINUTES_PER_SET:-30}"
 
@@ -105,8 +105,15 @@ config_for() {
                --deselect=tests/test_routers.py::test_deregister_workers
                --deselect=tests/test_routers.py::test_router_main_port_in_use"
         timeout=120 ;;
+    serving)
+        # The reconciler's pure decisions (policies: backoff, budget, thresholds, routers, externals), the
+        # ledger and the operations table, against their unit tests with a fake clock (a few seconds a run).
+        modules="miles_sglang_plugin/serving/policy.py miles_sglang_plugin/serving/ledger.py
+                 miles_sglang_plugin/serving/operations.py"
+        tests="tests/test_reconciler_policy.py tests/test_ledger.py tests/test_sglang_requests.py"
+        timeout=120 ;;
     *)
-        echo "unknown set '$1' (resolution, masking, ports, launch_specs, processes, router_specs)" >&2
+        echo "unknown set '$1' (resolution, masking, ports, launch_specs, processes, router_specs, serving)" >&2
         exit 2 ;;
     esac
     # Only tests that exist (a set may name a test file that a branch has not got yet).

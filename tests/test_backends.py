@@ -306,14 +306,15 @@ def test_local_backend_restarts_a_process_with_the_same_command(
     tmp_path: Path,
     leak_check: LeakTracker,  # noqa: F811
 ) -> None:
-    cfg = compose_config(launch_overrides())
+    cfg = compose_config(launch_overrides("sglang_deploy.supervision.enabled=false"))  # no restart of its own
     with launch_from_config(cfg, log_dir=tmp_path) as deployment:
         backend: LocalBackend = deployment.backend  # type: ignore[assignment]
-        first = deployment._engines[0].processes[0]
+        row = deployment.fleet.engines()[0]
+        first = row.processes[0]
         backend.stop([first], grace_s=3)
         assert first.exit_code() == 0
         again = backend.start(first.launch, log_path=tmp_path / "again.log")
-        deployment._engines[0].processes[0] = again  # the deployment stops it at the end
+        deployment.fleet.update(row.id, processes=(again,))  # the deployment stops it at the end
         assert again.pid != first.pid and list(again.argv) == list(first.argv)
         url = first.launch.url
         deadline = time.monotonic() + 30

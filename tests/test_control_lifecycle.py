@@ -9,6 +9,7 @@ from __future__ import annotations
 
 # ruff: noqa: F811  (pytest fixtures imported from other modules, redefined as arguments)
 import asyncio
+import concurrent.futures
 import json
 import os
 import signal
@@ -23,9 +24,9 @@ import httpx
 import pytest
 
 from miles_sglang_plugin.app.hydra_edge import launch_from_config
-from miles_sglang_plugin.serving.control import CLOSE_TIMEOUT_S
+from miles_sglang_plugin.serving.deployment import STOP_LOOP_TIMEOUT_S as CLOSE_TIMEOUT_S
 from miles_sglang_plugin.serving.deployment import Deployment
-from miles_sglang_plugin.serving.supervision import DeploymentStoppedError
+from miles_sglang_plugin.serving.errors import DeploymentStoppedError
 from tests.conftest_launch import leak_check  # noqa: F401  (fixture)
 from tests.launch_helpers import REPO, LeakTracker, compose, launch_overrides
 from tests.test_external_engines_live import judge
@@ -45,7 +46,8 @@ FAST = [
 
 
 def control_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name == "msp-control" and t.is_alive()]
+    """The deployment's serving loop (where every control operation runs), while it runs."""
+    return [t.name for t in threading.enumerate() if t.name == "msp-serving" and t.is_alive()]
 
 
 def stats(d: Deployment, engine: str) -> dict:
@@ -141,31 +143,7 @@ def test_an_async_operation_in_flight_when_the_deployment_stops_raises_and_recor
         thread.join(15)
         assert not thread.is_alive()
     assert isinstance(out.get("exc"), DeploymentStoppedError), out
-    assert d.async_control.remembered.paused == {}
-
-
-def test_a_deferred_engine_is_sent_an_operation_once_however_its_catch_up_ends() -> None:
-    """An engine the supervisor has just brought up (up, its catch-up not yet marked done) when an operation is
-    recorded: it is one late target, not one per list it shows up in (it was sent the operation twice)."""
-    from types import SimpleNamespace
-
-    from miles_sglang_plugin.serving.control import AsyncDeploymentControl
-
-    member = SimpleNamespace(
-        id="e1", state="registered", restarts=1, catching_up=True, catch_up=threading.Lock()
-    )
-    control = AsyncDeploymentControl(SimpleNamespace(members=[member]))
-    member.catch_up.acquire()  # the supervisor holds it while it finishes the catch-up
-
-    def supervisor_finishes() -> None:
-        time.sleep(0.2)
-        with control.remembered.lock:
-            member.catching_up = False
-        member.catch_up.release()
-
-    threading.Thread(target=supervisor_finishes).start()
-    late = control._remember(lambda state, result: None, SimpleNamespace(engines=(), deferred=("e1",)))
-    assert [m.id for m in late] == ["e1"]
+    assert [d.ledger.desired(e.id).paused for e in d.engines()] == [None, None]
 
 
 def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
@@ -176,8 +154,7 @@ def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> No
 
 
 def engine_pid(d: Deployment, engine: str) -> int:
-    (member,) = [m for m in d.members if m.id == engine]
-    return member.processes[0].pid  # type: ignore[attr-defined]
+    return d.fleet.engine(engine).processes[0].pid  # type: ignore[attr-defined]
 
 
 def test_an_engine_replaced_while_an_operation_is_out_on_it_is_caught_up_not_failed(
@@ -215,32 +192,31 @@ def replayed(d: Deployment, engine: str) -> bool:
 def test_a_slow_replay_blocks_neither_other_operations_nor_loss_detection(
     tmp_path: Path, leak_check: LeakTracker
 ) -> None:
-    """The restarted actor engine gets the pause replayed (8 s per control call). Meanwhile an operation on
-    the other model ends on its own deadline (1 s), and the other model's engine, killed, is noticed lost at
-    once (before: both waited for the replay, which held the control state's lock)."""
+    """The restarted actor engine gets the pause replayed (4 s per control call). Meanwhile an operation on
+    the other model ends on its own 1 s deadline before the replay is done, and the other model's engine,
+    killed, is noticed lost while the replay is still out (before: both waited for the replay, which held
+    the control state's lock: the 1 s deadline returned after 7.2 s)."""
     cfg = compose(
         "sglang.actor.regular.num_gpus=1",
         "+sglang_model@sglang.ref=base",
         "sglang.ref.regular.num_gpus=1",
         "sglang.ref.model_path=/ref",
         *FAST,
-        "sglang_deploy.standin.control_latency_s=8",
+        "sglang_deploy.standin.control_latency_s=4",
     )
     with launch_from_config(cfg, log_dir=tmp_path / "logs") as d:
-        d.control.pause_generation(model="actor", timeout_s=0.5, check=False)  # remembered, replayed later
+        d.control.pause_generation(model="actor", timeout_s=30)  # accepted: in the ledger, replayed later
         since = len(d.events())
         os.kill(engine_pid(d, "actor.regular.0"), signal.SIGKILL)
         d.wait_for_event("engine_lost", subject="actor.regular.0", since=since, timeout_s=10)
         wait_until(lambda: replayed(d, "actor.regular.0"), 30, "the restarted engine's replay")
-        started = time.monotonic()
         result = d.control.continue_generation(model="ref", timeout_s=1, check=False)
-        assert time.monotonic() - started < 3.0 and "no answer within 1 s" in str(result.failed[0].error)
-        killed_at = time.monotonic()
+        assert [r.error for r in result.failed] == ["no answer within 1 s"]
+        assert d.engines()[0].state == "catching_up"  # the replay is still out: the deadline did not wait
         os.kill(engine_pid(d, "ref.regular.0"), signal.SIGKILL)
         lost = d.wait_for_event("engine_lost", subject="ref.regular.0", since=since, timeout_s=10)
-        assert lost.monotonic - killed_at < 2.0
-        assert "engine_recovered" not in [e.kind for e in d.events()[since:]]  # the replay is still out
-        d.wait_for_event("engine_recovered", subject="actor.regular.0", since=since, timeout_s=30)
+        recovered = d.wait_for_event("engine_recovered", subject="actor.regular.0", since=since, timeout_s=30)
+        assert lost.monotonic < recovered.monotonic  # noticed while the replay was out
         assert stats(d, "actor.regular.0")["paused"] == "retract"
 
 
@@ -253,14 +229,14 @@ from miles_sglang_plugin.app.hydra_edge import launch_from_config
 from miles_sglang_plugin.config.compose import compose_config
 
 with launch_from_config(compose_config(json.loads(sys.argv[1])), log_dir=Path(sys.argv[2])) as d:
-    d.control.pause_generation(timeout_s=0.5, check=False)
+    d.control.pause_generation(timeout_s=60)  # accepted (each control call takes 10 s): it is replayed
     launch = d.prepared.launch
     print(json.dumps({
         "processes": [{"pid": p.pid, "name": p.name, "marker": p.argv[2]} for p in d.processes()],
         "ports": [e.port for e in launch.engines] + [p for r in launch.routers for p in (r.spec.port, r.spec.prometheus_port)],
         "urls": [e.url for e in d.engines()],
     }), flush=True)
-    os.kill(d.members[0].processes[0].pid, signal.SIGKILL)
+    os.kill(d.fleet.engines()[0].processes[0].pid, signal.SIGKILL)
     while True:
         time.sleep(0.1)
 """
@@ -269,13 +245,13 @@ with launch_from_config(compose_config(json.loads(sys.argv[1])), log_dir=Path(sy
 def test_sigterm_during_a_slow_replay_stops_everything_within_the_grace_period(
     tmp_path: Path, leak_check: LeakTracker
 ) -> None:
-    """The restarted engine's replay (a pause, 60 s per control call here) is in flight when the launcher
+    """The restarted engine's replay (a pause, 10 s per control call here) is in flight when the launcher
     gets SIGTERM: it ends within the shutdown grace period, nothing left (before: 30 s more, the teardown
     waiting for the recovery thread before it stopped the engine that thread waited for)."""
     script = tmp_path / "replay.py"
     script.write_text(REPLAY_SCRIPT)
     overrides = launch_overrides(
-        "sglang.actor.regular.num_gpus=2", *FAST, "sglang_deploy.standin.control_latency_s=60"
+        "sglang.actor.regular.num_gpus=2", *FAST, "sglang_deploy.standin.control_latency_s=10"
     )
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
@@ -319,15 +295,14 @@ def test_sigterm_during_a_slow_replay_stops_everything_within_the_grace_period(
     leak_check.assert_nothing_left(wait_s=1.0)
 
 
-def test_a_close_from_the_handles_own_loop_still_ends_every_other_operation() -> None:
-    """An operation that stops the deployment runs on the handle's loop thread: the others must still end
-    (with the refusal), not stay pending once the loop stops."""
-    from miles_sglang_plugin.serving.control import _LoopThread
+def test_a_close_from_the_serving_loop_itself_still_ends_every_other_operation() -> None:
+    """Closing the loop from one of its own coroutines: the others must still end (cancelled, their callers
+    told), not stay pending once the loop stops; then nothing more runs there."""
+    from miles_sglang_plugin.serving.reconciler import ServingLoop
 
     closed_client: list[bool] = []
-    loop_thread = _LoopThread(
-        on_start=lambda loop: None, refusal=lambda when: RuntimeError(f"stopped {when}")
-    )
+    serving = ServingLoop()
+    serving.start()
 
     async def slow() -> None:
         await asyncio.sleep(30)
@@ -336,38 +311,14 @@ def test_a_close_from_the_handles_own_loop_still_ends_every_other_operation() ->
         closed_client.append(True)
 
     async def closer() -> None:
-        loop_thread.close(before)
+        serving.close(before)
 
-    waiting = loop_thread.submit(slow())
-    assert loop_thread.submit(closer()).result(timeout=5) is None
-    with pytest.raises(RuntimeError, match="stopped while slow was in flight"):
+    waiting = serving.submit(slow())
+    serving.submit(closer())
+    with pytest.raises(concurrent.futures.CancelledError):
         waiting.result(timeout=5)
-    deadline = time.monotonic() + 5
-    while control_threads() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert closed_client == [True] and control_threads() == []
-    with pytest.raises(RuntimeError, match="stopped before slow was sent"):
-        loop_thread.submit(slow())
-
-
-def test_an_engine_that_answered_and_was_replaced_before_the_record_is_sent_the_operation_again() -> None:
-    """Its answer was its old process's; its replacement's replay was read before the record (it is up, or
-    being caught up): it is a late target. One still down gets the state by its replay, not sent it now."""
-    from types import SimpleNamespace
-
-    from miles_sglang_plugin.serving.control import AsyncDeploymentControl
-
-    def member(engine: str, state: str, restarts: int) -> SimpleNamespace:
-        return SimpleNamespace(
-            id=engine, state=state, restarts=restarts, catching_up=False, catch_up=threading.Lock()
-        )
-
-    up_again, still_down, same = (
-        member("e1", "registered", 2),
-        member("e2", "lost", 2),
-        member("e3", "registered", 1),
-    )
-    control = AsyncDeploymentControl(SimpleNamespace(members=[up_again, still_down, same]))
-    answered = SimpleNamespace(engines=("e1", "e2", "e3"), deferred=())
-    late = control._remember(lambda state, result: None, answered, {"e1": 1, "e2": 1, "e3": 1})
-    assert [m.id for m in late] == ["e1"]
+    wait_until(lambda: not control_threads(), 5, "the serving loop's thread ends")
+    assert closed_client == [True]
+    coro = slow()
+    with pytest.raises(RuntimeError, match="the serving loop is closed"):
+        serving.submit(coro)

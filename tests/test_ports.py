@@ -157,3 +157,48 @@ def test_running_out_of_ports_says_how_many_were_in_use_and_how_many_claimed(tmp
     ) == str(info.value)
     assert mine.fds == {}  # nothing kept of the partial run
     other_launch.release()
+
+
+def test_port_claims_stay_exclusive_when_their_lock_directory_is_removed(tmp_path: Path) -> None:
+    """Issue 23, for ports (the same claims module): a launch coming after ``rm -rf`` of the lock directory
+    skips the ports a running launch holds, and the holder goes on claiming in the new directory."""
+    import shutil
+
+    base = random_port_base()
+    locks = tmp_path / "locks"
+    holder = PortClaims(locks)
+    assert holder.try_claim(base)
+    shutil.rmtree(locks)
+    later = PortClaims(locks)
+    try:
+        assert not later.try_claim(base) and later.unusable is None  # taken, not a broken lock file
+        assert later.try_claim(base + 1)
+        assert holder.try_claim(base + 2) and holder.replaced == 1 and (locks / f"{base + 2}.lock").is_file()
+        holder.release()
+        assert later.try_claim(base)
+    finally:
+        holder.release()
+        later.release()
+
+
+def test_a_relative_lock_directory_stays_where_it_was_when_the_working_directory_changes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The claims check the directory at its path before each use: the path as it was first used, not as a
+    later working directory (a Hydra job's own) would read it."""
+    (tmp_path / "first").mkdir()
+    (tmp_path / "later").mkdir()
+    monkeypatch.chdir(tmp_path / "first")
+    base = random_port_base()
+    claims = PortClaims(Path("locks"))
+    try:
+        assert claims.try_claim(base)
+        monkeypatch.chdir(tmp_path / "later")
+        assert claims.try_claim(base + 1) and claims.replaced == 0
+        assert sorted(p.name for p in (tmp_path / "first" / "locks").iterdir()) == [
+            f"{base}.lock",
+            f"{base + 1}.lock",
+        ]
+        assert not (tmp_path / "later" / "locks").exists()
+    finally:
+        claims.release()

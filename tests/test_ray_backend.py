@@ -515,16 +515,20 @@ def test_a_stopped_engine_process_starts_again_on_its_node_and_gpus(
 ) -> None:
     cfg = compose_config(
         ray_overrides(
-            "debug_rollout_only=true", "sglang.actor.regular.num_gpus=4", "sglang.actor.num_gpus_per_engine=2"
+            "debug_rollout_only=true",
+            "sglang.actor.regular.num_gpus=4",
+            "sglang.actor.num_gpus_per_engine=2",
+            "sglang_deploy.supervision.enabled=false",  # no restart of its own
         )
     )
     with launch_from_config(cfg, log_dir=tmp_path / "logs") as deployment:
-        first = deployment._engines[1].processes[0]
+        row = deployment.fleet.engines()[1]
+        first = row.processes[0]
         before = httpx.get(first.launch.url + "/server_info", timeout=10).json()
         deployment.backend.stop([first], grace_s=3)
         assert first.exit_code() == 0 and first.exit_reason() is None
         again = deployment.backend.start(first.launch, log_path=tmp_path / "logs" / "again.log")
-        deployment._engines[1].processes[0] = again  # the deployment stops it at the end
+        deployment.fleet.update(row.id, processes=(again,))  # the deployment stops it at the end
         deadline = time.monotonic() + 30
         while True:
             with contextlib.suppress(httpx.HTTPError):
@@ -577,6 +581,42 @@ def test_supervision_heals_an_engine_killed_on_its_ray_node(
         for _ in range(4):  # both engines answer again through the router
             body = {"text": "hi", "sampling_params": {"max_new_tokens": 2}}
             assert httpx.post(url, json=body, timeout=30).status_code == 200
+    clean_cluster.assert_clean()
+
+
+def test_an_engine_whose_actor_died_on_a_live_node_is_healed(
+    clean_cluster: FakeCluster,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """The engine's Ray actor is killed (its node lives on): the engine dies with it, is noticed lost, and is
+    started again through a new actor in the same bundle, on the same node and GPUs (before: the whole
+    deployment failed, as for a lost node)."""
+    import ray
+
+    cfg = compose_config(
+        ray_overrides(
+            "debug_rollout_only=true",
+            "sglang.actor.regular.num_gpus=4",
+            "sglang.actor.num_gpus_per_engine=2",
+            "sglang_deploy.supervision.health_interval_s=0.3",
+        )
+    )
+    with launch_from_config(cfg, log_dir=tmp_path / "logs") as deployment:
+        victim = deployment.engines()[1]
+        before = httpx.get(victim.url + "/server_info", timeout=10).json()
+        since = len(deployment.events())
+        (process,) = deployment.fleet.engine(victim.id).processes
+        ray.kill(process.actor, no_restart=True)  # type: ignore[attr-defined]
+        lost = deployment.wait_for_event("engine_lost", subject=victim.id, since=since, timeout_s=30)
+        assert "Ray actor" in lost.message, lost.message
+        deployment.wait_for_event("engine_recovered", subject=victim.id, since=since, timeout_s=90)
+        after = httpx.get(victim.url + "/server_info", timeout=10).json()
+        assert (after["node_id"], after["cuda_visible_devices"], after["port"]) == (
+            before["node_id"],
+            "2,3",
+            before["port"],
+        )
+        assert deployment.state().status == "serving" and deployment.failure is None
     clean_cluster.assert_clean()
 
 

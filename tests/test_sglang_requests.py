@@ -17,21 +17,23 @@ from miles_sglang_plugin.rendering.sglang_requests import (
     schemas_from_source,
     value_matches,
 )
-from miles_sglang_plugin.serving import control
+from miles_sglang_plugin.serving import operations as control
+from miles_sglang_plugin.serving.ledger import CHECKPOINT, ControlState, Weights, initial_state, replay_calls
 
 needs_sglang = pytest.mark.skipif(
     importlib.util.find_spec("sglang") is None, reason="SGLang is not installed"
 )
 
-GROUP = control.WeightUpdateGroup(
-    model="actor",
-    master_address="10.0.0.1",
-    master_port=29500,
-    group_name="miles-pp_0",
-    backend="nccl",
-    world_size=9,
-    ranks=(control.WeightUpdateRank("actor.decode.0", "http://h:1", 1, 4),),
+#: What a restarted engine is replayed to reach: every kind of state at once.
+SHOULD = ControlState(
+    released=frozenset({"weights", "kv_cache"}),
+    paused="in_place",
+    lora=(("math", "/lora/math", True),),
+    weights=Weights.from_disk(control.disk_weights_body("/ckpt/7", weight_version="7")),
+    weight_version="8",
 )
+#: The calls of two replays: from a fresh process to SHOULD, and back (resume, unload, continue).
+REPLAYS = replay_calls(initial_state(), SHOULD) + replay_calls(SHOULD, ControlState(weights=CHECKPOINT))
 
 #: route -> every body the control handle sends there (through its body builders).
 BODIES = {
@@ -41,7 +43,16 @@ BODIES = {
         control.disk_weights_body("/ckpt"),
         control.disk_weights_body("/ckpt", weight_version="3", load_format="auto", abort_all_requests=True),
     ],
-    "/init_weights_update_group": [control.init_group_body(GROUP, GROUP.ranks[0])],
+    "/init_weights_update_group": [
+        control.init_group_body(
+            master_address="10.0.0.1",
+            master_port=29500,
+            rank_offset=1,
+            world_size=9,
+            group_name="miles-pp_0",
+            backend="nccl",
+        )
+    ],
     "/update_weights_from_distributed": [
         control.distributed_weights_body(
             ["a.weight", "b.bias"], ["torch.bfloat16", "float32"], [[4, 4], [4]]
@@ -62,9 +73,29 @@ BODIES = {
 def test_every_control_body_fits_sglangs_request_class(source: str) -> None:
     schemas = load_request_schemas() if source != "shipped" else _shipped()
     assert set(BODIES) == set(ROUTE_REQUESTS)
+    # Every operation's route has its request class, but /flush_cache, which reads no body.
+    assert {s.route for s in control.OPERATIONS.values() if s.route} == {*ROUTE_REQUESTS, "/flush_cache"}
     for route, bodies in BODIES.items():
         for body in bodies:
             assert schemas.problems(route, body) == [], (schemas.source, route, body)
+
+
+@pytest.mark.parametrize("source", ["installed or shipped", "shipped"])
+def test_every_replayed_body_fits_sglangs_request_class(source: str) -> None:
+    schemas = load_request_schemas() if source != "shipped" else _shipped()
+    routes = [call.route for call in REPLAYS]
+    assert routes == [
+        "/load_lora_adapter",
+        "/update_weights_from_disk",
+        "/update_weight_version",
+        "/release_memory_occupation",
+        "/pause_generation",
+        "/resume_memory_occupation",
+        "/unload_lora_adapter",
+        "/continue_generation",
+    ]
+    for call in REPLAYS:
+        assert schemas.problems(call.route, dict(call.body)) == [], (schemas.source, call.route, call.body)
 
 
 def test_distributed_bodies_name_dtypes_without_torch() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 # ruff: noqa: F811  (pytest fixtures imported from other modules, redefined as arguments)
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -22,8 +23,8 @@ import pytest
 
 from miles_sglang_plugin.app.hydra_edge import launch_from_config
 from miles_sglang_plugin.serving.deployment import Deployment
+from miles_sglang_plugin.serving.errors import DeploymentFailedError
 from miles_sglang_plugin.serving.routers import router_workers
-from miles_sglang_plugin.serving.supervision import DeploymentFailedError
 from tests.conftest_launch import leak_check  # noqa: F401  (fixture)
 from tests.launch_helpers import (
     LeakTracker,
@@ -51,8 +52,7 @@ COLOCATED = ["debug_rollout_only=false", "colocate=true", "actor_num_gpus_per_no
 
 
 def engine_pid(d: Deployment, engine: str) -> int:
-    (member,) = [m for m in d.members if m.id == engine]
-    return member.processes[0].pid  # type: ignore[attr-defined]
+    return d.fleet.engine(engine).processes[0].pid  # type: ignore[attr-defined]
 
 
 def info(d: Deployment, engine: str) -> dict:
@@ -147,7 +147,7 @@ def test_a_hung_engine_is_noticed_killed_and_replaced_and_its_requests_are_retri
 def test_a_dead_router_is_restarted_and_repopulated(tmp_path: Path, leak_check: LeakTracker) -> None:
     with launch_from_config(compose(*TWO), log_dir=tmp_path / "logs") as d:
         workers = router_urls(d)
-        router = d.router_members[0]
+        router = d.fleet.routers()[0]
         since = len(d.events())
         os.kill(router.process.pid, signal.SIGKILL)
         d.wait_for_event("router_lost", subject="router.actor", since=since, timeout_s=10)
@@ -210,8 +210,11 @@ def test_an_engine_restarted_after_a_broadcast_waits_for_weights(
         pending = d.wait_for_event(
             "engine_pending_weights", subject="actor.regular.0", since=since, timeout_s=30
         )
-        assert "its weights are the checkpoint's" in pending.message
-        assert [e.state for e in d.engines()] == ["pending_weights", "registered"]
+        assert (
+            "its weights are not the deployment's (they came through a weights update group)"
+            in pending.message
+        )
+        assert [e.state for e in d.engines()] == ["pending_weights", "serving"]
         assert len(router_urls(d)) == 1
         assert d.control.engines_outside_weight_group() == ("actor.regular.0",)
         d.control.destroy_weights_update_group()
@@ -265,7 +268,9 @@ def test_miles_sglang_launch_heals_instead_of_stopping(tmp_path: Path, leak_chec
             cli.wait(timeout=10)
 
 
-def test_no_request_hangs_past_the_routers_request_timeout(tmp_path: Path, leak_check: LeakTracker) -> None:
+def test_no_request_hangs_past_the_routers_request_timeout(
+    tmp_path: Path, leak_check: LeakTracker, test_gateway: str
+) -> None:
     """Without supervision nothing takes a hung engine out: the router's request_timeout_secs still bounds
     every request (an error after it, not a hang of Miles' 4 hours)."""
     cfg = compose(
@@ -283,7 +288,12 @@ def test_no_request_hangs_past_the_routers_request_timeout(tmp_path: Path, leak_
             elapsed = time.monotonic() - started
         finally:
             os.kill(pid, signal.SIGCONT)
-        assert response.status_code == 500 and "call_upstream_request_error" in response.text
+        # sglang-router 0.3.2: 500 call_upstream_request_error; SMG 1.13.0: 504 call_upstream_timeout
+        status, code = {
+            "sglang_router": (500, "call_upstream_request_error"),
+            "smg": (504, "call_upstream_timeout"),
+        }[test_gateway]
+        assert response.status_code == status and f'"code":"{code}"' in response.text, response.text
         assert 1.9 < elapsed < 6
         assert d.events() == ()  # nothing watched
 
@@ -343,31 +353,46 @@ def test_a_restart_that_fails_half_way_stops_the_processes_it_had_started(
         assert refused == ["actor.regular.0.node1"]
         assert [p.name for p in started] == ["actor.regular.0.node0"] * 2 + ["actor.regular.0.node1"]
         assert not process_alive(started[0].pid)
-        assert [p.pid for p in d.members[0].processes] == [p.pid for p in started[1:]]
+        assert [p.pid for p in d.fleet.engines()[0].processes] == [p.pid for p in started[1:]]
         assert d.state().status == "serving"
 
 
-def test_an_admission_under_way_is_joined_when_the_deployment_stops(
+def test_an_admission_under_way_when_the_deployment_stops_ends_with_it_and_reports_nothing(
     tmp_path: Path, leak_check: LeakTracker
 ) -> None:
-    """An engine waiting for weights gets them from disk; its admission waits for its router (being restarted,
-    as far as the supervisor knows) when the deployment stops. The admission is the supervisor's: stopping
-    joins it, and it reports nothing (before: an untracked thread that, once the router was stopped, reported
-    the engine lost after the deployment had stopped)."""
+    """An engine waiting for weights gets them from disk; its admission then registers it with a router that
+    does not answer (SIGSTOPped) when the deployment stops. The admission is the reconciler's work: stopping
+    cancels it, nothing is reported after the stop, and no thread of the deployment is left (before: an
+    untracked thread that, once the router was stopped, reported the engine lost after the deployment had
+    stopped)."""
     with launch_from_config(compose(*TWO), log_dir=tmp_path / "logs") as d:
         d.control.background.init_weights_update_group("127.0.0.1", 29500).result(timeout=30)
         d.control.update_weights_from_distributed(["w"], ["bfloat16"], [[2]], weight_version="7")
         since = len(d.events())
         os.kill(engine_pid(d, "actor.regular.0"), signal.SIGKILL)
         d.wait_for_event("engine_pending_weights", subject="actor.regular.0", since=since, timeout_s=30)
-        d.router_members[0].state = "restarting"  # the admission waits until its router is ready again
-        d.control.update_weights_from_disk("/ckpt/step9", weight_version="9")
-        assert [t.name for t in threading.enumerate() if "admit" in t.name] != []
-        stopped_at = len(d.events())
-        d.stop()
-        assert [t.name for t in threading.enumerate() if "admit" in t.name and t.is_alive()] == []
+        router_pid = d.fleet.routers()[0].process.pid
+        os.kill(router_pid, signal.SIGSTOP)  # the admission's registration waits for an answer
+        try:
+            d.control.update_weights_from_disk("/ckpt/step9", weight_version="9", model="actor")
+            deadline = time.monotonic() + 10
+            while "register" not in d.fleet.engine("actor.regular.0").pending:
+                assert time.monotonic() < deadline, "the admission never began to register the engine"
+                time.sleep(0.01)
+            stopped_at = len(d.events())
+            d.stop()
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(router_pid, signal.SIGCONT)
         time.sleep(0.5)
         assert [e.kind for e in d.events()[stopped_at:]] == []
+        assert serving_threads() == []
+
+
+def serving_threads() -> list[str]:
+    """Threads of a deployment still running (its serving loop, spawner, exit watcher, workers, events)."""
+    names = ("msp-serving", "msp-spawn", "msp-exits", "msp-io", "msp-events")
+    return [t.name for t in threading.enumerate() if t.is_alive() and t.name.startswith(names)]
 
 
 def test_miles_sglang_launch_shows_the_supervisors_log_on_stderr(capsys: pytest.CaptureFixture[str]) -> None:
@@ -376,7 +401,7 @@ def test_miles_sglang_launch_shows_the_supervisors_log_on_stderr(capsys: pytest.
     import logging
 
     from miles_sglang_plugin.cli import log_to_stderr
-    from miles_sglang_plugin.serving.supervision import EventLog
+    from miles_sglang_plugin.serving.events import EventLog
 
     package_logger = logging.getLogger("miles_sglang_plugin")
     before = (package_logger.level, package_logger.propagate, list(package_logger.handlers))

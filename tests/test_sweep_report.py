@@ -5,6 +5,7 @@ and the ``miles-sglang sweep-report`` command."""
 from __future__ import annotations
 
 import csv
+import io
 import json
 from pathlib import Path
 from typing import Any
@@ -236,3 +237,162 @@ def test_a_job_whose_hydra_files_are_not_yaml_is_still_a_row(
         ("2", "ref", "ok"),
     ]
     assert rows[3][KEY] == "" and "Traceback" not in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------------------
+# Malformed job files (issue 23): a failed row with its reason, never a traceback; reading bounded
+
+GOOD = _model_metrics(31.5, 504.0, 0.25)
+MALFORMED_METRICS: list[tuple[str | bytes, str]] = [
+    (
+        '{"models": {"actor": {}}}',  # KeyError: 'requests' before
+        "metrics.json: models.actor: missing requests, succeeded, failed, requests_per_s, output_tokens_per_s",
+    ),
+    ("[1, 2]", "metrics.json: must be a JSON object (a mapping), got [1, 2]"),
+    ('{"models": ["actor"]}', "metrics.json: models: must be a mapping, got ['actor']"),  # TypeError before
+    ("[" * 100_000, "metrics.json is nested deeper than 64 levels, the most the report reads"),  # RecursionError
+    ("[" * 65 + "]" * 65, "metrics.json is nested deeper than 64 levels, the most the report reads"),
+    ("[" * 64 + "]" * 64, "metrics.json: must be a JSON object (a mapping), got [[[...]]]"),  # 64: read
+    ("{}", "metrics.json: models: missing (each benchmarked model's numbers)"),
+    ('{"models": {"actor": 5}}', "metrics.json: models.actor: must be a mapping, got 5"),
+    (
+        json.dumps({"models": {"actor": {**GOOD, "requests": "32", "requests_per_s": float("nan")}}}),
+        "metrics.json: models.actor.requests: must be an integer >= 0, got '32'; models.actor.requests_per_s: "
+        "must be a finite number >= 0, got nan",
+    ),
+    (
+        json.dumps({"models": {"actor": {**GOOD, "errors": [{"count": 1}], "latency_s": [0.1]}}}),
+        "metrics.json: models.actor.latency_s: must be a mapping or null, got [0.1]; models.actor.errors[0]: "
+        "missing sample",
+    ),
+    (
+        json.dumps({"models": {"actor": GOOD}, "deployment": {"models": {"actor": {"gpus": 4, "groups": {"g": {}}}}}}),
+        "metrics.json: deployment.models.actor: missing engines; deployment.models.actor.groups.g: missing "
+        "engines, tp",
+    ),
+    (
+        json.dumps({"models": {"actor": GOOD}, "simulated": "no", "speed_model": {"tp_comm_s": "fast"}}),
+        "metrics.json: simulated: must be true or false, got 'no'; speed_model.tp_comm_s: must be a number, got "
+        "'fast'",
+    ),
+    ("{", "metrics.json is not valid JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1))"),
+    (b'{"models": "\xff"}', "metrics.json is not UTF-8 text (byte 12)"),
+    ('{"models": {"\\ud800": {}}}', "metrics.json holds text that is not valid Unicode ('\\\\ud800')"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("content", "reason"), MALFORMED_METRICS)
+def test_a_malformed_metrics_file_is_a_failed_row_with_its_reason(
+    sweep: Path, content: str | bytes, reason: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = sweep / "0" / "metrics.json"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    assert cli_main(["sweep-report", str(sweep), "--no-plot"]) == 0
+    assert "Traceback" not in capsys.readouterr().err
+    rows = _csv_rows(sweep)
+    assert [(r["job"], r["model"], r["status"], r["error"]) for r in rows if r["job"] == "0"] == [
+        ("0", "", "failed", reason)
+    ]
+    assert [r["job"] for r in rows] == ["0", "1", "2", "2", "10"]  # the others as before
+
+
+def _csv_rows(sweep: Path) -> list[dict[str, str]]:
+    with (sweep / "sweep_report.csv").open() as f:
+        return list(csv.DictReader(f))
+
+
+def test_metrics_that_are_not_a_regular_file_of_bounded_size_are_refused_without_reading_them(
+    sweep: Path,
+) -> None:
+    import os
+
+    from miles_sglang_plugin.sweeps.job_files import MAX_METRICS_BYTES
+
+    (sweep / "0" / "metrics.json").write_bytes(b" " * (MAX_METRICS_BYTES + 1))
+    (sweep / "2" / "metrics.json").unlink()
+    (sweep / "2" / "metrics.json").mkdir()
+    os.mkfifo(sweep / "10" / "metrics.json")  # no writer: reading it would block for ever
+    errors = {j.name: j.error for j in collect_sweep(sweep)}
+    assert errors == {
+        "0": "metrics.json is larger than 4 MiB, the most the report reads of it",
+        "1": "DeploymentConfigError: 8 GPUs do not split",
+        "2": "metrics.json is a directory, not a file",
+        "10": "metrics.json is a pipe, not a file",
+    }
+
+
+@pytest.mark.parametrize(
+    ("content", "reason"),
+    [
+        ("[]", "job_status.json: must be a JSON object (a mapping), got []"),
+        ('{"status": "DONE"}', "job_status.json: status: must be COMPLETED or FAILED, got 'DONE'"),
+        ('{"status": "COMPLETED", "error": 5}', "job_status.json: error: must be null or a string, got 5"),
+        ('{"status": "FAILED", "error": "' + "x" * 2000 + '"}', "x" * 999 + "…"),  # a long error, cut
+    ],
+)
+def test_a_malformed_status_file_is_a_failed_row_with_its_reason(
+    sweep: Path, content: str, reason: str
+) -> None:
+    (sweep / "0" / "job_status.json").write_text(content)
+    job = collect_sweep(sweep)[0]
+    assert (job.name, job.status, job.error) == ("0", "failed", reason)
+    build_report(sweep, plot=False)
+    assert [(r["model"], r["status"], r["error"]) for r in _csv_rows(sweep) if r["job"] == "0"] == [
+        ("", "failed", reason)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("content", "note"),
+    [
+        ("[" * 100_000, "is nested deeper than 64 levels, the most the report reads"),  # RecursionError before
+        ("- a=1\n- [b]\n", "item 2 must be an override (a string), got ['b']"),
+        ("a: 1\n", "must be a list of overrides, got {'a': 1}"),
+        ("- !!int abc\n", "is not valid YAML (invalid literal for int() with base 10: 'abc')"),
+        ("- !!python/name:os.system\n", "is not valid YAML at line 1, column 3 (could not determine a constructor"),
+        # aliases are never expanded: 9 levels of 9 would be 387,420,489 strings
+        ("a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+            f"{c}: &{c} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]\n" for p, c in zip("abcdefgh", "bcdefghi", strict=True))
+         + "j: [*i]\n", "must be a list of overrides, got {'a': ['x', 'x', 'x', 'x', ...], 'b':"),
+    ],
+)  # fmt: skip
+def test_malformed_overrides_keep_the_job_and_its_metrics_with_a_note(
+    sweep: Path, content: str, note: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (sweep / "2" / ".hydra" / "overrides.yaml").write_text(content)
+    assert cli_main(["sweep-report", str(sweep), "--no-plot"]) == 0
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err
+    job = next(j for j in collect_sweep(sweep) if j.name == "2")
+    assert (job.status, job.params, len(job.notes)) == ("ok", {}, 1)
+    assert job.notes[0].startswith(f".hydra/overrides.yaml {note}")
+    assert job.notes[0].endswith(": its sweep parameters are unknown")
+    assert f"job 2: .hydra/overrides.yaml {note}" in " ".join(out.split())
+    assert f"- job 2: .hydra/overrides.yaml {note}" in (sweep / "sweep_report.md").read_text()
+
+
+def test_text_of_any_kind_is_shown_as_it_is_in_table_markdown_and_plot(sweep: Path) -> None:
+    """Rich markup (``[/x]`` raised MarkupError), matplotlib mathtext (``$\\frac$`` failed to parse), pipes and
+    newlines in values, a job directory whose name is not UTF-8, a swept parameter of numbers and text (the plot
+    cannot put both on one axis: all are text then)."""
+    import os
+
+    from rich.console import Console
+
+    metrics = json.loads((sweep / "0" / "metrics.json").read_text())
+    metrics["models"] = {"[red]$\\frac$": metrics["models"]["actor"]}
+    odd = Path(os.fsdecode(bytes(sweep / "0") + b"-\xff"))
+    odd.mkdir()
+    (odd / ".hydra").mkdir()
+    overrides = ["sglang=pd_actor_ref", "sglang_deploy=simulated", f"{KEY}=[/x] $\\frac$ a|b\nc"]
+    (odd / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+    (odd / "metrics.json").write_text(json.dumps(metrics))
+    console = Console(file=io.StringIO(), width=300)
+    files = build_report(sweep, console=console)
+    assert files.png is not None
+    rows = _csv_rows(sweep)
+    assert [(r["job"], r[KEY], r["model"]) for r in rows if r["job"].startswith("0-")] == [
+        ("0-\\udcff", "[/x] $\\frac$ a|b\nc", "[red]$\\frac$")
+    ]
+    assert "| 0-\\udcff | [/x] $\\frac$ a\\|b c | [red]$\\frac$ | ok |" in files.markdown.read_text()
+    assert "[red]$\\frac$" in console.file.getvalue()

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import abc
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import ClassVar
 
+from miles_sglang_plugin.backends.processes import ExitWatcher
 from miles_sglang_plugin.config.schema import SGLangDeployConf
 from miles_sglang_plugin.planning.plan import DeploymentPlan
 from miles_sglang_plugin.rendering.launch_specs import EngineProcessLaunch
@@ -107,6 +108,11 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def stop(self, processes: Sequence[EngineProcess], *, grace_s: float) -> None:
         """Stop ``processes`` (SIGTERM, then SIGKILL after ``grace_s``), children included."""
+
+    def watch_exit(self, process: EngineProcess, watcher: ExitWatcher, on_exit: Callable[[], None]) -> None:
+        """Have ``watcher`` call ``on_exit()`` once ``process`` exits (a backend that can be told of exits
+        watches them; by default the process is asked every :data:`~.processes.EXIT_POLL_S`)."""
+        watcher.watch_polled(lambda: process.exit_code() is not None, on_exit)
 
     def cannot_restart(self, launch: EngineProcessLaunch) -> str | None:
         """Why ``launch`` cannot be started again where the plan put it (its node left the cluster), or None.

@@ -6,8 +6,9 @@ claimed against concurrent launches (:mod:`miles_sglang_plugin.rendering.ports`)
 is open.
 
 GPUs: an inherited ``CUDA_VISIBLE_DEVICES`` (a scheduler's, a sweep job's slice) is honoured: the plan's local
-GPU ids are positions in it, and a plan needing more GPUs than it lists is refused before anything starts
-(:mod:`miles_sglang_plugin.backends.visible_gpus`).
+GPU ids are positions in it, and a plan needing more GPUs than it lists is refused before anything starts, as
+is a list that does not name distinct GPUs (``0,0``, an empty entry, ``-1``, indices mixed with UUIDs; see
+:mod:`miles_sglang_plugin.backends.visible_gpus`).
 
 It runs on one machine: it refuses engines wider than a node and plans spread over several nodes, except with
 the stand-in engines, whose planned nodes run side by side here (ports kept apart), so that multi-node plans
@@ -16,12 +17,16 @@ can be exercised without a cluster.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
 from miles_sglang_plugin.backends.base import Backend, EngineProcess, UnsupportedPlanError
-from miles_sglang_plugin.backends.processes import ManagedProcess, stop_processes
-from miles_sglang_plugin.backends.visible_gpus import inherited_visible_devices, restrict_to_visible
+from miles_sglang_plugin.backends.processes import ExitWatcher, ManagedProcess, stop_processes
+from miles_sglang_plugin.backends.visible_gpus import (
+    checked_visible_devices,
+    inherited_visible_devices,
+    restrict_to_visible,
+)
 from miles_sglang_plugin.config.schema import EngineKind, SGLangDeployConf
 from miles_sglang_plugin.planning.plan import DeploymentPlan
 from miles_sglang_plugin.rendering.launch_specs import EngineProcessLaunch
@@ -64,7 +69,8 @@ class LocalBackend(Backend):
 
     ``claims``: port claims to use (and release at :meth:`close`); by default the backend takes its own in the
     user's lock directory when it prepares a deployment. ``visible_devices``: the GPUs it may use (the plan's
-    local ids index into them); by default the ``CUDA_VISIBLE_DEVICES`` this process inherited, else all."""
+    local ids index into them); by default the ``CUDA_VISIBLE_DEVICES`` this process inherited, else all. Either
+    list must name distinct GPUs (:class:`DeploymentConfigError` otherwise, before anything starts)."""
 
     name = "local"
 
@@ -72,7 +78,15 @@ class LocalBackend(Backend):
         self, claims: PortClaims | None = None, visible_devices: Sequence[str] | None = None
     ) -> None:
         self.claims = claims
-        self.visible_devices = tuple(visible_devices) if visible_devices is not None else None
+        self.visible_devices = (
+            checked_visible_devices(
+                [str(gpu).strip() for gpu in visible_devices],
+                "visible_devices",
+                "the GPUs given to the local backend",
+            )
+            if visible_devices is not None
+            else None
+        )
 
     def prepare(
         self,
@@ -81,13 +95,13 @@ class LocalBackend(Backend):
         *,
         server_arg_fields: Collection[str] | None = None,
     ) -> PreparedDeployment:
+        visible = self.visible_devices if self.visible_devices is not None else inherited_visible_devices()
         if self.claims is None:
             self.claims = PortClaims(default_lock_dir())
         prepared = prepare_deployment(
             plan, settings, server_arg_fields=server_arg_fields, probe=True, claims=self.claims
         )
         self.check(prepared)
-        visible = self.visible_devices if self.visible_devices is not None else inherited_visible_devices()
         return restrict_to_visible(prepared, visible) if visible is not None else prepared
 
     def check(self, prepared: PreparedDeployment) -> list[str]:
@@ -121,6 +135,12 @@ class LocalBackend(Backend):
         handle = LocalEngineProcess(launch, process)
         process.start()
         return handle
+
+    def watch_exit(self, process: EngineProcess, watcher: ExitWatcher, on_exit: Callable[[], None]) -> None:
+        if isinstance(process, LocalEngineProcess):
+            watcher.watch(process.process, on_exit)  # a pidfd: the exit is told at once
+        else:
+            super().watch_exit(process, watcher, on_exit)
 
     def stop(self, processes: Sequence[EngineProcess], *, grace_s: float) -> None:
         stop_processes([p.process for p in processes if isinstance(p, LocalEngineProcess)], grace_s=grace_s)

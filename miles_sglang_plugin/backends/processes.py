@@ -16,22 +16,29 @@ only ever signalled through the process group this module created, never by name
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import ctypes
 import functools
+import logging
 import os
+import queue
+import selectors
 import signal
 import stat
 import subprocess
+import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeVar
 
 from miles_sglang_plugin.engine_env import NODE_ID_ENV
 from miles_sglang_plugin.masking import mask_text, secret_values
 from miles_sglang_plugin.rendering.launch_specs import PACKAGE_ENV_NAMES
+
+T = TypeVar("T")
 
 _PR_SET_PDEATHSIG = 1
 #: Variables this package sets in a process's environment: their values are no secret of the user's.
@@ -212,3 +219,182 @@ def _group_has_live_members(pgid: int) -> bool:
         if len(fields) > 2 and int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
             return True
     return False
+
+
+class ExitWatcher:
+    """Calls ``on_exit()`` once for each watched process when it exits, from one thread of its own: with a
+    pidfd per process where Linux offers them (the exit is noticed at once, nothing is polled), else by
+    polling every :data:`EXIT_POLL_S`. ``on_exit`` must be quick (it runs on the watcher's thread)."""
+
+    def __init__(self, name: str = "msp-exits") -> None:
+        self._name = name
+        self._polled: list[tuple[Callable[[], bool], Callable[[], None]]] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def _ensure_running(self) -> None:
+        """Its selector, wake pipe and thread, made by the first watch (under the lock)."""
+        if self._thread is not None:
+            return
+        self._selector = selectors.DefaultSelector()
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_read, False)
+        self._selector.register(self._wake_read, selectors.EVENT_READ, None)
+        self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+        self._thread.start()
+
+    def watch_pid(self, pid: int, exited: Callable[[], bool], on_exit: Callable[[], None]) -> None:
+        """Watch process ``pid`` (a child of this process, not yet reaped); ``exited()`` tells whether it
+        has exited, for when no pidfd can be had."""
+        try:
+            fd = os.pidfd_open(pid)
+        except (AttributeError, OSError):  # no pidfds here (or the process is already reaped): poll it
+            self.watch_polled(exited, on_exit)
+            return
+        with self._lock:
+            if self._closed:
+                os.close(fd)
+                return
+            self._ensure_running()
+            self._selector.register(fd, selectors.EVENT_READ, on_exit)
+        self._wake()
+
+    def watch(self, process: ManagedProcess, on_exit: Callable[[], None]) -> None:
+        if process.popen is None:
+            return
+        self.watch_pid(process.popen.pid, lambda: process.popen.poll() is not None, on_exit)  # type: ignore[union-attr]
+
+    def watch_polled(self, exited: Callable[[], bool], on_exit: Callable[[], None]) -> None:
+        """Watch something that can only be asked (``exited()``), every :data:`EXIT_POLL_S`."""
+        with self._lock:
+            if self._closed:
+                return
+            self._ensure_running()
+            self._polled.append((exited, on_exit))
+        self._wake()
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):
+            os.write(self._wake_write, b"w")
+
+    def _run(self) -> None:
+        while not self._closed:
+            with self._lock:
+                polling = bool(self._polled)
+            for key, _ in self._selector.select(timeout=EXIT_POLL_S if polling else None):
+                if key.data is None:
+                    with contextlib.suppress(OSError):
+                        os.read(self._wake_read, 4096)
+                    continue
+                with self._lock:
+                    self._selector.unregister(key.fd)
+                os.close(key.fd)
+                _call_quietly(key.data)
+            self._poll_once()
+        self._release()
+
+    def _poll_once(self) -> None:
+        with self._lock:
+            watched = list(self._polled)
+        gone = [(exited, on_exit) for exited, on_exit in watched if _asks_quietly(exited)]
+        if gone:
+            with self._lock:
+                self._polled = [entry for entry in self._polled if entry not in gone]
+            for _exited, on_exit in gone:
+                _call_quietly(on_exit)
+
+    def _release(self) -> None:
+        with self._lock:
+            for key in list(self._selector.get_map().values()):
+                if key.data is not None:
+                    with contextlib.suppress(OSError):
+                        os.close(key.fd)
+            self._selector.close()
+        for fd in (self._wake_read, self._wake_write):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def close(self) -> None:
+        """Stop watching (nothing more is called); idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            thread = self._thread
+        if thread is None:
+            return
+        self._wake()
+        if thread is not threading.current_thread():
+            thread.join(timeout=5)
+
+
+#: How often processes without a pidfd are asked whether they exited.
+EXIT_POLL_S = 0.1
+
+
+def _call_quietly(callback: Callable[[], None]) -> None:
+    try:
+        callback()
+    except Exception:  # a watcher outlives any callback's mistake
+        logging.getLogger(__name__).exception("an exit callback raised")
+
+
+def _asks_quietly(exited: Callable[[], bool]) -> bool:
+    try:
+        return exited()
+    except Exception:
+        logging.getLogger(__name__).exception("an exit check raised")
+        return False
+
+
+class Spawner:
+    """The one long-lived thread that starts a deployment's processes (a child's parent-death signal fires
+    when the *thread* that started it exits, see the module docstring). A daemon thread of its own, not a
+    ``ThreadPoolExecutor``: the executors' threads are joined (and exit) at interpreter exit *before*
+    ``atexit`` handlers run, which would kill every child before the deployment could stop it in order."""
+
+    def __init__(self, name: str = "msp-spawn") -> None:
+        self._name = name
+        self._queue: queue.SimpleQueue[tuple[concurrent.futures.Future[Any], Callable[[], Any]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def submit(
+        self, function: Callable[..., T], /, *args: Any, **kwargs: Any
+    ) -> concurrent.futures.Future[T]:
+        """Run ``function(*args, **kwargs)`` on the spawner thread; its future. ``RuntimeError`` once shut down."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the spawner is shut down")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+            self._queue.put((future, functools.partial(function, *args, **kwargs)))
+        return future
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            future, call = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(call())
+            except BaseException as exc:
+                future.set_exception(exc)
+
+    def shutdown(self, wait: bool = True, timeout_s: float = 30.0) -> None:
+        """No more starts; with ``wait``, until what was submitted is done (at most ``timeout_s``). Call it once
+        every process it started is stopped: the thread then ends."""
+        with self._lock:
+            self._closed = True
+            thread = self._thread
+        if thread is None:
+            return
+        self._queue.put(None)
+        if wait and thread is not threading.current_thread():
+            thread.join(timeout_s)

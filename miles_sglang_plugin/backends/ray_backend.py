@@ -28,14 +28,15 @@ import contextlib
 import logging
 import os
 import socket
+import threading
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from miles_sglang_plugin.addresses import strip_brackets
 from miles_sglang_plugin.backends.base import Backend, EngineProcess, LaunchError
-from miles_sglang_plugin.backends.processes import SHOWN_ENV_NAMES, log_tail
+from miles_sglang_plugin.backends.processes import SHOWN_ENV_NAMES, ExitWatcher, log_tail
 from miles_sglang_plugin.backends.ray_actor import EngineHost, gpu_probe
 from miles_sglang_plugin.backends.ray_placement import (
     NODE_ID_LABEL,
@@ -178,6 +179,11 @@ class RayEngineProcess(EngineProcess):
         return self.launch.argv
 
     @property
+    def exit_ref(self) -> Any:
+        """The Ray reference that is ready once the process exits (or its actor dies)."""
+        return self._exit_ref
+
+    @property
     def pid(self) -> int | None:
         """The engine's pid on its node (None before it started or if it could not be started)."""
         if self._pid is None:
@@ -236,6 +242,53 @@ class RayEngineProcess(EngineProcess):
         return f"{self.log_path} on node {self.node.address}"
 
 
+class _RayExits:
+    """One thread that waits on every engine process's exit reference at once (``ray.wait``): Ray tells when
+    an actor's process exits or the actor dies; nothing is asked per process."""
+
+    def __init__(self, ray: Any) -> None:
+        self._ray = ray
+        self._watched: dict[RayEngineProcess, Callable[[], None]] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def watch(self, process: RayEngineProcess, on_exit: Callable[[], None]) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._watched[process] = on_exit
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="msp-ray-exits", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while not self._closed:
+            with self._lock:
+                watched = dict(self._watched)
+            if not watched:
+                time.sleep(0.1)
+                continue
+            refs = {process.exit_ref: process for process in watched}
+            try:
+                ready, _ = self._ray.wait(list(refs), num_returns=1, timeout=0.5)
+            except Exception:  # disconnected: the job ends, and its actors with it
+                time.sleep(0.5)
+                continue
+            for ref in ready:
+                process = refs[ref]
+                if process.exit_code() is None:
+                    continue  # unreachable, not known dead: its reference was renewed, watched again
+                with self._lock:
+                    on_exit = self._watched.pop(process, None)
+                if on_exit is not None:
+                    with contextlib.suppress(Exception):
+                        on_exit()
+
+    def close(self) -> None:
+        self._closed = True
+
+
 class RayBackend(Backend):
     """Engines under Ray actors on the nodes of a Ray cluster (see the module docstring).
 
@@ -260,6 +313,9 @@ class RayBackend(Backend):
         self._runs: dict[tuple[str, int], int] = {}
         self._latest: dict[tuple[str, int], RayEngineProcess] = {}
         self._actor_class: Any = None
+        self._exits = _RayExits(self.ray)
+        #: How each process's actor was made (placement group, bundle, GPU share), to make it again.
+        self._actor_options: dict[tuple[str, int], tuple[ProcessPlacement, Any, int, float]] = {}
         self._closed = False
 
     @property
@@ -438,6 +494,25 @@ class RayBackend(Backend):
         if self._actor_class is None:  # one remote class: Ray ships its definition to the cluster once
             self._actor_class = self.ray.remote(EngineHost)
         self._actors[p.key] = self._actor_class.options(max_restarts=0, **options).remote(p.name)
+        self._actor_options[p.key] = (p, pg, bundle, num_gpus)
+
+    def _node_alive(self, node_id: str) -> bool:
+        return any(n["NodeID"] == node_id and n.get("Alive") for n in self.ray.nodes())
+
+    def _replace_actor(self, key: tuple[str, int], name: str) -> None:
+        """The actor of ``key`` died on a node that is alive: make it again in its bundle (same node, same GPUs),
+        checked against what Ray gave the first one."""
+        placement, pg, bundle, num_gpus = self._actor_options[key]
+        self._create_actor(placement, pg, bundle, num_gpus=num_gpus)
+        (where,) = self._wait([self._actors[key].where.remote()], f"starting the actor of {name} again")
+        grant = self._grants[key]
+        if where["node_id"] != grant.node.node_id or (
+            self.placement_group is None and tuple(where["gpu_ids"]) != tuple(grant.gpu_ids)
+        ):
+            raise LaunchError(
+                f"{name}: its actor came back on {where['address']} with GPUs {','.join(where['gpu_ids'])}, not on "
+                f"{grant.node.short} with GPUs {','.join(grant.gpu_ids)} as planned"
+            )
 
     def _collect_grants(self, gpu_ids: Any) -> None:
         keys = list(self._actors)
@@ -481,6 +556,8 @@ class RayBackend(Backend):
             raise LaunchError(
                 f"{launch.name} is still running ({earlier.where}); stop it before starting it again"
             )
+        if earlier is not None and earlier.actor_lost:  # its actor died, its node did not (cannot_restart)
+            self._replace_actor(key, launch.name)
         actor, grant = self._actors[key], self._grants[key]
         env = {**launch.env, "CUDA_VISIBLE_DEVICES": ",".join(grant.gpu_ids), NODE_ID_ENV: grant.node.node_id}
         run = self._runs[key] = self._runs.get(key, 0) + 1
@@ -496,10 +573,16 @@ class RayBackend(Backend):
         )
         return handle
 
+    def watch_exit(self, process: EngineProcess, watcher: ExitWatcher, on_exit: Callable[[], None]) -> None:
+        if isinstance(process, RayEngineProcess):
+            self._exits.watch(process, on_exit)  # one ray.wait over every process
+        else:
+            super().watch_exit(process, watcher, on_exit)
+
     def cannot_restart(self, launch: EngineProcessLaunch) -> str | None:
         earlier = self._latest.get((launch.engine_id, launch.node_rank))
-        if earlier is None or not earlier.actor_lost:
-            return None
+        if earlier is None or not earlier.actor_lost or self._node_alive(earlier.node.node_id):
+            return None  # an actor that died on a live node is made again there
         return (
             f"{launch.name} cannot be started again on node {earlier.node.short}: {earlier.exit_reason()}; "
             "its GPUs there are gone with it"
@@ -521,6 +604,7 @@ class RayBackend(Backend):
         if self._closed:
             return
         self._closed = True
+        self._exits.close()
         ray = self.ray
         # Not connected any more (Ray's own exit hook ran first): the actors and groups go with the job.
         connected = ray.is_initialized()

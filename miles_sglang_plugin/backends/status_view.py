@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-_STYLE = {"starting": "yellow", "healthy": "cyan", "registered": "green", "live": "cyan", "ready": "green",
+_STYLE = {"starting": "yellow", "catching_up": "cyan", "serving": "green", "live": "cyan", "ready": "green",
           "failed": "bold red"}  # fmt: skip
 
 

@@ -124,10 +124,14 @@ class BackendKind(StrEnum):
 
 @dataclass
 class RouterConf:
-    """sglang-router (SGLang Model Gateway) settings, one router per model."""
+    """The router of each model (sglang-router or SMG, the same settings for both), one router per model."""
 
+    gateway: str = "auto"
+    """Which gateway runs the routers: sglang_router (sglang-router 0.3.2), smg (SMG 1.13.0, the [smg] extra),
+    or auto ($MSP_ROUTER_GATEWAY when set, else smg where it is installed, else sglang_router)."""
     policy: str = "cache_aware"
-    """Load-balancing policy: cache_aware, round_robin, power_of_two, random, manual or consistent_hashing."""
+    """Load-balancing policy: cache_aware, round_robin, power_of_two, random, manual or consistent_hashing
+    (SMG also: prefix_hash, least_load, passthrough)."""
     prefill_policy: str | None = None
     """Policy among a PD model's prefill engines (bucket allowed here); null: ``policy``."""
     decode_policy: str | None = None
@@ -164,8 +168,12 @@ class RouterConf:
     """Turn the circuit breaker off."""
     log_level: str = "warn"
     """Router log level: debug, info, warn or error."""
+    drain_settle_secs: int = 0
+    """SMG only: how long a removed worker stays draining (listed, a new registration of its URL refused)
+    before it goes, in seconds. SMG's own default, 5, is for a load balancer in front of it; these routers are
+    reached directly, and a restarted engine is registered again at once. sglang-router removes at once."""
     extra: dict[str, Any] = field(default_factory=dict)
-    """Any other sglang-router ``RouterArgs`` field, by name (field -> value)."""
+    """Any other ``RouterArgs`` field of the gateway, by name (field -> value)."""
 
 
 @dataclass

@@ -19,7 +19,7 @@ import json
 import shlex
 import sys
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from miles_sglang_plugin.addresses import host_port, http_base_url
@@ -32,6 +32,7 @@ from miles_sglang_plugin.planning.plan import (
     DeploymentPlan,
     EnginePlan,
     EngineProcessPlan,
+    ExternalEnginePlan,
     GroupPlan,
     ModelPlan,
 )
@@ -44,6 +45,7 @@ from miles_sglang_plugin.rendering.router_specs import (
     RouterSettings,
     WorkerRegistration,
     validate_router_settings,
+    worker_labels,
 )
 
 STANDIN_COMMAND = ("{python}", "-m", "miles_sglang_plugin.standin")
@@ -169,12 +171,26 @@ class RouterLaunch:
             "url": self.spec.url,
             "prometheus_port": self.spec.prometheus_port,
             "pd_disaggregation": self.spec.pd_disaggregation,
+            "gateway": self.spec.settings.gateway,
             "policy": self.spec.settings.policy,
+            "dp_aware": bool(self.spec.settings.extra.get("dp_aware", False)),
             "workers": [
-                {"url": w.url, "worker_type": w.worker_type, "bootstrap_port": w.bootstrap_port}
+                {
+                    "url": w.url,
+                    "worker_type": w.worker_type,
+                    "bootstrap_port": w.bootstrap_port,
+                    "labels": w.label_map,
+                }
                 for w in self.workers
             ],
         }
+
+    def registration(self, url: str) -> WorkerRegistration:
+        """The registration of the worker at ``url`` (as the plan labels it); KeyError when it has none."""
+        for worker in self.workers:
+            if worker.url == url:
+                return worker
+        raise KeyError(f"router of model {self.model!r} registers no worker at {url}")
 
 
 @dataclass(frozen=True)
@@ -337,12 +353,46 @@ def standin_speed_env(settings: SGLangDeployConf) -> dict[str, str]:
     return {"MSP_STANDIN_SPEED": json.dumps(speed, sort_keys=True)}
 
 
-def _worker_registration(launch: EngineProcessLaunch) -> WorkerRegistration:
-    """How the engine of ``launch`` (its first process) registers with its model's router."""
+def _worker_registration(
+    launch: EngineProcessLaunch, model: ModelPlan, group: GroupPlan
+) -> WorkerRegistration:
+    """How the engine of ``launch`` (its first process) registers with its model's router, labelled with
+    what the plan decided for it (:func:`worker_labels`)."""
+    labels = worker_labels(
+        model=model.name,
+        group=group.name,
+        worker_type=launch.worker_type.value,
+        engine_id=launch.engine_id,
+        needs_offload=group.needs_offload,
+        update_weights=model.update_weights,
+    )
     return WorkerRegistration(
         url=launch.url,
         worker_type=launch.worker_type.value,
         bootstrap_port=launch.bootstrap_port if launch.worker_type is WorkerType.prefill else None,
+        labels=tuple(labels.items()),
+    )
+
+
+#: The group label of a model's external engines (as the deployment names their group).
+EXTERNAL_GROUP_LABEL = "external"
+
+
+def _external_registration(model: ModelPlan, engine: ExternalEnginePlan) -> WorkerRegistration:
+    """How an external engine registers: as given, labelled as the model's external group."""
+    labels = worker_labels(
+        model=model.name,
+        group=EXTERNAL_GROUP_LABEL,
+        worker_type=engine.worker_type.value,
+        engine_id=engine.id,
+        needs_offload=False,  # holds no GPU of the deployment
+        update_weights=model.update_weights,
+    )
+    return WorkerRegistration(
+        url=engine.url,
+        worker_type=engine.worker_type.value,
+        bootstrap_port=engine.bootstrap_port,
+        labels=tuple(labels.items()),
     )
 
 
@@ -370,7 +420,7 @@ class _EngineRendering:
                     launch = self.process_launch(model, group, engine, process, dist_host)
                     launches.append(launch)
                     if process.node_rank == 0:
-                        workers.append(_worker_registration(launch))
+                        workers.append(_worker_registration(launch, model, group))
         return launches, workers
 
     def process_launch(
@@ -424,6 +474,16 @@ class _EngineRendering:
         }
 
 
+def router_settings(model: ModelPlan, settings: SGLangDeployConf) -> RouterSettings:
+    """The settings of ``model``'s router: ``sglang_deploy.router`` with the gateway decided, and dp-aware
+    routing when its engines run DP attention (Miles: ``--sglang-enable-dp-attention`` sets
+    ``router_dp_aware``), unless ``router.extra.dp_aware`` says otherwise."""
+    router = RouterSettings.from_mapping(asdict(settings.router)).resolved()
+    if model.dp_attention and "dp_aware" not in router.extra:
+        router = replace(router, extra={**router.extra, "dp_aware": True})
+    return router
+
+
 def _router_launch(
     model: ModelPlan,
     settings: SGLangDeployConf,
@@ -438,10 +498,25 @@ def _router_launch(
         port=router_ports.http,
         prometheus_port=router_ports.prometheus,
         pd_disaggregation=model.is_pd,
-        settings=RouterSettings.from_mapping(asdict(settings.router)),
+        settings=router_settings(model, settings),
         api_key=settings.api_key,
     )
     return RouterLaunch(model=model.name, spec=spec, workers=tuple(workers))
+
+
+def _dp_aware_note(model: ModelPlan, router: RouterLaunch) -> str | None:
+    """A dp-aware router's note: why it is dp-aware, and what sglang-router 0.3.2 cannot do then."""
+    settings = router.spec.settings
+    if router.model != model.name or not settings.extra.get("dp_aware"):
+        return None
+    why = "its engines run DP attention, as Miles sets it" if model.dp_attention else "router.extra.dp_aware"
+    note = f"router of model {router.model!r} is dp-aware ({why})"
+    if settings.gateway == "sglang_router":
+        note += (
+            "; sglang-router 0.3.2 cannot take a dp-aware worker out (its removal job fails), so a lost engine "
+            "stays listed: gateway=smg can"
+        )
+    return note
 
 
 def render_launch(
@@ -471,14 +546,11 @@ def render_launch(
     for model in plan.models:
         launches, workers = rendering.model_engines(model)
         engines += launches
-        workers += [
-            WorkerRegistration(url=e.url, worker_type=e.worker_type.value, bootstrap_port=e.bootstrap_port)
-            for e in model.external
-        ]
+        workers += [_external_registration(model, engine) for engine in model.external]
         if model.has_router:
             routers.append(_router_launch(model, settings, ports, router_host, workers))
     notes = tuple(
         f"left out {key}: Miles sets it, but the installed SGLang has no such ServerArgs field"
         for key in sorted(rendering.dropped)
-    )
+    ) + tuple(note for model in plan.models for router in routers if (note := _dp_aware_note(model, router)))
     return LaunchSpecs(engine_kind=kind, engines=tuple(engines), routers=tuple(routers), notes=notes)

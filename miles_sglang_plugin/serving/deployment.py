@@ -1,100 +1,86 @@
-"""The running deployment: engines started through a backend, one real sglang-router per model, readiness
-with a deadline, a registry for rollout code, and a teardown that leaves nothing behind.
+"""The running deployment: engines started through a backend, one real sglang-router per model, one
+reconcile loop that brings them up and keeps them serving, the trainer's control handle, and a teardown that
+leaves nothing behind.
 
     with Deployment(prepared, LocalBackend(), log_dir=...) as deployment:
         url = deployment.registry.get_model_url("actor")
 
-Start-up runs everything in parallel: all routers (subprocesses of this machine, the driver) and all engine
-processes (through the backend, each on its node) are started at once; then one loop polls each engine's
-health endpoint (checking at every poll that its process is alive), registers each healthy engine with its
-model's router (``POST /workers``), and ends when every router reports all its workers. An engine or router
-that exits during start-up fails the launch at once (its name, where it ran, command, exit code and log
-tail); so does the deadline. Whatever was started is then stopped.
+Its parts, each with one job:
 
-Once up, the deployment is watched and healed (:mod:`.supervision`: ``deployment.state()``, events) and
-driven by the trainer through its control handle (:mod:`.control`: ``deployment.control``). External engines
-(already running elsewhere) are health-checked and registered like the others, and never stopped.
+* **desired state**: the plan (``prepared``) and the ledger of the control state each engine should have
+  (:mod:`.ledger`, changed by the control operations: :mod:`.control`);
+* **observed state**: the fleet table of engines and routers with their states (:mod:`.fleet`);
+* **one reconcile loop** (:mod:`.reconciler`), whose decisions are the pure :func:`~.policy.plan_actions`:
+  start-up (health polls, registration, readiness with a deadline), supervision (exits told by the exit
+  watcher, health polls, losses, restarts with backoff and budget, replays, router restarts) and every way
+  back into service go through it.
 
-Stopping (normal exit, exception, Ctrl-C, SIGTERM, interpreter exit, Hydra job end): routers and engines get
-SIGTERM at once, SIGKILL after the grace period, and the backend gives back what it took (port claims). If
-the launcher itself is SIGKILLed, its children receive SIGKILL from the kernel (``PR_SET_PDEATHSIG``).
+Start-up starts all routers and engine processes at once (from the spawner thread, whose children carry the
+parent-death signal), then the loop brings every engine to ``serving``. An engine or router that exits during
+start-up fails the launch at once (its name, where it ran, command, exit code and log tail); so does the
+deadline. Whatever was started is then stopped.
+
+Stopping (normal exit, exception, Ctrl-C, SIGTERM, interpreter exit, Hydra job end): the loop stops deciding
+and cancels what it does (control operations in flight raise :class:`~.errors.DeploymentStoppedError`),
+routers and engines get SIGTERM at once, SIGKILL after the grace period, and the backend gives back what it
+took (port claims). If the launcher itself is SIGKILLed, its children receive SIGKILL from the kernel
+(``PR_SET_PDEATHSIG``).
 
 Signals (:mod:`miles_sglang_plugin.serving.signals`): from start-up to the end of teardown, SIGINT and SIGTERM
-are recorded, never raised into whatever code runs. A signal during start-up stops everything at the next
-check (after each process started, at each poll); one after start-up stops everything at once from a watcher
-thread; then the program's own handler gets the signal (Python's defaults: ``KeyboardInterrupt``; SIGTERM
-ends the process with status 143), so the ``with`` block sees it only once nothing is left running.
+are recorded, never raised into whatever code runs. A signal during start-up stops everything at once; one
+after start-up stops everything from a watcher thread; then the program's own handler gets the signal
+(Python's defaults: ``KeyboardInterrupt``; SIGTERM ends the process with status 143), so the ``with`` block
+sees it only once nothing is left running.
 """
 
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import wait as wait_for_futures
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-from typing import TypeVar
-
-import httpx
+from typing import Any
 
 from miles_sglang_plugin.backends.base import Backend, EngineProcess, LaunchError
-from miles_sglang_plugin.backends.processes import ManagedProcess, stop_processes
+from miles_sglang_plugin.backends.processes import ExitWatcher, ManagedProcess, Spawner, stop_processes
 from miles_sglang_plugin.backends.status_view import StatusView, SummaryRow
 from miles_sglang_plugin.masking import mask_argv
-from miles_sglang_plugin.rendering.launch_specs import EngineProcessLaunch, RouterLaunch
 from miles_sglang_plugin.rendering.prepared import PreparedDeployment
 from miles_sglang_plugin.serving import quiet_http, signals
 from miles_sglang_plugin.serving.control import AsyncDeploymentControl, DeploymentControl
-from miles_sglang_plugin.serving.members import EngineInfo, EngineMember, build_members
-from miles_sglang_plugin.serving.registry import ModelRoute, RouterRegistry
-from miles_sglang_plugin.serving.routers import (
-    RouterRequestError,
-    register_workers,
-    router_command,
-    router_ready,
-)
-from miles_sglang_plugin.serving.supervision import (
-    DeploymentEvent,
+from miles_sglang_plugin.serving.errors import (
     DeploymentFailedError,
-    DeploymentState,
     DeploymentStoppedError,
-    RouterInfo,
-    Supervisor,
+    StartupInterrupted,
 )
+from miles_sglang_plugin.serving.events import DeploymentEvent, EventLog
+from miles_sglang_plugin.serving.fleet import (
+    DeploymentState,
+    EngineInfo,
+    EngineRow,
+    EngineState,
+    Fleet,
+    RouterRow,
+    RouterState,
+    build_fleet,
+)
+from miles_sglang_plugin.serving.ledger import Ledger, initial_state
+from miles_sglang_plugin.serving.policy import STARTUP_HEALTH_ENDPOINT
+from miles_sglang_plugin.serving.reconciler import Reconciler, ServingLoop, StartupFailure
+from miles_sglang_plugin.serving.registry import ModelRoute, RouterRegistry
+from miles_sglang_plugin.serving.routers import router_command
+from miles_sglang_plugin.serving.wire import ClientPool
 
-#: Engine health endpoint polled during start-up (as Miles: a real generation, not just a live socket).
-HEALTH_ENDPOINT = "/health_generate"
-#: How often start-up looks for a stop signal while it waits for concurrent requests.
+__all__ = ["Deployment", "StartupInterrupted", "stop_all_active"]
+
+#: How often start-up looks for a stop signal while it waits.
 _SIGNAL_CHECK_S = 0.05
-
-_T = TypeVar("_T")
-_R = TypeVar("_R")
-
-
-class StartupInterrupted(LaunchError):
-    """SIGINT or SIGTERM arrived during start-up and the program's own handler for it returned (under Python's
-    defaults it raises ``KeyboardInterrupt`` or ends the process instead); everything started was stopped."""
-
-
-@dataclass
-class RouterMember:
-    """The router of one model (a process of this machine) and its live state."""
-
-    launch: RouterLaunch
-    process: ManagedProcess
-    #: starting, live (answers), ready (lists all its workers), lost, restarting, stopped.
-    state: str = "starting"
-    restarts: int = 0
-    health_failures: int = 0
-
-    def info(self) -> RouterInfo:
-        return RouterInfo(self.launch.model, self.launch.spec.url, self.state, self.restarts)
-
+#: How long stopping waits for what runs on the serving loop to wind down.
+STOP_LOOP_TIMEOUT_S = 5.0
 
 #: Deployments of this process that have started and not stopped. Held strongly: a deployment whose code kept
 #: no reference to it still runs its processes, and must still be stopped at job end and at exit.
@@ -131,35 +117,67 @@ class Deployment:
         self.status = status or StatusView(mode=self.settings.launch.live)
         self.install_signal_handlers = install_signal_handlers
         self.notes = backend.check(prepared)
-        self._engines: list[EngineMember] = build_members(prepared)
-        self._routers: list[RouterMember] = []
-        self._stopped = False
-        #: stop() began (set once, first thing: no control operation starts from then on).
-        self._stopping = False
-        self._stopping_lock = threading.Lock()
+        self.fleet: Fleet = build_fleet(prepared, self._router_rows())
+        self.ledger = Ledger({row.id: initial_state(row.initial_lora) for row in self.fleet.engines()})
+        self.event_log = EventLog()
+        self.serving_loop = ServingLoop()
+        self.pool = ClientPool(self.auth_headers(), max_connections=self.settings.control.max_concurrency)
+        self._spawner = Spawner()
+        self._io = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="msp-io")
+        self.reconciler = Reconciler(
+            fleet=self.fleet,
+            ledger=self.ledger,
+            settings=self.settings,
+            backend=backend,
+            log_dir=self.log_dir,
+            events=self.event_log,
+            status=self.status,
+            loop=self.serving_loop,
+            pool=self.pool,
+            spawner=self._spawner,
+            io=self._io,
+            exits=ExitWatcher(),
+            on_fail=self._fail_and_stop,
+        )
+        self._control = DeploymentControl(AsyncDeploymentControl(self))
         self._started = False
+        self._stopping = False
+        self._stopped = False
+        self._stopping_lock = threading.Lock()
+        self._lock = threading.Lock()
         self._failure: str | None = None
         self._ready = False
-        self._control = DeploymentControl(AsyncDeploymentControl(self))
-        self.supervisor = Supervisor(self)
         self._watch: signals.SignalWatch | None = None
-        self._lock = threading.Lock()
+
+    def _router_rows(self) -> list[RouterRow]:
+        rows = []
+        for launch in self.prepared.launch.routers:
+            argv, env = router_command(launch.spec)
+            process = ManagedProcess(
+                name=f"router.{launch.model}",
+                argv=argv,
+                env=env,
+                log_path=self.log_dir / f"router.{launch.model}.log",
+                display_command=" ".join(argv[:3]) + f" <spec of {launch.model}>",
+            )
+            rows.append(RouterRow(model=launch.model, launch=launch, process=process))
+        return rows
 
     # ---------------------------------------------------------------------------------------------- API
     @property
     def registry(self) -> RouterRegistry:
         """Where rollout code finds each model's router."""
-        return RouterRegistry(ModelRoute.from_launch_spec(router.launch.spec) for router in self._routers)
+        return RouterRegistry(
+            ModelRoute.from_launch_spec(router.launch.spec) for router in self.fleet.routers()
+        )
 
     def engines(self) -> tuple[EngineInfo, ...]:
         """Every engine, in deployment order, with its URL, node, GPUs and state."""
-        return tuple(engine.info() for engine in self._engines)
+        return self.fleet.engine_infos()
 
     def processes(self) -> list[EngineProcess | ManagedProcess]:
         """Every process started: engine processes (all nodes), then routers."""
-        return [process for engine in self._engines for process in engine.processes] + [
-            router.process for router in self._routers
-        ]
+        return [*self._engine_processes(), *(router.process for router in self.fleet.routers())]
 
     def auth_headers(self) -> dict[str, str]:
         """``Authorization`` for requests to the routers and engines (empty without an API key). The key
@@ -179,35 +197,36 @@ class Deployment:
 
     def state(self) -> DeploymentState:
         """Where the deployment stands: every engine and router with its state, a failure, recent events."""
-        engines = self.engines()
-        routers = tuple(router.info() for router in self._routers)
+        engines, routers = self.engines(), self.fleet.router_infos()
         if self._failure is not None:
             status = "failed"
         elif self._stopped:
             status = "stopped"
         elif not self._ready:
             status = "starting"
-        elif all(e.state == "registered" for e in engines) and all(r.state == "ready" for r in routers):
+        elif all(e.state == EngineState.SERVING.value for e in engines) and all(
+            r.state == RouterState.READY.value for r in routers
+        ):
             status = "serving"
         else:
             status = "degraded"
-        return DeploymentState(status, engines, routers, self._failure, self.supervisor.events.events()[-50:])
+        return DeploymentState(status, engines, routers, self._failure, self.event_log.events()[-50:])
 
     def on_event(self, callback: Callable[[DeploymentEvent], None]) -> Callable[[], None]:
-        """Call ``callback(event)`` for every supervision event (engine lost, restarting, recovered, router
-        lost, deployment failed, ...), on the supervisor's thread; returns a function that unsubscribes."""
-        return self.supervisor.events.subscribe(callback)
-
-    def events(self) -> tuple[DeploymentEvent, ...]:
-        """The supervision events so far (the last 1,000)."""
-        return self.supervisor.events.events()
+        """Call ``callback(event)`` for every event (engine lost, restarting, recovered, router lost,
+        deployment failed, ...), on a thread of the event log; returns a function that unsubscribes."""
+        return self.event_log.subscribe(callback)
 
     def wait_for_event(
         self, kind: str, *, subject: str | None = None, since: int = 0, timeout_s: float = 60.0
     ) -> DeploymentEvent:
         """The first event ``kind`` (of ``subject``, e.g. an engine id) at or after position ``since``
         (``len(deployment.events())`` before the action that causes it); TimeoutError after ``timeout_s``."""
-        return self.supervisor.events.wait_for(kind, subject=subject, since=since, timeout_s=timeout_s)
+        return self.event_log.wait_for(kind, subject=subject, since=since, timeout_s=timeout_s)
+
+    def events(self) -> tuple[DeploymentEvent, ...]:
+        """The events so far (the last 1,000)."""
+        return self.event_log.events()
 
     @property
     def failure(self) -> str | None:
@@ -219,30 +238,28 @@ class Deployment:
         if self._failure is not None:
             raise DeploymentFailedError(f"the deployment failed and was stopped: {self._failure}")
 
-    def check_running(self) -> None:
-        """Raise :class:`DeploymentFailedError` if it failed, :class:`DeploymentStoppedError` once it stops
-        (control operations call it first)."""
-        self.check()
-        if self._stopping:
-            raise DeploymentStoppedError(
-                "the deployment was stopped: control operations no longer reach its engines"
+    def refusal(self, when: str) -> Exception | None:
+        """Why control operations no longer run (``when``: at which point), or None while they do."""
+        if self._failure is not None:
+            return DeploymentFailedError(f"the deployment failed and was stopped{_at(when)}: {self._failure}")
+        if not self._started:
+            return DeploymentStoppedError(
+                f"the deployment is not started{_at(when)}: it has no engines to drive yet"
             )
+        if self._stopping:
+            driven = (
+                "its engines are no longer driven"
+                if when
+                else "control operations no longer reach its engines"
+            )
+            return DeploymentStoppedError(f"the deployment was stopped{_at(when)}: {driven}")
+        return None
 
-    def mark_failed(self, message: str) -> None:
-        """Record the failure (the supervisor stops everything next)."""
-        self._failure = self._failure or message
-
-    # Internal views for the control handle and the supervisor.
-    @property
-    def members(self) -> list[EngineMember]:
-        return self._engines
-
-    @property
-    def router_members(self) -> list[RouterMember]:
-        return self._routers
-
-    def router_of(self, model: str) -> RouterMember | None:
-        return next((router for router in self._routers if router.launch.model == model), None)
+    def check_running(self) -> None:
+        """Raise :class:`DeploymentFailedError` if it failed, :class:`DeploymentStoppedError` once it stops."""
+        refusal = self.refusal("")
+        if refusal is not None:
+            raise refusal
 
     def exited(self) -> list[tuple[str, int]]:
         """Processes that have exited since start-up (name, exit code): a deployment that lost a member."""
@@ -292,13 +309,13 @@ class Deployment:
             raise RuntimeError("a Deployment starts once")
         self._started = True
         _ACTIVE.add(self)
-        quiet_http.install()  # the requests below (polls, registrations, supervision, control) stay quiet
+        quiet_http.install()
         self._watch = signals.watch() if self.install_signal_handlers else None
         for note in self.notes:
             self.status.note(note)
         try:
             self._spawn()
-            self._wait_ready()
+            self._await_startup()
         except signals.Interrupted as exc:
             self._abandon_start(f"start-up interrupted by {exc}")
             signum = exc.signum
@@ -309,7 +326,6 @@ class Deployment:
             raise
         else:
             self._ready = True
-            self.supervisor.start()
             self.status.finish()
             self.status.summary(self._summary_rows())
             if self._watch is not None:
@@ -337,204 +353,119 @@ class Deployment:
         if self._watch is not None:
             self._watch.check()
 
-    def _pause(self, seconds: float) -> None:
-        """Sleep, waking at once for a stop signal (then raising :class:`signals.Interrupted`)."""
-        if self._watch is not None:
-            self._watch.wait(seconds)
-        else:
-            time.sleep(seconds)
-        self._check_signal()
-
-    def _gather(
-        self, pool: ThreadPoolExecutor, function: Callable[[_T], _R], items: Iterable[_T]
-    ) -> list[_R]:
-        """``pool.map``, looking for a stop signal while it waits."""
-        futures = [pool.submit(function, item) for item in items]
-        while wait_for_futures(futures, timeout=_SIGNAL_CHECK_S).not_done:
-            self._check_signal()
-        self._check_signal()
-        return [future.result() for future in futures]
+    def _wait(self, future: concurrent.futures.Future[Any]) -> None:
+        """Until ``future`` is done, waking at once for a stop signal (then raising
+        :class:`signals.Interrupted`)."""
+        watch = self._watch
+        if watch is None:
+            concurrent.futures.wait([future])
+            return
+        future.add_done_callback(lambda _done: watch.poke())
+        while not future.done():
+            watch.check()
+            watch.wait(1.0)
+        watch.check()
 
     def _spawn(self) -> None:
-        launch = self.prepared.launch
-        for router_launch in launch.routers:
-            argv, env = router_command(router_launch.spec)
-            process = ManagedProcess(
-                name=f"router.{router_launch.model}",
-                argv=argv,
-                env=env,
-                log_path=self.log_dir / f"router.{router_launch.model}.log",
-                display_command=" ".join(argv[:3]) + f" <spec of {router_launch.model}>",
-            )
-            self._routers.append(RouterMember(launch=router_launch, process=process))
-            self.status.track(process.name, "router", router_launch.spec.url)
-        for engine in self._engines:
-            where = "external" if engine.external else f"GPUs {engine.gpus}"
-            self.status.track(engine.id, "engine", f"{engine.url} {where}")
-        for router in self._routers:
-            self._start_router(router)
-        for engine in self._engines:
-            for process_launch in engine.launches:
-                self._start_engine_process(engine, process_launch)
-
-    def _start_router(self, router: RouterMember) -> None:
-        self._check_signal()
-        try:
-            router.process.start()
-        except OSError as exc:
-            self.status.update(router.process.name, "failed")
-            raise LaunchError(
-                f"router {router.process.name} could not be started: {exc}\n"
-                f"  command: {router.process.display_command}"
-            ) from exc
-
-    def _start_engine_process(self, engine: EngineMember, process_launch: EngineProcessLaunch) -> None:
-        self._check_signal()
-        try:
-            engine.processes.append(
-                self.backend.start(process_launch, log_path=self.log_dir / f"{process_launch.name}.log")
-            )
-        except OSError as exc:  # e.g. the command does not exist: a LaunchError like any other failed start
-            self.status.update(engine.id, "failed")
-            raise LaunchError(
-                f"engine {process_launch.name} could not be started: {exc}\n"
-                f"  command: {process_launch.display_command()}"
-            ) from exc
-
-    def _fail_if_exited(self) -> None:
-        for router in self._routers:
-            code = router.process.exit_code()
-            if code is not None:
-                self.status.update(router.process.name, "failed")
+        self.serving_loop.start()
+        for router in self.fleet.routers():
+            self.status.track(router.name, "router", router.url)
+        for row in self.fleet.engines():
+            where = "external" if row.external else f"GPUs {row.gpus}"
+            self.status.track(row.id, "engine", f"{row.url} {where}")
+        for router in self.fleet.routers():
+            self._check_signal()
+            try:  # a start is not interrupted: the signal is looked at once the process runs and is tracked
+                self._spawner.submit(router.process.start).result()
+            except OSError as exc:
+                self.status.update(router.name, "failed")
                 raise LaunchError(
-                    _exited_message(
-                        f"router {router.process.name}",
-                        f"pid {router.process.pid} on this machine",
-                        code,
-                        time.monotonic() - router.process.started_at,
-                        router.process.display_command or " ".join(mask_argv(list(router.process.argv))),
-                        str(router.process.log_path),
-                        router.process.tail(15),
-                    )
+                    f"router {router.name} could not be started: {exc}\n  command: {router.process.display_command}"
+                ) from exc
+            self.reconciler.watch_router(router.model, 0, router.process)
+        for row in self.fleet.engines():
+            self._spawn_engine(row)
+        self._check_signal()
+
+    def _spawn_engine(self, row: EngineRow) -> None:
+        for launch in row.launches:
+            self._check_signal()
+            future = self._spawner.submit(
+                self.backend.start, launch, log_path=self.log_dir / f"{launch.name}.log"
+            )
+            try:  # not interrupted: the process is tracked before the next look at the signals
+                process = future.result()
+            except (
+                OSError
+            ) as exc:  # e.g. the command does not exist: a LaunchError like any other failed start
+                self.status.update(row.id, "failed")
+                raise LaunchError(
+                    f"engine {launch.name} could not be started: {exc}\n  command: {launch.display_command()}"
+                ) from exc
+            self.fleet.update(row.id, processes=(*self.fleet.engine(row.id).processes, process))
+            self.fleet.update(row.id, started_at=process.started_at)
+            self.reconciler.watch_engine(row.id, 0, process)
+
+    def _await_startup(self) -> None:
+        timeout_s = self.settings.launch.startup_timeout_s
+        self.serving_loop.submit(self.reconciler.run(timeout_s))
+        self._wait(self.reconciler.startup)
+        failure = self.reconciler.startup.result()
+        if failure is not None:
+            raise LaunchError(self._startup_message(failure))
+
+    # ------------------------------------------------------------------------------------ start-up failures
+    def _startup_message(self, failure: StartupFailure) -> str:
+        if failure.cause == "exited" and failure.engine is not None:
+            return self._engine_exit_message(self.fleet.engine(failure.engine)) or failure.message
+        if failure.cause == "router_exited" and failure.router is not None:
+            router = self.fleet.router(failure.router)
+            if router is not None:
+                return _router_exit_message(router)
+        if failure.cause == "timeout":
+            return self._timeout_message()
+        return failure.message
+
+    def _engine_exit_message(self, row: EngineRow) -> str | None:
+        for process in row.processes:
+            code = process.exit_code()
+            if code is not None:
+                self.status.update(row.id, "failed")
+                return _exited_message(
+                    f"engine {process.name}",
+                    process.where,
+                    code,
+                    time.monotonic() - process.started_at,
+                    process.launch.display_command(),
+                    process.log_location,
+                    process.tail(15),
+                    reason=process.exit_reason(),
                 )
-        for engine in self._engines:
-            for process in engine.processes:
-                code = process.exit_code()
-                if code is not None:
-                    self.status.update(engine.id, "failed")
-                    raise LaunchError(
-                        _exited_message(
-                            f"engine {process.name}",
-                            process.where,
-                            code,
-                            time.monotonic() - process.started_at,
-                            process.launch.display_command(),
-                            process.log_location,
-                            process.tail(15),
-                            reason=process.exit_reason(),
-                        )
-                    )
+        return None
 
-    def _wait_ready(self) -> None:
-        launch_conf = self.settings.launch
-        deadline = time.monotonic() + launch_conf.startup_timeout_s
-        # Health polls and registrations go out concurrently: one slow or hanging engine must not delay the
-        # others, and registration time must not grow with the number of engines.
-        workers = min(32, max(4, len(self._engines) + len(self._routers)))
-        pool = ThreadPoolExecutor(workers)
-        try:
-            with httpx.Client(timeout=2.0, headers=self.auth_headers()) as client:
-                while True:
-                    self._fail_if_exited()
-                    self._poll_health(client, pool)
-                    self._register_healthy(pool)
-                    if all(e.registered for e in self._engines) and self._routers_ready(pool):
-                        return
-                    if time.monotonic() > deadline:
-                        raise LaunchError(self._timeout_message(launch_conf.startup_timeout_s))
-                    self._pause(launch_conf.poll_interval_s)
-        finally:  # requests still in flight after a failure end on their own (their timeout); nobody waits
-            pool.shutdown(wait=False, cancel_futures=True)
-
-    def _poll_health(self, client: httpx.Client, pool: ThreadPoolExecutor) -> None:
-        routers = [router for router in self._routers if router.state == "starting"]
-        engines = [engine for engine in self._engines if engine.state == "starting"]
-        urls = [router.launch.spec.url + "/liveness" for router in routers] + [
-            engine.url + HEALTH_ENDPOINT for engine in engines
-        ]
-        answered = self._gather(pool, lambda url: _get_ok(client, url), urls)
-        for router, live in zip(routers, answered[: len(routers)], strict=True):
-            if live:
-                router.state = "live"
-                self.status.update(router.process.name, "live")
-        for engine, healthy in zip(engines, answered[len(routers) :], strict=True):
-            if healthy:
-                if engine.external:
-                    _learn_external(client, engine)
-                engine.state, engine.healthy_at = "healthy", time.monotonic()
-                self.status.update(engine.id, "healthy")
-
-    def _register_healthy(self, pool: ThreadPoolExecutor) -> None:
-        by_model = {r.launch.model: r for r in self._routers}
-        due = [
-            (engine, router)
-            for engine in self._engines
-            if engine.state == "healthy"
-            and not engine.registered
-            and (router := by_model.get(engine.model)) is not None
-            and router.state != "starting"
-        ]
-
-        def register(item: tuple[EngineMember, RouterMember]) -> str | None:
-            engine, router = item
-            try:
-                register_workers(router.launch.spec.url, [engine.registration], api_key=self.settings.api_key)
-            except (RouterRequestError, httpx.HTTPError) as exc:
-                return f"router of model {engine.model!r} refused engine {engine.id}: {exc}"
-            return None
-
-        for (engine, _router), error in zip(due, self._gather(pool, register, due), strict=True):
-            if error is not None:
-                raise LaunchError(error)
-            engine.registered = True
-            engine.state = "registered"
-            self.status.update(engine.id, "registered")
-
-    def _routers_ready(self, pool: ThreadPoolExecutor) -> bool:
-        waiting = [router for router in self._routers if router.state != "ready"]
-
-        def ready(router: RouterMember) -> bool:
-            return router_ready(router.launch.spec.url, router.launch.workers, api_key=self.settings.api_key)[
-                0
-            ]
-
-        for router, ok in zip(waiting, self._gather(pool, ready, waiting), strict=True):
-            if ok:
-                router.state = "ready"
-                self.status.update(router.process.name, "ready")
-        return all(router.state == "ready" for router in self._routers)
-
-    def _timeout_message(self, timeout_s: float) -> str:
+    def _timeout_message(self) -> str:
+        timeout_s = self.settings.launch.startup_timeout_s
         lines = [
             f"the deployment was not ready after {timeout_s:g} s (sglang_deploy.launch.startup_timeout_s):"
         ]
-        for engine in self._engines:
-            if engine.state == "starting" and engine.external:
+        for row in self.fleet.engines():
+            if row.state is EngineState.STARTING and row.external:
                 lines.append(
-                    f"  external engine {engine.id} never answered {HEALTH_ENDPOINT} at {engine.url} "
-                    "(it runs elsewhere: is it up, and reachable from here?)"
+                    f"  external engine {row.id} never answered {STARTUP_HEALTH_ENDPOINT} at {row.url} within "
+                    "the start-up deadline (it runs elsewhere: is it up, reachable from here, and answering?)"
                 )
-            elif engine.state == "starting":
-                process = engine.processes[0]
+            elif row.state is EngineState.STARTING and row.processes:
+                process = row.processes[0]
                 lines.append(
-                    f"  engine {engine.id} never answered {HEALTH_ENDPOINT} "
-                    f"at {engine.url} "
+                    f"  engine {row.id} never answered {STARTUP_HEALTH_ENDPOINT} at {row.url} "
                     f"({process.where}, still running); last log lines of {process.log_location}:"
                 )
                 lines += [f"    | {line}" for line in process.tail(10).splitlines()]
-        for router in self._routers:
-            if router.state != "ready":
-                lines.append(f"  router of {router.launch.model} at {router.launch.spec.url}: {router.state}")
+            elif row.state is not EngineState.SERVING:
+                lines.append(f"  engine {row.id} at {row.url}: {row.state.value}")
+        for router in self.fleet.routers():
+            if router.state is not RouterState.READY:
+                lines.append(f"  router of {router.model} at {router.url}: {router.state.value}")
         return "\n".join(lines)
 
     def _summary_rows(self) -> list[SummaryRow]:
@@ -556,16 +487,21 @@ class Deployment:
         return rows
 
     # ---------------------------------------------------------------------------------------------- stop
+    def _fail_and_stop(self, message: str) -> None:
+        """The reconciler gave up (restarts used up, a router that cannot come back): record it and stop."""
+        self._failure = self._failure or message
+        self.stop()
+
     def stop(self) -> None:
         """Stop every process this deployment started and close its backend (idempotent). External engines
-        are left running (they are only taken out of routers that stop anyway). Control operations in flight
-        raise :class:`DeploymentStoppedError` (:class:`DeploymentFailedError` when it failed), later ones too."""
+        are left running. Control operations in flight raise :class:`DeploymentStoppedError`
+        (:class:`DeploymentFailedError` when it failed), later ones too."""
         with self._stopping_lock:
-            already, self._stopping = self._stopping, True
-        if already and self.supervisor.owns(threading.current_thread()):
-            return  # e.g. a recovery that failed while the deployment stops: the stopping thread joins this one
-        self.supervisor.request_stop()  # no restarts from now on; its threads end once their engines are gone
-        self._control.close()  # callers blocked in an operation raise now, whatever their engines do
+            self._stopping = True
+        if self.serving_loop.in_loop():  # never from the loop itself: it is what stopping winds down
+            threading.Thread(target=self.stop, name="msp-stop", daemon=True).start()
+            return
+        self.reconciler.stop()
         with self._lock:
             if self._stopped:
                 return
@@ -574,10 +510,11 @@ class Deployment:
                 self._teardown(self.settings.launch.shutdown_grace_s)
 
     def _engine_processes(self) -> list[EngineProcess]:
-        return [process for engine in self._engines for process in engine.processes]
+        return [process for row in self.fleet.engines() for process in row.processes]
 
     def _teardown(self, grace: float) -> None:
-        routers = [router.process for router in self._routers]
+        self.serving_loop.close(before=self.pool.aclose, timeout_s=STOP_LOOP_TIMEOUT_S)
+        routers = [router.process for router in self.fleet.routers()]
         for process in routers:  # routers stop while the engines are given their grace period
             if process.running:
                 process.signal_group(signal.SIGTERM)
@@ -586,51 +523,48 @@ class Deployment:
         finally:
             try:
                 stop_processes(routers, grace_s=grace)
-                self.supervisor.join()  # a replay or restart in flight ends now that its engine is gone
-                # What a restart started meanwhile (before it saw the stop), engines and routers alike.
-                late = [process for process in self._engine_processes() if process.exit_code() is None]
+                self._spawner.shutdown(wait=True)  # a start under way ends; what it started is stopped next
+                late = [p for p in self._engine_processes() if p.exit_code() is None]
                 if late:
                     self.backend.stop(late, grace_s=grace)
-                stop_processes([process for process in routers if process.running], grace_s=grace)
+                routers = [router.process for router in self.fleet.routers()]
+                stop_processes([p for p in routers if p.running], grace_s=grace)
             finally:
-                self.backend.close()
-                self._stopped = True
-                _ACTIVE.discard(self)
-                signals.unwatch(self._watch)
-                self._after_stop()
+                self._close(grace)
 
-    def _after_stop(self) -> None:
-        for member in self._engines:
-            member.state = "stopped"
-        for router in self._routers:
-            router.state = "stopped"
-        self.supervisor.close()
-        self._control.close()
-
-
-def _learn_external(client: httpx.Client, engine: EngineMember) -> None:
-    """An external engine's GPUs and LoRA serving, as it reports them (slime: ``num_gpus``, else
-    ``num_gpus_per_engine``, else tp_size * pp_size of ``/server_info``)."""
-    for path in ("/server_info", "/get_server_info"):
+    def _close(self, grace: float) -> None:
         try:
-            response = client.get(engine.url + path)
-            info = response.json() if response.status_code == 200 else None
-        except (httpx.HTTPError, ValueError):
-            info = None
-        if isinstance(info, dict):
-            gpus = info.get("num_gpus") or info.get("num_gpus_per_engine")
-            if not isinstance(gpus, int):
-                gpus = int(info.get("tp_size") or 1) * int(info.get("pp_size") or 1)
-            engine.num_gpus = gpus
-            engine.serves_lora = bool(info.get("enable_lora"))
-            return
+            self.backend.close()
+        finally:
+            self.reconciler.exits.close()
+            self._io.shutdown(wait=False, cancel_futures=True)
+            self._stopped = True
+            _ACTIVE.discard(self)
+            signals.unwatch(self._watch)
+            for row in self.fleet.engines():
+                if row.state is not EngineState.STOPPED:
+                    self.fleet.transition(row.id, EngineState.STOPPED)
+            for router in self.fleet.routers():
+                if router.state is not RouterState.STOPPED:
+                    self.fleet.transition_router(router.model, RouterState.STOPPED)
+            self.event_log.close()
 
 
-def _get_ok(client: httpx.Client, url: str) -> bool:
-    try:
-        return client.get(url).status_code == 200
-    except (httpx.HTTPError, RuntimeError):  # RuntimeError: the client was closed (start-up given up)
-        return False
+def _at(when: str) -> str:
+    return f" {when}" if when else ""
+
+
+def _router_exit_message(router: RouterRow) -> str:
+    process = router.process
+    return _exited_message(
+        f"router {process.name}",
+        f"pid {process.pid} on this machine",
+        process.exit_code() or 0,
+        time.monotonic() - process.started_at,
+        process.display_command or " ".join(mask_argv(list(process.argv))),
+        str(process.log_path),
+        process.tail(15),
+    )
 
 
 def _exited_message(
@@ -653,6 +587,3 @@ def _exited_message(
         *([] if tail.strip() else ["    (none: it wrote nothing there)"]),
     ]
     return "\n".join(lines)
-
-
-__all__: Sequence[str] = ["Deployment", "EngineInfo", "RouterMember", "StartupInterrupted", "stop_all_active"]

@@ -73,6 +73,10 @@ class SignalWatch:
         with contextlib.suppress(OSError):  # a full pipe already wakes the waiter; a closed one has none
             os.write(self._write_fd, b"s")
 
+    def poke(self) -> None:
+        """Wake a thread blocked in :meth:`wait` (from any thread; no signal is recorded)."""
+        self._wake()
+
     def check(self) -> None:
         """Raise :class:`Interrupted` if a signal was received."""
         if self.received is not None:

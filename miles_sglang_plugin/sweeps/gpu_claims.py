@@ -7,15 +7,17 @@ forked while the lock was held, had a copy of the descriptor.
 
 GPUs are named as ``CUDA_VISIBLE_DEVICES`` names them (indices or UUIDs): launches keep apart when they name
 a GPU alike and share the lock directory (``$MSP_GPU_LOCK_DIR``, default ``<tmp>/miles-sglang-gpus-<uid>``).
+Each claim is guarded as every claim is, so removing the directory under a sweep never gives its GPUs to
+another sweep; the launcher checks its claims as it polls and says when their lock files vanished.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import tempfile
+import urllib.parse
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from miles_sglang_plugin.rendering.claims import LOCK_FILE_FLAGS, LockClaims, open_lock_dir
@@ -33,12 +35,19 @@ class GpuLockDirError(OSError):
 
 
 def _lock_name(gpu: str) -> str:
-    return "gpu-" + re.sub(r"[^A-Za-z0-9_.-]", "_", gpu) + ".lock"
+    """``gpu-<id>.lock``: indices and UUIDs as they are, any other character %-escaped (two GPU names never
+    share a lock file, which would make a job needing both wait for ever)."""
+    return "gpu-" + urllib.parse.quote(gpu, safe="-.") + ".lock"
 
 
 @dataclass
 class GpuClaims(LockClaims[str]):
     """The GPUs this process holds, each an open, flock-ed lock file (``gpu-<id>.lock``)."""
+
+    #: GPUs whose lock file could not be opened when last tried (why), as opposed to held by another launch.
+    unusable_gpus: dict[str, OSError] = field(default_factory=dict)
+    #: The GPUs another launch held at the last :meth:`claim` that fell short.
+    held_elsewhere: list[str] = field(default_factory=list)
 
     def lock_file_name(self, key: str) -> str:
         return _lock_name(key)
@@ -58,13 +67,22 @@ class GpuClaims(LockClaims[str]):
     def claim(self, candidates: Sequence[str], count: int) -> list[str] | None:
         """``count`` GPUs of ``candidates``, in their order, all or none."""
         taken: list[str] = []
+        held: list[str] = []
         for gpu in candidates:
             if len(taken) == count:
                 break
+            self.unusable = None
             if self.try_claim(gpu):
                 taken.append(gpu)
+            elif self.unusable is None:
+                held.append(gpu)
+            if self.unusable is not None:
+                self.unusable_gpus[gpu] = self.unusable
+            else:
+                self.unusable_gpus.pop(gpu, None)
         if len(taken) == count:
             return taken
+        self.held_elsewhere = held
         self.release(taken)
         return None
 

@@ -4,11 +4,14 @@
    GPUs its plan's engines use on one machine (:func:`gpu_need`: the highest local GPU id of the rollout, plus
    one, so that the trainer's own GPUs before the rollout on that node come with it). A job whose deployment
    does not resolve runs without GPUs (``CUDA_VISIBLE_DEVICES=""``) and reports its own error; a job that
-   needs more GPUs than the launcher has is marked failed, with that message, without running.
+   needs more GPUs than the launcher has is marked failed, with that message, without running. The launcher's
+   GPUs must be distinct (``CUDA_VISIBLE_DEVICES=0,0`` is refused before any job runs).
 2. Jobs start in order as soon as their GPUs are free (a smaller job may go ahead of one that waits): the
    lowest free GPU ids are claimed (:mod:`.gpu_claims`, so concurrent launches on the machine keep apart too)
    and the job runs in a process forked from this one, with ``CUDA_VISIBLE_DEVICES`` set to its GPUs (the
-   local backend indexes the plan's local GPU ids into it) and ports claimed as every launch claims them.
+   local backend indexes the plan's local GPU ids into it) and ports claimed as every launch claims them. A
+   job that can never get its GPUs (lock files of the launcher's GPUs cannot be opened) is failed, saying so,
+   instead of waiting; as it polls the launcher checks its claims and says when their lock files vanished.
 3. When a job's process ends, its GPUs are given back and waiting jobs start; a failed job is a failed
    ``JobReturn`` (Hydra's sweeper then fails the multirun at its end, after every job ran). A job process that
    dies without a result (killed) is failed with its exit status, and ``job_status.json`` says so.
@@ -35,6 +38,7 @@ from typing import Any
 
 from hydra.errors import CompactHydraException
 
+from miles_sglang_plugin.backends.visible_gpus import VISIBLE_DEVICES_ENV, gpu_list_problems, split_gpu_list
 from miles_sglang_plugin.errors import DeploymentConfigError
 from miles_sglang_plugin.masking import mask_overrides
 from miles_sglang_plugin.planning.plan import DeploymentPlan
@@ -102,11 +106,16 @@ def _usage_error(messages: Sequence[str]) -> SystemExit:
     return SystemExit(2)
 
 
-def discover_gpus() -> list[str]:
-    """This launcher's GPUs: its ``CUDA_VISIBLE_DEVICES``, else those nvidia-smi lists, else none."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+def discover_gpus() -> tuple[list[str], list[str]]:
+    """This launcher's GPUs: its ``CUDA_VISIBLE_DEVICES`` (checked: distinct GPUs, see
+    :func:`~miles_sglang_plugin.backends.visible_gpus.gpu_list_problems`), else those nvidia-smi lists, else
+    none; and the problems of the variable."""
+    visible = os.environ.get(VISIBLE_DEVICES_ENV)
     if visible is not None:
-        return [g.strip() for g in visible.split(",") if g.strip()]
+        entries = list(split_gpu_list(visible))
+        problems = gpu_list_problems(entries)
+        shown = visible if len(visible) <= 60 else visible[:60] + "…"
+        return entries, [f"gpus: the launcher's {VISIBLE_DEVICES_ENV}={shown!r} {p}" for p in problems]
     import subprocess
 
     try:
@@ -118,32 +127,31 @@ def discover_gpus() -> list[str]:
             check=True,
         ).stdout
     except (OSError, subprocess.SubprocessError):
-        return []
-    return [line.strip() for line in out.splitlines() if line.strip()][:MAX_GPUS]
+        return [], []
+    return [line.strip() for line in out.splitlines() if line.strip()][:MAX_GPUS], []
 
 
 def _explicit_gpus(value: Any) -> tuple[list[str] | None, list[str]]:
     """``hydra.launcher.gpus`` as a list of ids, or (None, problems)."""
     if isinstance(value, str):
-        ids = [g.strip() for g in value.split(",") if g.strip()]
+        ids = list(split_gpu_list(value))
     elif isinstance(value, list | tuple) or type(value).__name__ == "ListConfig":
-        ids = [str(g).strip() for g in value]
+        ids = [str(g).strip() for g in value][: MAX_GPUS + 1]
     else:
         return None, [f"gpus: {value!r} must be null, a count or a list of GPU ids"]
-    problems = []
-    if not ids or len(ids) > MAX_GPUS or any(not g for g in ids):
-        problems.append(f"gpus: {value!r} must list 1..{MAX_GPUS} GPU ids")
-    if len(set(ids)) != len(ids):
-        problems.append(f"gpus: {value!r} names a GPU twice (a GPU is never given twice)")
+    shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:60] + "…"
+    if not ids or len(ids) > MAX_GPUS:
+        return None, [f"gpus: {shown} must list 1..{MAX_GPUS} GPU ids"]
+    problems = [f"gpus: {shown} {problem}" for problem in gpu_list_problems(ids)]
     return (ids, []) if not problems else (None, problems)
 
 
 def gpus_of_setting(value: Any) -> tuple[list[str] | None, list[str]]:
     """The launcher's GPUs from ``hydra.launcher.gpus`` (see :class:`PackedLauncherConf`), or problems."""
     if value is None:
-        found = discover_gpus()
-        if found:
-            return found, []
+        found, problems = discover_gpus()
+        if found or problems:
+            return (None, problems) if problems else (found, [])
         return None, [
             "gpus: none found (no CUDA_VISIBLE_DEVICES, no nvidia-smi): set hydra.launcher.gpus=N, e.g. with "
             "stand-in engines (sglang_deploy=simulated)"
@@ -151,7 +159,9 @@ def gpus_of_setting(value: Any) -> tuple[list[str] | None, list[str]]:
     if isinstance(value, int) and not isinstance(value, bool):
         if not 1 <= value <= MAX_GPUS:
             return None, [f"gpus: {value} must be a count in 1..{MAX_GPUS}"]
-        found = discover_gpus()
+        found, problems = discover_gpus()
+        if problems:
+            return None, problems
         if found and value > len(found):
             return None, [
                 f"gpus: {value} GPUs asked for, but this machine shows {len(found)}: {','.join(found)}"
@@ -413,6 +423,7 @@ class Scheduler:
         self.claims = GpuClaims(settings.lock_dir)
         self.counted: set[str] = set()  # the ray backend's GPUs in use (counted, not locked)
         self.waiting_logged: set[int] = set()
+        self.unreachable_logged = False
 
     def run(self) -> None:
         with _StopSignals() as stop:
@@ -425,6 +436,7 @@ class Scheduler:
                             if stop.signum == signal.SIGINT
                             else SystemExit(128 + stop.signum)
                         )
+                    self._check_claims()
                     self._start_fitting()
                     self._collect(self.settings.poll_interval_s)
             finally:
@@ -452,15 +464,88 @@ class Scheduler:
                 return
             gpus = self._take(job)
             if gpus is None:
-                if job.index not in self.waiting_logged and not self.running:
+                never = self._never_fits(job)
+                if never is not None:
+                    self._fail_unrunnable(job, never)
+                elif job.index not in self.waiting_logged and not self.running:
                     log.info(
-                        "#%d waits for %d free GPUs (others are held by other launches)", job.index, job.need
+                        "#%d waits for %d free GPUs (%s held by other launches)",
+                        job.index,
+                        job.need,
+                        _gpu_list(self.claims.held_elsewhere) or "GPUs",
                     )
                     self.waiting_logged.add(job.index)
                 continue
             job.gpus = gpus
             self.pending.remove(job)
             self._fork(job)
+
+    def _never_fits(self, job: Job) -> str | None:
+        """Why ``job`` can never get its GPUs here (lock files of the launcher's GPUs that cannot be opened),
+        or None while it only waits (other launches hold GPUs)."""
+        if self.settings.counted_only:
+            return None
+        unusable = {g: e for g, e in self.claims.unusable_gpus.items() if g in self.settings.gpus}
+        claimable = len(self.settings.gpus) - len(unusable)
+        if claimable >= job.need:
+            return None
+        reasons = "; ".join(
+            f"GPU {gpu}: {self.claims.lock_dir / self.claims.lock_file_name(gpu)}: {exc.strerror or exc}"
+            for gpu, exc in list(unusable.items())[:3]
+        )
+        more = f" (and {len(unusable) - 3} more)" if len(unusable) > 3 else ""
+        return (
+            f"job #{job.index} needs {job.need} GPUs, but only {claimable} of the launcher's "
+            f"{len(self.settings.gpus)} can be claimed: their lock files cannot be opened ({reasons}{more}): it "
+            "cannot run"
+        )
+
+    def _fail_unrunnable(self, job: Job, message: str) -> None:
+        from hydra.core.utils import configure_log
+
+        log.error(message)
+        self.pending.remove(job)
+        job.result = _refuse(self.launcher, job, message)
+        _record_status(job)
+        configure_log(self.launcher.config.hydra.hydra_logging, self.launcher.config.hydra.verbose)
+
+    def _check_claims(self) -> None:
+        """Say when the held GPUs' lock files vanished (the lock directory removed or replaced): made again, or
+        lost to another launch; the guards keep the GPUs claimed meanwhile (see :mod:`.gpu_claims`)."""
+        if self.settings.counted_only or not self.claims.fds:
+            return
+        check = self.claims.verify()
+        where = self.claims.lock_dir
+        if check.remade:
+            log.warning(
+                "the GPU lock directory %s was removed or replaced while this launch held GPUs %s (%s): their "
+                "lock files are made again; no launch sharing the directory could take them meanwhile",
+                where,
+                _gpu_list(check.remade),
+                self._holders(check.remade),
+            )
+        for gpu in check.lost:
+            log.error(
+                "GPU %s: claim lost: its lock file in %s vanished and another launch holds the new one (a "
+                "launch that does not share this one's claim guards, e.g. in another network namespace); "
+                "%s may share the GPU with it",
+                gpu,
+                where,
+                self._holders([gpu]),
+            )
+        if check.unreachable is not None and not self.unreachable_logged:
+            self.unreachable_logged = True
+            log.error(
+                "the GPU lock directory %s was removed or replaced and cannot be used now (%s): GPUs %s stay "
+                "claimed by this launch's guards, but new claims fail until it is usable again",
+                where,
+                check.unreachable,
+                _gpu_list(list(self.claims.fds)),
+            )
+
+    def _holders(self, gpus: Sequence[str]) -> str:
+        jobs = [f"job #{j.index}" for j in self.running if set(j.gpus) & set(gpus)]
+        return ", ".join(jobs) or "no running job"
 
     def _fork(self, job: Job) -> None:
         context = multiprocessing.get_context("fork")
@@ -534,6 +619,10 @@ class Scheduler:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(job.process.pid, signal.SIGKILL)
             self._finish(job)
+
+
+def _gpu_list(gpus: Sequence[str]) -> str:
+    return ",".join(gpus[:16]) + (f",… ({len(gpus)} GPUs)" if len(gpus) > 16 else "")
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -11,24 +11,38 @@ have ``metrics.json`` and ``plan.json`` (:mod:`.bench`) and ``job_status.json`` 
 from __future__ import annotations
 
 import csv
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from miles_sglang_plugin.masking import mask_overrides
 from miles_sglang_plugin.sweeps.bench import METRICS_FILE
+from miles_sglang_plugin.sweeps.job_files import (
+    MAX_ERROR_CHARS,
+    MAX_METRICS_BYTES,
+    MAX_STATUS_BYTES,
+    JobFileError,
+    load_json,
+    load_yaml,
+    metrics_problems,
+    one_line,
+    overrides_problem,
+    printable,
+    status_problems,
+)
 
 STATUS_FILE = "job_status.json"
+OVERRIDES_FILE = ".hydra/overrides.yaml"
 REPORT_MD, REPORT_CSV, REPORT_PNG = "sweep_report.md", "sweep_report.csv", "sweep_report.png"
-#: Reading is bounded: jobs per sweep, bytes per file, directory depth of a job below the sweep directory.
-MAX_JOBS, MAX_FILE_BYTES, MAX_DEPTH = 10_000, 16 * 2**20, 4
+#: Reading is bounded: jobs per sweep, directory depth of a job below the sweep directory; each file's size and
+#: nesting in :mod:`.job_files`.
+MAX_JOBS, MAX_DEPTH = 10_000, 4
 
 
 class SweepReportError(ValueError):
@@ -45,31 +59,49 @@ class JobResult:
     error: str | None = None
     metrics: dict[str, Any] | None = None
     params: dict[str, str] = field(default_factory=dict)
+    #: What the report could not use of the job without failing it (its overrides: no sweep parameters).
+    notes: list[str] = field(default_factory=list)
 
     @property
     def sort_key(self) -> tuple[int, str]:
         return (self.num if self.num is not None else 1 << 30, self.name)
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
-    if not path.is_file() or path.stat().st_size > MAX_FILE_BYTES:
-        return None
+def _read_metrics(path: Path, problems: list[str]) -> dict[str, Any] | None:
+    """The job's metrics when they are there and what the report reads; else None, with the problem."""
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
+        document = load_json(path, MAX_METRICS_BYTES)
+    except JobFileError as exc:
+        problems.append(f"{METRICS_FILE} {exc}")
         return None
-    return data if isinstance(data, dict) else None
+    found = metrics_problems(document) if document is not None else []
+    problems += [f"{METRICS_FILE}: {one_line(found)}"] if found else []
+    return document if document is not None and not found else None
 
 
-def _read_overrides(path: Path) -> list[str]:
-    """The job's overrides (secrets masked); none where the file is too large or not Hydra's YAML list."""
+def _read_status(path: Path, problems: list[str]) -> dict[str, Any] | None:
+    """The job's recorded status and error, None where there is none or it is malformed (then a problem)."""
     try:
-        if path.stat().st_size > MAX_FILE_BYTES:
-            return []
-        data = yaml.safe_load(path.read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        document = load_json(path, MAX_STATUS_BYTES)
+    except JobFileError as exc:
+        problems.append(f"{STATUS_FILE} {exc}")
+        return None
+    found = status_problems(document) if document is not None else []
+    problems += [f"{STATUS_FILE}: {one_line(found)}"] if found else []
+    return document if document is not None and not found else None
+
+
+def _read_overrides(path: Path, notes: list[str]) -> list[str]:
+    """The job's overrides (secrets masked); none, with a note, where the file is not Hydra's list."""
+    try:
+        data = load_yaml(path)
+        problem = overrides_problem(data)
+    except JobFileError as exc:
+        problem = str(exc)
+    if problem is not None:
+        notes.append(f"{OVERRIDES_FILE} {problem}: its sweep parameters are unknown")
         return []
-    return mask_overrides(data) if isinstance(data, list) else []
+    return mask_overrides(data)
 
 
 def parse_override(override: str) -> tuple[str, str]:
@@ -79,22 +111,25 @@ def parse_override(override: str) -> tuple[str, str]:
 
 
 def _job_num(job_dir: Path) -> int | None:
-    hydra = job_dir / ".hydra" / "hydra.yaml"
     try:
-        data = yaml.safe_load(hydra.read_text()) if hydra.stat().st_size <= MAX_FILE_BYTES else None
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        data = load_yaml(job_dir / ".hydra" / "hydra.yaml")
+    except JobFileError:
         data = None
     job = ((data.get("hydra") or {}).get("job") or {}) if isinstance(data, dict) else {}
     num = job.get("num") if isinstance(job, dict) else None
     if isinstance(num, int) and not isinstance(num, bool):
         return num
-    return int(job_dir.name) if job_dir.name.isdigit() else None
+    return int(job_dir.name) if job_dir.name.isdigit() and len(job_dir.name) < 10 else None
 
 
-def _status(job_dir: Path, metrics: dict[str, Any] | None) -> tuple[str, str | None]:
-    recorded = _read_json(job_dir / STATUS_FILE)
+def _status(
+    recorded: dict[str, Any] | None, metrics: dict[str, Any] | None, problems: list[str]
+) -> tuple[str, str | None]:
     if recorded is not None and recorded.get("status") == "FAILED":
-        return "failed", str(recorded.get("error") or "failed (no message)")
+        error = recorded.get("error") or "failed (no message)"
+        return "failed", one_line([error])
+    if problems:  # a malformed file: the job cannot be reported as it ran
+        return "failed", one_line(problems)
     if metrics is not None:
         return "ok", None
     if recorded is not None:
@@ -106,17 +141,22 @@ def _status(job_dir: Path, metrics: dict[str, Any] | None) -> tuple[str, str | N
 
 
 def load_job(sweep_dir: Path, job_dir: Path) -> JobResult:
-    metrics = _read_json(job_dir / METRICS_FILE)
-    status, error = _status(job_dir, metrics)
-    overrides = _read_overrides(job_dir / ".hydra" / "overrides.yaml")
+    """One job's row data; a job whose files are malformed is failed, with what is wrong with them."""
+    problems: list[str] = []
+    notes: list[str] = []
+    metrics = _read_metrics(job_dir / METRICS_FILE, problems)
+    recorded = _read_status(job_dir / STATUS_FILE, problems)
+    status, error = _status(recorded, metrics, problems)
+    overrides = _read_overrides(job_dir / OVERRIDES_FILE, notes)
     return JobResult(
-        name=str(job_dir.relative_to(sweep_dir)),
+        name=printable(str(job_dir.relative_to(sweep_dir))),
         num=_job_num(job_dir),
         overrides=overrides,
         status=status,
         error=error,
         metrics=metrics,
         params=dict(parse_override(o) for o in overrides),
+        notes=notes,
     )
 
 
@@ -139,10 +179,13 @@ def collect_sweep(sweep_dir: Path) -> list[JobResult]:
 
 def swept_keys(jobs: Sequence[JobResult]) -> list[str]:
     """Override keys whose values differ between jobs (or that only some jobs set), in first-seen order."""
-    keys: list[str] = []
+    values: dict[str, set[str]] = {}
+    counts: dict[str, int] = {}
     for job in jobs:
-        keys += [k for k in job.params if k not in keys]
-    return [k for k in keys if len({job.params.get(k) for job in jobs}) > 1]
+        for key, value in job.params.items():
+            values.setdefault(key, set()).add(value)
+            counts[key] = counts.get(key, 0) + 1
+    return [k for k in values if len(values[k]) > 1 or counts[k] < len(jobs)]
 
 
 def _number(value: str | None) -> float | None:
@@ -181,6 +224,11 @@ def _stat(stats: dict[str, float] | None, key: str) -> float | None:
     return None if not stats else stats.get(key)
 
 
+def _errors_text(errors: Sequence[dict[str, Any]]) -> str | None:
+    text = "; ".join(f"{e['count']}x {e['sample']}" for e in errors[:20])
+    return (text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 1] + "…") or None
+
+
 def _model_values(metrics: dict[str, Any], model: str) -> dict[str, Any]:
     m = metrics["models"][model]
     shape = (metrics.get("deployment") or {}).get("models", {}).get(model)
@@ -199,7 +247,7 @@ def _model_values(metrics: dict[str, Any], model: str) -> dict[str, Any]:
         "latency_p99_s": _stat(m.get("latency_s"), "p99"),
         "ttft_source": m.get("ttft_source"),
         "latency_source": m.get("latency_source"),
-        "error": "; ".join(f"{e['count']}x {e['sample']}" for e in m.get("errors", [])) or None,
+        "error": _errors_text(m.get("errors") or []),
     }
 
 
@@ -280,7 +328,7 @@ def table_lines(rows: Sequence[Row], keys: Sequence[str]) -> tuple[list[str], li
 
 
 def _md_escape(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
+    return text.replace("|", "\\|").replace("\r", " ").replace("\n", " ")
 
 
 def markdown(
@@ -288,15 +336,23 @@ def markdown(
 ) -> str:
     header, cells = table_lines(rows, keys)
     failed = sum(job.status != "ok" for job in jobs)
-    lines = [f"# Sweep report: {sweep_dir.name}", ""]
+    lines = [f"# Sweep report: {printable(sweep_dir.name)}", ""]
     lines.append(f"{len(jobs)} jobs, {failed} without metrics; swept: {', '.join(keys) or '(nothing)'}.")
     if simulated(jobs):
         lines += ["", f"> **Simulated numbers**: stand-in engines; {_speed_text(jobs)}."]
-    lines += ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["", "| " + " | ".join(_md_escape(c) for c in header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(_md_escape(c) for c in row) + " |" for row in cells]
+    notes = note_lines(jobs)
+    if notes:
+        lines += ["", *(f"- {_md_escape(note)}" for note in notes)]
     if png is not None:
         lines += ["", f"![throughput and p99 latency]({png.name})"]
     return "\n".join(lines) + "\n"
+
+
+def note_lines(jobs: Sequence[JobResult]) -> list[str]:
+    """What the report could not use of each job's files without failing the job."""
+    return [f"job {job.name}: {note}" for job in jobs for note in job.notes]
 
 
 def _speed_text(jobs: Sequence[JobResult]) -> str:
@@ -311,7 +367,7 @@ def _speed_text(jobs: Sequence[JobResult]) -> str:
 
 
 def write_csv(path: Path, rows: Sequence[Row], keys: Sequence[str]) -> None:
-    with path.open("w", newline="") as f:
+    with path.open("w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
         writer.writerow(["job", *keys, *CSV_FIELDS])
         for row in rows:
@@ -323,13 +379,13 @@ def write_csv(path: Path, rows: Sequence[Row], keys: Sequence[str]) -> None:
 
 
 def print_table(rows: Sequence[Row], keys: Sequence[str], console: Console, title: str) -> None:
-    header, cells = table_lines(rows, keys)
-    table = Table(title=title, title_justify="left")
+    header, cells = table_lines(rows, keys)  # as Text: a value is never read as rich markup
+    table = Table(title=Text(title), title_justify="left")
     for name in header:
-        table.add_column(name, overflow="fold")
+        table.add_column(Text(name), overflow="fold")
     for row_cells, row in zip(cells, rows, strict=True):
         style = None if row.job.status == "ok" else "red"
-        table.add_row(*row_cells, style=style)
+        table.add_row(*(Text(cell) for cell in row_cells), style=style)
     console.print(table)
 
 
@@ -351,18 +407,24 @@ def build_report(sweep_dir: Path, *, console: Console | None = None, plot: bool 
     keys = swept_keys(jobs)
     rows = report_rows(jobs)
     png, no_plot = None, None
-    if plot:
-        try:
-            png = plot_sweep(sweep_dir / REPORT_PNG, sweep_dir.name, jobs, keys)
-        except PlotUnavailable as exc:
-            no_plot = str(exc)
     md = sweep_dir / REPORT_MD
-    md.write_text(markdown(sweep_dir, jobs, rows, keys, png))
-    write_csv(sweep_dir / REPORT_CSV, rows, keys)
+    try:
+        if plot:
+            try:
+                png = plot_sweep(sweep_dir / REPORT_PNG, printable(sweep_dir.name), jobs, keys)
+            except PlotUnavailable as exc:
+                no_plot = str(exc)
+        md.write_text(markdown(sweep_dir, jobs, rows, keys, png), encoding="utf-8")
+        write_csv(sweep_dir / REPORT_CSV, rows, keys)
+    except OSError as exc:
+        raise SweepReportError(f"cannot write the report in {printable(str(sweep_dir))}: {exc}") from None
     if console is not None:
         title = f"sweep {sweep_dir}" + (" — simulated (stand-in engines)" if simulated(jobs) else "")
-        print_table(rows, keys, console, title)
-        console.print(f"report: {md}, {sweep_dir / REPORT_CSV}" + (f", {png}" if png else ""), markup=False)
+        print_table(rows, keys, console, printable(title))
+        for note in note_lines(jobs):
+            console.print(f"note: {note}", markup=False)
+        where = f"report: {md}, {sweep_dir / REPORT_CSV}" + (f", {png}" if png else "")
+        console.print(printable(where), markup=False)
         if no_plot:
             console.print(f"no plot: {no_plot}", markup=False)
     return ReportFiles(md, sweep_dir / REPORT_CSV, png, no_plot)

@@ -18,20 +18,29 @@ class PlotUnavailable(RuntimeError):
     pass
 
 
+def plain(text: str) -> str:
+    """``text`` as matplotlib shows it literally (a ``$`` would start mathtext, which can fail to parse)."""
+    return text.replace("$", r"\$")
+
+
 def _series(
     jobs: Sequence[JobResult], x: str | None, others: Sequence[str]
 ) -> dict[str, list[tuple[Any, Any]]]:
-    """line label -> [(x, job metrics of that model)] for the jobs with metrics."""
+    """line label -> [(x, job metrics of that model)] for the jobs with metrics; x a number where every job's
+    is one, else text (matplotlib cannot put numbers and text on one axis)."""
+    reported = [job for job in jobs if job.status == "ok" and job.metrics]
+    x_values = [
+        (job.params.get(x) or "-") if x else str(job.num if job.num is not None else job.name)
+        for job in reported
+    ]
+    numbers = [_number(value) for value in x_values]
+    numeric = all(number is not None for number in numbers)
     lines: dict[str, list[tuple[Any, Any]]] = {}
-    for job in jobs:
-        if job.status != "ok" or not job.metrics:
-            continue
-        x_value = job.params.get(x) if x else str(job.num if job.num is not None else job.name)
-        numeric = _number(x_value)
+    for job, x_value, number in zip(reported, x_values, numbers, strict=True):
         rest = ", ".join(f"{k.rsplit('.', 1)[-1]}={job.params.get(k, '-')}" for k in others)
-        for model, metrics in job.metrics.get("models", {}).items():
-            label = model + (f" ({rest})" if rest else "")
-            lines.setdefault(label, []).append((numeric if numeric is not None else x_value, metrics))
+        for model, metrics in (job.metrics or {}).get("models", {}).items():
+            label = plain(model + (f" ({rest})" if rest else ""))
+            lines.setdefault(label, []).append((number if numeric else plain(x_value), metrics))
     return lines
 
 
@@ -40,9 +49,11 @@ def _failed_note(jobs: Sequence[JobResult], x: str | None) -> str:
     if not failed:
         return ""
     parts = [
-        f"job {j.name}" + (f" ({x.rsplit('.', 1)[-1]}={j.params.get(x, '-')})" if x else "") for j in failed
+        f"job {j.name}" + (f" ({x.rsplit('.', 1)[-1]}={j.params.get(x, '-')})" if x else "")
+        for j in failed[:20]
     ]
-    return "no metrics: " + ", ".join(parts)
+    more = f" and {len(failed) - 20} more" if len(failed) > 20 else ""
+    return plain("no metrics: " + ", ".join(parts) + more)
 
 
 def plot_sweep(path: Path, title: str, jobs: Sequence[JobResult], keys: Sequence[str]) -> Path:
@@ -65,7 +76,7 @@ def plot_sweep(path: Path, title: str, jobs: Sequence[JobResult], keys: Sequence
         throughput.plot(xs, [m["output_tokens_per_s"] for _, m in points], marker="o", label=label)
         p99 = [(m.get("latency_s") or {}).get("p99") for _, m in points]
         latency.plot(xs, [v if v is not None else float("nan") for v in p99], marker="o", label=label)
-    x_label = x or "job"
+    x_label = plain(x or "job")
     throughput.set(xlabel=x_label, ylabel="output tokens/s", title="throughput")
     latency.set(xlabel=x_label, ylabel="p99 latency (s)", title="p99 request latency")
     ticks = sorted({p[0] for points in lines.values() for p in points if isinstance(p[0], float)})
@@ -77,7 +88,7 @@ def plot_sweep(path: Path, title: str, jobs: Sequence[JobResult], keys: Sequence
         if 0 < len(lines) <= MAX_LEGEND:
             axes.legend(fontsize="small")
     suffix = " — simulated: stand-in engines (speed model)" if simulated(jobs) else ""
-    figure.suptitle(f"sweep {title}{suffix}", fontsize="medium")
+    figure.suptitle(plain(f"sweep {title}{suffix}"), fontsize="medium")
     note = _failed_note(jobs, x)
     if note:
         figure.supxlabel(note, fontsize="small", color="darkred")

@@ -1,0 +1,831 @@
+"""The reconciler's decisions, as a pure function: :func:`plan_actions` takes the fleet (what is observed), the
+ledger (what each engine should have), what was observed since the last call, the settings and the time, and
+returns the actions that bring the fleet towards the desired state. It changes nothing itself: the
+reconciler (:mod:`.reconciler`) applies the state changes and runs the actions, whose outcomes come back as
+observations. So every policy (backoff, restart budget, failure threshold, router restarts, externals) is
+unit-tested with a fake clock and fake observations.
+
+Every way back into service is one path: an engine that answers again (a restart, an external engine back,
+an engine that got its weights, an engine that disagrees with the ledger) goes to ``catching_up``, gets the
+difference between what it has and what it should have replayed, is registered with its router, and serves.
+No engine leaves ``catching_up`` while a control operation that concerns it is in flight, so none serves
+without that operation's state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from miles_sglang_plugin.config.schema import SGLangDeployConf
+from miles_sglang_plugin.serving.fleet import EngineRow, EngineState, Fleet, RouterRow, RouterState
+from miles_sglang_plugin.serving.ledger import Ledger, ReplayCall
+
+__all__ = [
+    "Action",
+    "Observation",
+    "Policy",
+    "plan_actions",
+]
+
+#: The health endpoint polled while an engine starts (as Miles: a real generation, not just a live socket).
+STARTUP_HEALTH_ENDPOINT = "/health_generate"
+#: How long one start-up health poll may take, in seconds.
+STARTUP_PROBE_TIMEOUT_S = 2.0
+#: How often a restarted engine or router is polled while it starts (healing waits on nothing else).
+RESTART_POLL_S = 0.05
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The settings the decisions use (from ``sglang_deploy.supervision`` and ``.launch``)."""
+
+    supervise: bool = True
+    health_endpoint: str = "/health"
+    health_interval_s: float = 1.0
+    health_timeout_s: float = 2.0
+    failure_threshold: int = 2
+    max_restarts: int = 3
+    restart_backoff_s: float = 1.0
+    restart_backoff_max_s: float = 30.0
+    restart_budget_reset_s: float = 600.0
+    router_max_restarts: int = 3
+    startup_timeout_s: float = 600.0
+    poll_interval_s: float = 0.25
+
+    @classmethod
+    def from_settings(cls, settings: SGLangDeployConf) -> Policy:
+        s, launch = settings.supervision, settings.launch
+        return cls(
+            supervise=s.enabled,
+            health_endpoint=s.health_endpoint,
+            health_interval_s=s.health_interval_s,
+            health_timeout_s=s.health_timeout_s,
+            failure_threshold=s.failure_threshold,
+            max_restarts=s.max_restarts,
+            restart_backoff_s=s.restart_backoff_s,
+            restart_backoff_max_s=s.restart_backoff_max_s,
+            restart_budget_reset_s=s.restart_budget_reset_s,
+            router_max_restarts=s.router_max_restarts,
+            startup_timeout_s=launch.startup_timeout_s,
+            poll_interval_s=launch.poll_interval_s,
+        )
+
+    def backoff(self, attempt: int) -> float:
+        """The wait before restart ``attempt`` (1, 2, ...) of an engine: none before the first, then
+        ``restart_backoff_s`` doubling from the second, at most ``restart_backoff_max_s``."""
+        if attempt <= 1:
+            return 0.0
+        return min(self.restart_backoff_s * 2 ** (attempt - 2), self.restart_backoff_max_s)
+
+
+# ------------------------------------------------------------------------------------------- observations
+@dataclass(frozen=True)
+class Observation:
+    """Something observed of one engine (``engine``) or router (``router``: its model); ``generation`` is
+    the engine's restarts when what is observed began (an older one's observation is stale)."""
+
+    kind: str
+    engine: str | None = None
+    router: str | None = None
+    generation: int = 0
+    ok: bool = True
+    #: What went wrong (exit, failed poll, refused registration, ...).
+    problem: str | None = None
+    #: An exit code (kind ``exited``), or a restart that cannot succeed (``fatal``).
+    code: int | None = None
+    fatal: bool = False
+    details: Mapping[str, Any] = field(default_factory=dict)
+
+
+def exited(engine: str, generation: int, problem: str, code: int) -> Observation:
+    return Observation("exited", engine=engine, generation=generation, ok=False, problem=problem, code=code)
+
+
+def done(kind: str, engine: str, generation: int, problem: str | None = None, **kw: Any) -> Observation:
+    """The outcome of an engine action (``probe``, ``spawn``, ``cleanup``, ``replay``, ``register``,
+    ``deregister``, ``learn``)."""
+    return Observation(kind, engine=engine, generation=generation, ok=problem is None, problem=problem, **kw)
+
+
+def router_done(kind: str, model: str, problem: str | None = None, **kw: Any) -> Observation:
+    """The outcome of a router action or an exit (``router_probe``, ``router_restart``, ``router_list``,
+    ``router_exited``)."""
+    return Observation(kind, router=model, ok=problem is None, problem=problem, **kw)
+
+
+# ------------------------------------------------------------------------------------------------ actions
+@dataclass(frozen=True)
+class Action:
+    """One step for the reconciler: a state change (``transition``, ``update``), an event (``emit``), or
+    work whose outcome comes back as an observation (``probe``, ``spawn``, ``cleanup``, ``replay``,
+    ``register``, ``deregister``, ``learn``, ``router_probe``, ``router_restart``, ``router_list``); or
+    the end of start-up (``ready``, ``startup_failed``) or of the deployment (``fail``)."""
+
+    kind: str
+    engine: str | None = None
+    router: str | None = None
+    state: EngineState | RouterState | None = None
+    changes: Mapping[str, Any] = field(default_factory=dict)
+    #: Event kind and message (``emit``), the problem (``fail``, ``startup_failed``), the endpoint
+    #: (``probe``).
+    event: str | None = None
+    message: str = ""
+    path: str = ""
+    timeout_s: float = 0.0
+    calls: tuple[ReplayCall, ...] = ()
+    details: Mapping[str, Any] = field(default_factory=dict)
+
+
+#: Actions whose outcome is awaited; while one is out for an engine, no second one of its kind starts.
+PENDING_KINDS = frozenset({"probe", "spawn", "cleanup", "replay", "register", "deregister", "learn"})
+
+
+# -------------------------------------------------------------------------------------------- the scratch
+class _Scratch:
+    """Copies of the rows a decision changes, so that later rules see earlier changes; the real rows change
+    only when the reconciler applies the actions."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self._fleet = fleet
+        self._engines: dict[str, EngineRow] = {}
+        self._routers: dict[str, RouterRow] = {}
+        self.actions: list[Action] = []
+
+    def engine(self, engine_id: str) -> EngineRow:
+        row = self._engines.get(engine_id)
+        if row is None:
+            row = self._engines[engine_id] = dataclasses.replace(self._fleet.engine(engine_id))
+        return row
+
+    def router(self, model: str) -> RouterRow | None:
+        row = self._routers.get(model)
+        if row is None:
+            real = self._fleet.router(model)
+            if real is None:
+                return None
+            row = self._routers[model] = dataclasses.replace(real)
+        return row
+
+    def engines(self) -> list[EngineRow]:
+        return [self.engine(row.id) for row in self._fleet.engines()]
+
+    def routers(self) -> list[RouterRow]:
+        return [r for row in self._fleet.routers() if (r := self.router(row.model)) is not None]
+
+    # -- recording decisions
+    def move(self, row: EngineRow, state: EngineState, **changes: Any) -> None:
+        row.state = state
+        for name, value in changes.items():
+            setattr(row, name, value)
+        self.actions.append(Action("transition", engine=row.id, state=state, changes=changes))
+
+    def set(self, row: EngineRow, **changes: Any) -> None:
+        for name, value in changes.items():
+            setattr(row, name, value)
+        self.actions.append(Action("update", engine=row.id, changes=changes))
+
+    def start(self, row: EngineRow, kind: str, **kw: Any) -> None:
+        """Start work ``kind`` for ``row`` (marking it pending)."""
+        self.set(row, pending=row.pending | {kind})
+        self.actions.append(Action(kind, engine=row.id, **kw))
+
+    def move_router(self, row: RouterRow, state: RouterState, **changes: Any) -> None:
+        row.state = state
+        for name, value in changes.items():
+            setattr(row, name, value)
+        self.actions.append(Action("router_transition", router=row.model, state=state, changes=changes))
+
+    def set_router(self, row: RouterRow, **changes: Any) -> None:
+        for name, value in changes.items():
+            setattr(row, name, value)
+        self.actions.append(Action("router_update", router=row.model, changes=changes))
+
+    def start_router(self, row: RouterRow, kind: str, **kw: Any) -> None:
+        """Start work ``kind`` (probe, restart, list) for the router (action ``router_<kind>``)."""
+        self.set_router(row, pending=row.pending | {kind})
+        self.actions.append(Action(f"router_{kind}", router=row.model, **kw))
+
+    def emit(self, kind: str, subject: str, message: str, **details: Any) -> None:
+        self.actions.append(
+            Action("emit", event=kind, message=message, details={"subject": subject, **details})
+        )
+
+    def end(self, kind: str, message: str = "", **details: Any) -> None:
+        self.actions.append(Action(kind, message=message, details=details))
+
+
+# ------------------------------------------------------------------------------------------ the decisions
+_ACTIVE = frozenset(
+    {EngineState.STARTING, EngineState.CATCHING_UP, EngineState.SERVING, EngineState.PENDING_WEIGHTS}
+)
+
+
+def plan_actions(
+    fleet: Fleet,
+    observations: Sequence[Observation],
+    ledger: Ledger,
+    policy: Policy,
+    now: float,
+    *,
+    phase: str = "serving",
+    startup_deadline: float | None = None,
+) -> list[Action]:
+    """The actions that follow from ``observations`` and from the time ``now`` (see the module docstring).
+
+    ``phase``: ``starting`` (the first start-up: any exit or refusal fails the launch, which is ready once
+    every engine serves and every router is ready, or fails at ``startup_deadline``), ``serving`` (heal),
+    ``stopping`` (nothing more)."""
+    scratch = _Scratch(fleet)
+    if phase == "stopping":
+        return []
+    for observation in observations:
+        if observation.engine is not None:
+            _observe_engine(
+                scratch, scratch.engine(observation.engine), observation, ledger, policy, now, phase
+            )
+        elif observation.router is not None:
+            router = scratch.router(observation.router)
+            if router is not None:
+                _observe_router(scratch, router, observation, policy, now, phase)
+    if any(a.kind in ("fail", "startup_failed") for a in scratch.actions):
+        return scratch.actions
+    for row in scratch.engines():
+        _advance_engine(scratch, row, ledger, policy, now, phase)
+    for router in scratch.routers():
+        _advance_router(scratch, router, policy, now, phase)
+    if phase == "starting":
+        _end_of_startup(scratch, now, startup_deadline)
+    return scratch.actions
+
+
+# -------------------------------------------------------------------------------------- engine observations
+def _observe_engine(
+    s: _Scratch, row: EngineRow, o: Observation, ledger: Ledger, policy: Policy, now: float, phase: str
+) -> None:
+    if o.generation != row.restarts:
+        return  # about processes that are gone
+    if o.kind in PENDING_KINDS:
+        s.set(row, pending=row.pending - {o.kind})
+    handler = _ENGINE_OBSERVERS.get(o.kind)
+    if handler is not None:
+        handler(s, row, o, ledger, policy, now, phase)
+
+
+def _on_exit(
+    s: _Scratch, row: EngineRow, o: Observation, ledger: Ledger, policy: Policy, now: float, phase: str
+) -> None:
+    if row.state not in _ACTIVE or (phase == "serving" and not policy.supervise):
+        return  # without supervision nothing is watched once it serves (deployment.exited() tells)
+    if phase == "starting":
+        s.end("startup_failed", o.problem or "", cause="exited", engine=row.id)
+        return
+    _lose(s, row, o.problem or "its process exited", policy, now)
+
+
+def _on_probe(
+    s: _Scratch, row: EngineRow, o: Observation, ledger: Ledger, policy: Policy, now: float, phase: str
+) -> None:
+    if row.state is EngineState.STARTING:
+        if o.ok:
+            s.move(row, EngineState.CATCHING_UP, healthy_at=now, health_failures=0)
+        return
+    if row.state is EngineState.LOST and row.external:
+        if o.ok and phase == "serving":
+            s.move(row, EngineState.CATCHING_UP, catch_up="external_back", health_failures=0)
+        return
+    if not row.state.up:
+        return
+    if o.ok:
+        if row.health_failures:
+            s.set(row, health_failures=0)
+        return
+    failures = row.health_failures + 1
+    s.set(row, health_failures=failures)
+    if failures >= policy.failure_threshold and phase == "serving":
+        _lose(s, row, f"{o.problem} ({failures} polls in a row)", policy, now)
+
+
+def _on_spawn(
+    s: _Scratch, row: EngineRow, o: Observation, ledger: Ledger, policy: Policy, now: float, phase: str
+) -> None:
+    if row.state is not EngineState.RESTARTING:
+        return
+    if o.ok:
+        s.move(row, EngineState.STARTING, started_at=now, probed_at=None, health_failures=0)
+        return
+    if o.fatal:
+        s.end("fail", f"engine {row.id} lost ({row.lost_reason}) and {o.problem}")
+        return
+    _restart_failed(s, row, o.problem or "it could not be started", policy, now)
+
+
+def _on_cleanup(
+    s: _Scratch, row: EngineRow, o: Observation, ledger: Ledger, policy: Policy, now: float, phase: str
+) -> None:
+    s.set(row, cleaned_up=True)
+
+
+def _on_replay(
+    s: _Scratch, row: EngineRow, o: Observation, ledger: Ledger, policy: Policy, now: float, phase: str
+) -> None:
+    if row.state is not EngineState.CATCHING_UP or o.ok:
+        return
+    problem = f"it did not take the control state back: {o.problem}"
+    if phase == "starting":
+        s.end("startup_failed", f"engine {row.id}: {problem}", cause="replay", engine=row.id)
+    elif row.catch_up == "restart":
+        _restart_failed(s, row, problem, policy, now)
+    else:
+        _lose(s, row, problem, policy, now)
+
+
+def _on_register(
+    s: _Scratch, row: EngineRow, o: Observation, ledger: Ledger, policy: Policy, now: float, phase: str
+) -> None:
+    if row.state is not EngineState.CATCHING_UP:
+        return
+    if o.ok:
+        s.set(row, registered=True)
+        return
+    problem = f"its router refused it: {o.problem}"
+    if phase == "starting":
+        s.end(
+            "startup_failed",
+            f"router of model {row.model!r} refused engine {row.id}: {o.problem}",
+            cause="register",
+            engine=row.id,
+        )
+    elif row.catch_up == "restart":
+        _restart_failed(s, row, problem, policy, now)
+    else:
+        _lose(s, row, problem, policy, now)
+
+
+def _on_deregister(
+    s: _Scratch, row: EngineRow, o: Observation, ledger: Ledger, policy: Policy, now: float, phase: str
+) -> None:
+    s.set(row, registered=False)
+
+
+def _on_learn(
+    s: _Scratch, row: EngineRow, o: Observation, ledger: Ledger, policy: Policy, now: float, phase: str
+) -> None:
+    if o.ok:
+        s.set(row, learned=True)
+        return
+    if phase == "starting":
+        s.end(
+            "startup_failed",
+            f"external engine {row.id} ({row.url}): {o.problem}",
+            cause="learn",
+            engine=row.id,
+        )
+    elif row.state is EngineState.CATCHING_UP:
+        _lose(s, row, o.problem or "its /server_info could not be read", policy, now)
+
+
+_ENGINE_OBSERVERS = {
+    "exited": _on_exit,
+    "probe": _on_probe,
+    "spawn": _on_spawn,
+    "cleanup": _on_cleanup,
+    "replay": _on_replay,
+    "register": _on_register,
+    "deregister": _on_deregister,
+    "learn": _on_learn,
+}
+
+
+# ----------------------------------------------------------------------------------------- losing, budget
+def budget_used(row: EngineRow, policy: Policy, now: float) -> int:
+    """Restarts counted against the budget: given back once the engine served ``restart_budget_reset_s``
+    since it last came back."""
+    if row.recovered_at is not None and now - row.recovered_at >= policy.restart_budget_reset_s:
+        return 0
+    return row.restarts_in_budget
+
+
+def _lose(s: _Scratch, row: EngineRow, reason: str, policy: Policy, now: float) -> None:
+    """``row`` is lost: out of its router, its processes stopped, restarted after the backoff (external
+    engines: waited for), or the deployment fails when its budget is used up."""
+    s.move(
+        row,
+        EngineState.LOST,
+        lost_at=now,
+        lost_reason=reason,
+        cleaned_up=row.external,
+        health_failures=0,
+        probed_at=now,
+    )
+    kind = "external_engine_lost" if row.external else "engine_lost"
+    s.emit(kind, row.id, f"engine {row.id} ({row.url}) lost: {reason}", reason=reason)
+    if row.external:
+        return
+    s.start(row, "cleanup")
+    used = budget_used(row, policy, now)
+    if used >= policy.max_restarts:
+        why = (
+            "supervision.max_restarts=0 (fail fast)"
+            if policy.max_restarts == 0
+            else f"its {policy.max_restarts} restarts (supervision.max_restarts) are used up"
+        )
+        s.end("fail", f"engine {row.id} ({row.url}) lost: {reason}; {why}")
+        return
+    _schedule_restart(s, row, used, policy, now)
+
+
+def _schedule_restart(s: _Scratch, row: EngineRow, used: int, policy: Policy, now: float) -> None:
+    attempt = used + 1
+    delay = policy.backoff(attempt)
+    s.set(row, restarts_in_budget=used, restart_at=now + delay, recovered_at=None)
+    s.emit(
+        "engine_restarting",
+        row.id,
+        f"restarting engine {row.id}{f' in {delay:g} s' if delay else ''} (restart {attempt} of "
+        f"{policy.max_restarts}) with its same command line, environment and GPUs ({row.gpus or '-'})",
+        attempt=attempt,
+        delay_s=delay,
+    )
+
+
+def _restart_failed(s: _Scratch, row: EngineRow, problem: str, policy: Policy, now: float) -> None:
+    """A restart did not bring ``row`` back: stop what it started, then try again after the backoff, or fail
+    once the budget is used up."""
+    s.emit(
+        "engine_restart_failed",
+        row.id,
+        f"restart {row.restarts_in_budget} of engine {row.id} failed: {problem}",
+    )
+    s.move(row, EngineState.LOST, lost_reason=problem, cleaned_up=False, health_failures=0)
+    s.start(row, "cleanup")
+    used = budget_used(row, policy, now)
+    if used >= policy.max_restarts:
+        s.end(
+            "fail",
+            f"engine {row.id} could not be brought back after {used} restart(s) "
+            f"(supervision.max_restarts={policy.max_restarts}); last problem: {problem}",
+        )
+        return
+    _schedule_restart(s, row, used, policy, now)
+
+
+# ------------------------------------------------------------------------------------------- advancing
+def _advance_engine(
+    s: _Scratch, row: EngineRow, ledger: Ledger, policy: Policy, now: float, phase: str
+) -> None:
+    state = row.state
+    if state is EngineState.STARTING:
+        _advance_starting(s, row, policy, now, phase)
+    elif state is EngineState.CATCHING_UP:
+        _advance_catching_up(s, row, ledger, now, phase)
+    elif state.up:
+        _advance_up(s, row, ledger, policy, now, phase)
+    elif state is EngineState.LOST:
+        _advance_lost(s, row, policy, now, phase)
+    _deregister_if_out(s, row)
+
+
+def _due(probed_at: float | None, interval: float, now: float) -> bool:
+    return probed_at is None or now - probed_at >= interval
+
+
+def _advance_starting(s: _Scratch, row: EngineRow, policy: Policy, now: float, phase: str) -> None:
+    if phase == "serving" and row.started_at is not None and now - row.started_at > policy.startup_timeout_s:
+        _restart_failed(
+            s,
+            row,
+            f"it did not answer {STARTUP_HEALTH_ENDPOINT} within {policy.startup_timeout_s:g} s",
+            policy,
+            now,
+        )
+        return
+    interval = policy.poll_interval_s if phase == "starting" else min(policy.poll_interval_s, RESTART_POLL_S)
+    if "probe" not in row.pending and _due(row.probed_at, interval, now):
+        s.set(row, probed_at=now)
+        s.start(row, "probe", path=STARTUP_HEALTH_ENDPOINT, timeout_s=STARTUP_PROBE_TIMEOUT_S)
+
+
+def _router_accepts(s: _Scratch, model: str) -> bool:
+    router = s.router(model)
+    return router is None or router.state in (RouterState.LIVE, RouterState.READY)
+
+
+def _advance_catching_up(s: _Scratch, row: EngineRow, ledger: Ledger, now: float, phase: str) -> None:
+    if row.ops_in_flight or row.pending & {"replay", "register", "deregister", "learn"}:
+        return  # an operation that concerns it is out: it gets its state first
+    if row.external and not row.learned:
+        s.start(row, "learn")
+        return
+    calls = ledger.replay(row.id)
+    if calls:
+        s.start(row, "replay", calls=tuple(calls))
+        return
+    if ledger.needs_weights(row.id):
+        _await_weights(s, row, now)
+        return
+    if not row.registered:
+        if _router_accepts(s, row.model):
+            s.start(row, "register")
+        return
+    _serve(s, row, now)
+
+
+def _await_weights(s: _Scratch, row: EngineRow, now: float) -> None:
+    came_from = row.catch_up
+    s.move(row, EngineState.PENDING_WEIGHTS, catch_up="pending")
+    if came_from == "pending":
+        return
+    downtime = now - row.lost_at if row.lost_at is not None else 0.0
+    s.emit(
+        "engine_pending_weights",
+        row.id,
+        f"engine {row.id} is back after {downtime:.1f} s but its weights are not the deployment's (they came "
+        "through a weights update group): it serves once the trainer has formed its weights update group "
+        "again and sent it weights (control.engines_outside_weight_group())",
+        downtime_s=downtime,
+        restarts=row.restarts,
+    )
+
+
+def _serve(s: _Scratch, row: EngineRow, now: float) -> None:
+    came_from = row.catch_up
+    downtime = now - row.lost_at if row.lost_at is not None else 0.0
+    start_s = (row.healthy_at or now) - (row.started_at or now)
+    back = {"downtime_s": downtime, "start_s": start_s, "restarts": row.restarts}
+    s.move(row, EngineState.SERVING, catch_up="", health_failures=0, probed_at=now, divergence="")
+    if came_from == "restart":
+        s.set(row, recovered_at=now, lost_at=None)
+        s.emit(
+            "engine_recovered",
+            row.id,
+            f"engine {row.id} serves again after {downtime:.1f} s ({start_s:.1f} s of it its own start)",
+            **back,
+        )
+    elif came_from == "external_back":
+        s.set(row, lost_at=None)
+        s.emit("external_engine_back", row.id, f"external engine {row.id} ({row.url}) answers again")
+    elif came_from == "pending":
+        s.set(row, recovered_at=now, lost_at=None)
+        s.emit("engine_admitted", row.id, f"engine {row.id} got weights and serves again", **back)
+
+
+def _advance_up(s: _Scratch, row: EngineRow, ledger: Ledger, policy: Policy, now: float, phase: str) -> None:
+    if phase == "serving" and not row.ops_in_flight and "replay" not in row.pending:
+        if row.state is EngineState.PENDING_WEIGHTS and not ledger.needs_weights(row.id):
+            s.move(row, EngineState.CATCHING_UP, catch_up="pending")  # it got its weights: admission
+            _advance_catching_up(s, row, ledger, now, phase)
+            return
+        calls = ledger.replay(row.id)
+        lacks_weights = row.state is EngineState.SERVING and ledger.needs_weights(row.id)
+        if calls or lacks_weights:
+            what = "; ".join(call.describe() for call in calls) or "weights from a weights update group"
+            if what != row.divergence:
+                s.emit(
+                    "engine_diverged",
+                    row.id,
+                    f"engine {row.id} does not have the control state the ledger says it should: {what}; "
+                    "bringing it there",
+                    missing=what,
+                )
+            keep = row.catch_up if row.state is EngineState.PENDING_WEIGHTS else "divergence"
+            s.move(row, EngineState.CATCHING_UP, catch_up=keep, divergence=what)
+            _advance_catching_up(s, row, ledger, now, phase)
+            return
+    if (
+        policy.supervise
+        and phase == "serving"
+        and "probe" not in row.pending
+        and _due(row.probed_at, policy.health_interval_s, now)
+    ):
+        s.set(row, probed_at=now)
+        s.start(row, "probe", path=_health_endpoint(row, ledger, policy), timeout_s=policy.health_timeout_s)
+
+
+def _health_endpoint(row: EngineRow, ledger: Ledger, policy: Policy) -> str:
+    """The configured endpoint; ``/health`` for an engine that cannot generate now (offloaded, paused)."""
+    if policy.health_endpoint == "/health":
+        return "/health"
+    has = ledger.has(row.id)
+    return "/health" if has.released or has.paused is not None else policy.health_endpoint
+
+
+def _advance_lost(s: _Scratch, row: EngineRow, policy: Policy, now: float, phase: str) -> None:
+    if phase != "serving":
+        return
+    if row.external:
+        if (
+            policy.supervise
+            and "probe" not in row.pending
+            and _due(row.probed_at, policy.health_interval_s, now)
+        ):
+            s.set(row, probed_at=now)
+            s.start(row, "probe", path="/health", timeout_s=policy.health_timeout_s)
+        return
+    if not row.cleaned_up or "spawn" in row.pending or row.restart_at is None or now < row.restart_at:
+        return
+    if row.registered and _router_accepts(s, row.model):
+        return  # its router must not send requests to the new process before it has its state
+    s.move(
+        row,
+        EngineState.RESTARTING,
+        restarts=row.restarts + 1,
+        restarts_in_budget=row.restarts_in_budget + 1,
+        restart_at=None,
+        catch_up="restart",
+        registered=False,
+        pending=frozenset({"spawn"}),
+    )
+    s.actions.append(Action("spawn", engine=row.id))
+
+
+def _in_service(row: EngineRow) -> bool:
+    """It serves requests (also while it is brought back to the ledger after it disagreed with it)."""
+    return row.state is EngineState.SERVING or (
+        row.state is EngineState.CATCHING_UP and row.catch_up == "divergence"
+    )
+
+
+def _deregister_if_out(s: _Scratch, row: EngineRow) -> None:
+    """An engine its router still has while it should not serve (lost, waiting for weights)."""
+    wanted = row.registered and not _in_service(row) and "deregister" not in row.pending
+    if wanted and s.router(row.model) is not None and _router_accepts(s, row.model):
+        s.start(row, "deregister")
+
+
+# -------------------------------------------------------------------------------------------- routers
+def _observe_router(
+    s: _Scratch, row: RouterRow, o: Observation, policy: Policy, now: float, phase: str
+) -> None:
+    if o.generation != row.restarts:
+        return  # about a process of the router that is gone
+    s.set_router(row, pending=row.pending - {o.kind.removeprefix("router_")})
+    handler = _ROUTER_OBSERVERS.get(o.kind)
+    if handler is not None:
+        handler(s, row, o, policy, now, phase)
+
+
+def _on_router_exit(
+    s: _Scratch, row: RouterRow, o: Observation, policy: Policy, now: float, phase: str
+) -> None:
+    if row.state not in (RouterState.STARTING, RouterState.LIVE, RouterState.READY):
+        return
+    if phase == "serving" and not policy.supervise:
+        return
+    if phase == "starting":
+        s.end("startup_failed", o.problem or "", cause="router_exited", router=row.model)
+    else:
+        _router_lost(s, row, o.problem or "its process exited", policy, now)
+
+
+def _on_router_restart(
+    s: _Scratch, row: RouterRow, o: Observation, policy: Policy, now: float, phase: str
+) -> None:
+    if row.state is not RouterState.RESTARTING:
+        return
+    if not o.ok:
+        s.end("fail", f"router of model {row.model} could not be brought back: {o.problem}")
+        return
+    started_with = tuple(o.details.get("workers", ()))
+    s.move_router(row, RouterState.STARTING, probed_at=None, health_failures=0, started_with=started_with)
+    for engine in s.engines():
+        if engine.model == row.model:
+            s.set(engine, registered=engine.id in started_with)
+
+
+def _on_router_list(
+    s: _Scratch, row: RouterRow, o: Observation, policy: Policy, now: float, phase: str
+) -> None:
+    if row.state is RouterState.LIVE and o.ok:
+        _router_ready(s, row, now)
+
+
+def _on_router_probe(
+    s: _Scratch, row: RouterRow, o: Observation, policy: Policy, now: float, phase: str
+) -> None:
+    if row.state is RouterState.STARTING:
+        if o.ok:
+            s.move_router(row, RouterState.LIVE, health_failures=0)
+        return
+    if row.state is not RouterState.READY:
+        return
+    failures = 0 if o.ok else row.health_failures + 1
+    if failures != row.health_failures:
+        s.set_router(row, health_failures=failures)
+    if failures >= policy.failure_threshold and phase == "serving":
+        _router_lost(s, row, f"no answer to /liveness ({failures} polls in a row)", policy, now)
+
+
+_ROUTER_OBSERVERS = {
+    "router_exited": _on_router_exit,
+    "router_probe": _on_router_probe,
+    "router_restart": _on_router_restart,
+    "router_list": _on_router_list,
+}
+
+
+def _router_lost(s: _Scratch, row: RouterRow, reason: str, policy: Policy, now: float) -> None:
+    s.move_router(row, RouterState.LOST, lost_at=now)
+    s.emit("router_lost", row.name, f"router of model {row.model} lost: {reason}", reason=reason)
+    if row.restarts >= policy.router_max_restarts:
+        s.end(
+            "fail",
+            f"router of model {row.model} lost: {reason}; its {policy.router_max_restarts} restarts "
+            "(supervision.router_max_restarts) are used up",
+        )
+        return
+    workers = tuple(e.id for e in s.engines() if e.model == row.model and e.registered and _in_service(e))
+    s.move_router(row, RouterState.RESTARTING, restarts=row.restarts + 1)
+    s.start_router(row, "restart", details={"workers": workers})
+
+
+def _router_ready(s: _Scratch, row: RouterRow, now: float) -> None:
+    was_restarted = row.lost_at is not None
+    s.move_router(row, RouterState.READY, health_failures=0, probed_at=now)
+    if was_restarted:
+        downtime = now - (row.lost_at or now)
+        s.set_router(row, lost_at=None)
+        s.emit(
+            "router_recovered",
+            row.name,
+            f"router of model {row.model} serves again after {downtime:.1f} s",
+            downtime_s=downtime,
+        )
+
+
+def _advance_router(s: _Scratch, row: RouterRow, policy: Policy, now: float, phase: str) -> None:
+    if row.state is RouterState.STARTING:
+        interval = policy.poll_interval_s if row.lost_at is None else RESTART_POLL_S
+        if "probe" not in row.pending and _due(row.probed_at, interval, now):
+            s.set_router(row, probed_at=now)
+            s.start_router(row, "probe")
+        return
+    if row.state is RouterState.LIVE:
+        engines = [e for e in s.engines() if e.model == row.model]
+        settled = row.lost_at is not None or all(e.registered or e.state not in _ACTIVE for e in engines)
+        if settled and "list" not in row.pending and _due(row.probed_at, RESTART_POLL_S, now):
+            expected = tuple(e.id for e in engines if e.registered)
+            s.set_router(row, probed_at=now)
+            s.start_router(row, "list", details={"workers": expected})
+        return
+    watched = row.state is RouterState.READY and policy.supervise and phase == "serving"
+    if watched and "probe" not in row.pending and _due(row.probed_at, policy.health_interval_s, now):
+        s.set_router(row, probed_at=now)
+        s.start_router(row, "probe")
+
+
+# -------------------------------------------------------------------------------------------- start-up
+def _end_of_startup(s: _Scratch, now: float, deadline: float | None) -> None:
+    engines, routers = s.engines(), s.routers()
+    if all(e.state is EngineState.SERVING for e in engines) and all(
+        r.state is RouterState.READY for r in routers
+    ):
+        s.end("ready")
+    elif deadline is not None and now > deadline:
+        s.end("startup_failed", "", cause="timeout")
+
+
+def _engine_due(row: EngineRow, policy: Policy, now: float, phase: str) -> float | None:
+    """When ``row`` needs a decision without an observation (a poll, a restart, a deadline), or None."""
+    if row.state is EngineState.STARTING:
+        interval = (
+            policy.poll_interval_s if phase == "starting" else min(policy.poll_interval_s, RESTART_POLL_S)
+        )
+        deadline = (
+            row.started_at + policy.startup_timeout_s if phase == "serving" and row.started_at else None
+        )
+        poll = None if "probe" in row.pending else (row.probed_at or now) + interval
+        return min((t for t in (poll, deadline) if t is not None), default=None)
+    if row.state is EngineState.LOST and not row.external:
+        return row.restart_at if row.cleaned_up and phase == "serving" else None
+    if phase != "serving" or not policy.supervise or "probe" in row.pending:
+        return None
+    if row.state.up or row.state is EngineState.LOST:
+        return (row.probed_at or now) + policy.health_interval_s
+    return None
+
+
+def _router_due(row: RouterRow, policy: Policy, now: float, phase: str) -> float | None:
+    if row.pending & {"probe", "list", "restart"}:
+        return None
+    if row.state is RouterState.STARTING:
+        return (row.probed_at or now) + (policy.poll_interval_s if row.lost_at is None else RESTART_POLL_S)
+    if row.state is RouterState.LIVE:
+        return (row.probed_at or now) + RESTART_POLL_S
+    if row.state is RouterState.READY and policy.supervise and phase == "serving":
+        return (row.probed_at or now) + policy.health_interval_s
+    return None
+
+
+def next_wake(
+    fleet: Fleet, policy: Policy, now: float, *, phase: str, startup_deadline: float | None = None
+) -> float:
+    """Seconds until a decision is due without an observation (between 5 ms and 1 s)."""
+    times = [_engine_due(row, policy, now, phase) for row in fleet.engines()]
+    times += [_router_due(row, policy, now, phase) for row in fleet.routers()]
+    if phase == "starting" and startup_deadline is not None:
+        times.append(startup_deadline)
+    due = min((t for t in times if t is not None), default=now + 1.0)
+    return min(max(due - now, 0.005), 1.0)

@@ -1,0 +1,587 @@
+"""The one loop that reconciles a running deployment: observations in (process exits from the exit watcher,
+the outcomes of its own work), decisions by the pure :func:`~.policy.plan_actions`, actions out (state
+changes of the fleet, events, and work: health polls, replays, registrations, restarts).
+
+Everything runs on the deployment's event loop (:class:`ServingLoop`, one thread), so the fleet and the ledger
+are changed from that thread only: by this loop, and by the control operations, which run there too. Nothing
+there blocks: process starts go to the spawner thread (the one long-lived thread whose children carry the
+parent-death signal, see :mod:`miles_sglang_plugin.backends.processes`), process stops and anything that may
+ask Ray to a small thread pool, and every HTTP call has one total deadline and a size cap (:mod:`.wire`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Coroutine, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from miles_sglang_plugin.backends.base import Backend, EngineProcess, LaunchError
+from miles_sglang_plugin.backends.processes import ExitWatcher, ManagedProcess, Spawner, stop_processes
+from miles_sglang_plugin.backends.status_view import StatusView
+from miles_sglang_plugin.config.schema import SGLangDeployConf
+from miles_sglang_plugin.serving import router_client
+from miles_sglang_plugin.serving.events import EventLog
+from miles_sglang_plugin.serving.fleet import EngineRow, EngineState, Fleet, RouterRow
+from miles_sglang_plugin.serving.ledger import Ledger
+from miles_sglang_plugin.serving.policy import (
+    Action,
+    Observation,
+    Policy,
+    done,
+    exited,
+    next_wake,
+    plan_actions,
+    router_done,
+)
+from miles_sglang_plugin.serving.routers import router_command
+from miles_sglang_plugin.serving.wire import ClientPool
+
+__all__ = ["Reconciler", "ServingLoop", "StartupFailure"]
+
+log = logging.getLogger("miles_sglang_plugin.supervision")
+T = TypeVar("T")
+
+#: The most an external engine's ``/server_info`` may hold.
+SERVER_INFO_BYTES = 1024 * 1024
+#: The most a health answer may hold.
+HEALTH_BYTES = 64 * 1024
+
+
+class ServingLoop:
+    """The deployment's event loop on a thread of its own (``msp-serving``). Coroutines submitted to it are
+    tracked, so that stopping cancels every one still running (their callers learn why)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name="msp-serving", daemon=True)
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def in_loop(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Run ``coro`` on the loop (from any thread); its future. Refused (``RuntimeError``) once closed."""
+        with self._lock:
+            if self._closed:
+                coro.close()
+                raise RuntimeError("the serving loop is closed")
+            return asyncio.run_coroutine_threadsafe(self._tracked(coro), self.loop)
+
+    async def _tracked(self, coro: Coroutine[Any, Any, T]) -> T:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        try:
+            return await coro
+        finally:
+            self._tasks.discard(task)
+
+    def create_task(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+        """On the loop: a tracked task."""
+        task = self.loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def call_soon(self, callback: Callable[..., None], *args: Any) -> None:
+        """``callback(*args)`` on the loop, from any thread (dropped once the loop is closed)."""
+        with contextlib.suppress(RuntimeError):  # closed meanwhile
+            self.loop.call_soon_threadsafe(callback, *args)
+
+    async def _cancel_all(self, timeout_s: float) -> None:
+        current = asyncio.current_task()
+        tasks = [t for t in self._tasks if t is not current and not t.done()]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout_s)
+
+    def close(
+        self, before: Callable[[], Coroutine[Any, Any, None]] | None = None, timeout_s: float = 5.0
+    ) -> None:
+        """Cancel what runs (waiting at most ``timeout_s``), run ``before()`` (closing the clients), stop the
+        loop. From the loop's own thread this only starts the wind-down."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+
+        async def wind_down() -> None:
+            await self._cancel_all(timeout_s / 2)
+            if before is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(before(), timeout_s / 2)
+
+        if not self._thread.is_alive():
+            return
+        future = asyncio.run_coroutine_threadsafe(wind_down(), self.loop)
+        # The loop stops once the wind-down is done (a callback of its own, so that the future is settled first).
+        future.add_done_callback(lambda _done: self.call_soon(self.loop.stop))
+        if self.in_loop():
+            return
+        with contextlib.suppress(Exception):
+            future.result(timeout=timeout_s + 1)
+        self._thread.join(timeout=timeout_s)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+
+@dataclass(frozen=True)
+class StartupFailure:
+    """Why start-up failed: ``cause`` (exited, router_exited, timeout, register, learn, replay) and what."""
+
+    cause: str
+    message: str = ""
+    engine: str | None = None
+    router: str | None = None
+
+
+class Reconciler:
+    """Runs the reconcile loop of one deployment (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        fleet: Fleet,
+        ledger: Ledger,
+        settings: SGLangDeployConf,
+        backend: Backend,
+        log_dir: Path,
+        events: EventLog,
+        status: StatusView,
+        loop: ServingLoop,
+        pool: ClientPool,
+        spawner: Spawner,
+        io: concurrent.futures.ThreadPoolExecutor,
+        exits: ExitWatcher,
+        on_fail: Callable[[str], None],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.fleet, self.ledger, self.settings = fleet, ledger, settings
+        self.policy = Policy.from_settings(settings)
+        self.backend, self.log_dir, self.events, self.status = backend, log_dir, events, status
+        self._serving, self.pool, self._spawner, self._io, self.exits = loop, pool, spawner, io, exits
+        self._on_fail, self.clock = on_fail, clock
+        self.phase = "starting"
+        self.failure: str | None = None
+        #: Set once start-up ends: None (ready) or a :class:`StartupFailure`.
+        self.startup: concurrent.futures.Future[StartupFailure | None] = concurrent.futures.Future()
+        self._inbox: list[Observation] = []
+        self._wake: asyncio.Event | None = None
+        self._startup_deadline: float | None = None
+
+    # ----------------------------------------------------------------------------------------- intake
+    def observe(self, observation: Observation) -> None:
+        """Hand an observation to the loop (from any thread)."""
+        self._serving.call_soon(self._take, observation)
+
+    def _take(self, observation: Observation) -> None:
+        self._inbox.append(observation)
+        self.poke_here()
+
+    def poke_here(self) -> None:
+        """On the loop: decide again now (a control operation ended, ...)."""
+        if self._wake is not None:
+            self._wake.set()
+
+    # ----------------------------------------------------------------------------------------- the loop
+    async def run(self, startup_timeout_s: float) -> None:
+        self._wake = asyncio.Event()
+        self._startup_deadline = self.clock() + startup_timeout_s
+        while self.phase in ("starting", "serving"):
+            observations, self._inbox = self._inbox, []
+            try:
+                self._apply(self._decide(observations))
+            except Exception:  # the loop outlives any surprise; it is logged
+                log.exception("supervision: a decision failed")
+            if self._inbox or self.phase not in ("starting", "serving"):
+                continue
+            wait_s = next_wake(
+                self.fleet,
+                self.policy,
+                self.clock(),
+                phase=self.phase,
+                startup_deadline=self._startup_deadline,
+            )
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(wait_s):
+                    await self._wake.wait()
+
+    def _decide(self, observations: list[Observation]) -> list[Action]:
+        return plan_actions(
+            self.fleet,
+            observations,
+            self.ledger,
+            self.policy,
+            self.clock(),
+            phase=self.phase,
+            startup_deadline=self._startup_deadline,
+        )
+
+    def stop(self) -> None:
+        """No more decisions (from any thread); what is under way is cancelled by the loop's close."""
+        self.phase = "stopping"
+        self._serving.call_soon(self.poke_here)
+
+    # ----------------------------------------------------------------------------------------- applying
+    def _apply(self, actions: Iterable[Action]) -> None:
+        for action in actions:
+            if self.phase not in ("starting", "serving"):
+                return
+            handler = _APPLY.get(action.kind)
+            if handler is not None:
+                handler(self, action)
+            else:
+                self._serving.create_task(self._work(action))
+
+    def _transition(self, a: Action) -> None:
+        assert a.engine is not None and isinstance(a.state, EngineState)
+        row = self.fleet.transition(a.engine, a.state, **a.changes)
+        if self.phase == "starting":
+            self.status.update(row.id, row.state.value)
+
+    def _update(self, a: Action) -> None:
+        assert a.engine is not None
+        self.fleet.update(a.engine, **a.changes)
+
+    def _router_transition(self, a: Action) -> None:
+        assert a.router is not None
+        row = self.fleet.transition_router(a.router, a.state, **a.changes)  # type: ignore[arg-type]
+        if self.phase == "starting":
+            self.status.update(row.name, row.state.value)
+
+    def _router_update(self, a: Action) -> None:
+        assert a.router is not None
+        self.fleet.update_router(a.router, **a.changes)
+
+    def _emit(self, a: Action) -> None:
+        details = dict(a.details)
+        subject = details.pop("subject", "deployment")
+        self.events.emit(a.event or "", subject, a.message, **details)
+
+    def _ready(self, _a: Action) -> None:
+        self.phase = "serving"
+        if not self.startup.done():
+            self.startup.set_result(None)
+
+    def _startup_failed(self, a: Action) -> None:
+        self.phase = "failed_start"
+        details = a.details
+        if not self.startup.done():
+            self.startup.set_result(
+                StartupFailure(
+                    details.get("cause", ""), a.message, details.get("engine"), details.get("router")
+                )
+            )
+
+    def _fail(self, a: Action) -> None:
+        if self.failure is not None:
+            return
+        self.failure = a.message
+        self.phase = "stopping"
+        self.events.emit(
+            "deployment_failed",
+            "deployment",
+            f"the deployment failed: {a.message}; stopping every engine and router",
+            reason=a.message,
+        )
+        threading.Thread(target=self._on_fail, args=(a.message,), name="msp-fail", daemon=True).start()
+
+    # ----------------------------------------------------------------------------------------- work
+    async def _work(self, a: Action) -> None:
+        try:
+            await getattr(self, f"_do_{a.kind}")(a)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # an unexpected error becomes the action's failed outcome
+            log.exception("supervision: %s of %s failed", a.kind, a.engine or a.router)
+            problem = f"{type(exc).__name__}: {exc}"
+            if a.engine is not None:
+                self.observe(done(a.kind, a.engine, self.fleet.engine(a.engine).restarts, problem))
+            elif a.router is not None:
+                row = self.fleet.router(a.router)
+                generation = row.restarts if row is not None else 0
+                self.observe(router_done(a.kind, a.router, problem, generation=generation))
+
+    async def _blocking(self, function: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._io, lambda: function(*args))
+
+    async def _do_probe(self, a: Action) -> None:
+        row = self.fleet.engine(a.engine or "")
+        generation = row.restarts
+        answer = await self.pool.call(row.url, "GET", a.path, deadline_s=a.timeout_s, max_bytes=HEALTH_BYTES)
+        problem = None
+        if answer.timed_out:
+            problem = f"no answer to {a.path} within {a.timeout_s:g} s"
+        elif answer.error is not None:
+            problem = f"{a.path} failed ({answer.error.split(':')[0]})"
+        elif answer.status != 200:
+            problem = f"{a.path} answered {answer.status}"
+        self.observe(done("probe", row.id, generation, problem))
+
+    async def _do_cleanup(self, a: Action) -> None:
+        row = self.fleet.engine(a.engine or "")
+        generation = row.restarts
+        if row.processes:
+            await self._blocking(
+                lambda: self.backend.stop(row.processes, grace_s=self.settings.supervision.kill_grace_s)
+            )
+        await self._forget_client(row.url)
+        self.observe(done("cleanup", row.id, generation))
+
+    async def _forget_client(self, base_url: str) -> None:
+        client = self.pool.forget(base_url)
+        if client is not None:
+            with contextlib.suppress(Exception):
+                await client.aclose()
+
+    async def _do_spawn(self, a: Action) -> None:
+        row = self.fleet.engine(a.engine or "")
+        generation = row.restarts
+        blocker = await self._blocking(self._restart_blocker, row)
+        if blocker is not None:
+            self.observe(done("spawn", row.id, generation, blocker, fatal=True))
+            return
+        self.ledger.reset(row.id)
+        self.fleet.update(row.id, processes=(), started_at=self.clock())
+        try:
+            problem = await asyncio.wrap_future(self._spawner.submit(self._start_processes, row, generation))
+        except RuntimeError as exc:  # the spawner was shut down: the deployment stops
+            problem = f"it could not be started: {exc}"
+        self.observe(done("spawn", row.id, generation, problem))
+
+    def _restart_blocker(self, row: EngineRow) -> str | None:
+        """Why the backend cannot start ``row`` again where the plan put it (its node is gone), or None."""
+        for launch in row.launches:
+            reason = self.backend.cannot_restart(launch)
+            if reason is not None:
+                return reason
+        return None
+
+    def _start_processes(self, row: EngineRow, generation: int) -> str | None:
+        """On the spawner thread: start ``row``'s processes, each one in its row (and watched) as soon as it
+        runs, so that the teardown finds it whatever happens next; one that fails leaves those before it to be
+        stopped with the engine. The problem, or None."""
+        for launch in row.launches:
+            if self.phase not in ("starting", "serving"):
+                return "the deployment is stopping"
+            try:
+                process = self.backend.start(launch, log_path=self.log_dir / f"{launch.name}.log")
+            except (OSError, LaunchError) as exc:
+                return f"it could not be started: {exc}"
+            self.fleet.update(row.id, processes=(*self.fleet.engine(row.id).processes, process))
+            self.watch_engine(row.id, generation, process)
+        return None
+
+    def watch_engine(self, engine: str, generation: int, process: EngineProcess) -> None:
+        """Tell the loop when ``process`` (of ``engine``'s processes of ``generation``) exits."""
+        self.backend.watch_exit(
+            process,
+            self.exits,
+            lambda: self._serving.call_soon(self._report_exit, engine, generation, process),
+        )
+
+    def _report_exit(self, engine: str, generation: int, process: EngineProcess) -> None:
+        async def report() -> None:
+            code, what = await self._blocking(_describe_exit, process)
+            self.observe(exited(engine, generation, what, code))
+
+        self._serving.create_task(report())
+
+    async def _do_replay(self, a: Action) -> None:
+        row = self.fleet.engine(a.engine or "")
+        generation = row.restarts
+        problem = None
+        for call in a.calls:
+            answer = await self.pool.call(
+                row.url, "POST", call.route, body=call.body, deadline_s=self.settings.control.timeout_s
+            )
+            problem = answer.problem()
+            if problem is not None:
+                problem = f"{call.route}: {problem}"
+                break
+            if self.fleet.engine(row.id).restarts == generation:
+                self.ledger.accepted(row.id, call.effect)
+        self.observe(done("replay", row.id, generation, problem))
+
+    async def _do_register(self, a: Action) -> None:
+        row = self.fleet.engine(a.engine or "")
+        generation, router = row.restarts, self.fleet.router(row.model)
+        problem = None
+        if router is not None:
+            problem = await router_client.register(
+                self.pool, router.url, row.registration, self.settings.api_key
+            )
+        self.observe(done("register", row.id, generation, problem))
+
+    async def _do_deregister(self, a: Action) -> None:
+        row = self.fleet.engine(a.engine or "")
+        generation, router = row.restarts, self.fleet.router(row.model)
+        if router is not None:
+            problem = await router_client.deregister(self.pool, router.url, row.url)
+            if problem is not None:
+                log.warning("could not take %s out of the router of %s: %s", row.id, row.model, problem)
+        self.observe(done("deregister", row.id, generation))
+
+    async def _do_learn(self, a: Action) -> None:
+        row = self.fleet.engine(a.engine or "")
+        generation = row.restarts
+        problem = "it answers neither /server_info nor /get_server_info"
+        for path in ("/server_info", "/get_server_info"):
+            answer = await self.pool.call(
+                row.url, "GET", path, deadline_s=self.policy.health_timeout_s + 3, max_bytes=SERVER_INFO_BYTES
+            )
+            if answer.error is not None:
+                problem = f"{path}: {answer.error}"
+                break
+            if answer.status == 200:
+                gpus, serves_lora, problem = external_settings(answer.body, path)
+                if problem is None:
+                    self.fleet.update(row.id, num_gpus=gpus, serves_lora=serves_lora)
+                break
+        self.observe(done("learn", row.id, generation, problem))
+
+    async def _do_router_probe(self, a: Action) -> None:
+        row = self._router(a)
+        generation = row.restarts
+        timeout = self.policy.health_timeout_s
+        answer = await self.pool.call(row.url, "GET", "/liveness", deadline_s=timeout, max_bytes=HEALTH_BYTES)
+        problem = None if answer.status == 200 and answer.error is None else (answer.problem() or "no answer")
+        self.observe(router_done("router_probe", row.model, problem, generation=generation))
+
+    def _router(self, a: Action) -> RouterRow:
+        row = self.fleet.router(a.router or "")
+        assert row is not None
+        return row
+
+    async def _do_router_restart(self, a: Action) -> None:
+        row = self._router(a)
+        generation = row.restarts
+        workers = tuple(a.details.get("workers", ()))
+        await self._blocking(stop_processes, [row.process], self.settings.supervision.kill_grace_s)
+        await self._forget_client(row.url)
+        registrations = [self.fleet.engine(engine).registration for engine in workers]
+        argv, env = router_command(row.launch.spec, workers=registrations)
+        process = ManagedProcess(
+            name=row.process.name,
+            argv=argv,
+            env=env,
+            log_path=row.process.log_path,
+            display_command=row.process.display_command,
+        )
+
+        def start() -> None:  # on the spawner thread; in the row at once, so that the teardown stops it
+            self.fleet.update_router(row.model, process=process)
+            process.start()
+
+        problem = None
+        try:
+            await asyncio.wrap_future(self._spawner.submit(start))
+        except (OSError, RuntimeError) as exc:
+            problem = f"it could not be started again: {exc}"
+        if problem is None:
+            self.watch_router(row.model, generation, process)
+        self.observe(
+            router_done(
+                "router_restart", row.model, problem, generation=generation, details={"workers": workers}
+            )
+        )
+
+    def watch_router(self, model: str, generation: int, process: ManagedProcess) -> None:
+        def on_exit() -> None:
+            code = process.exit_code()
+            self.observe(
+                router_done(
+                    "router_exited", model, f"its process exited with code {code}", generation=generation
+                )
+            )
+
+        self.exits.watch(process, on_exit)
+
+    async def _do_router_list(self, a: Action) -> None:
+        row = self._router(a)
+        generation = row.restarts
+        expected = [self.fleet.engine(engine).registration for engine in a.details.get("workers", ())]
+        ok, detail = await router_client.listed(self.pool, row.url, expected)
+        self.observe(router_done("router_list", row.model, None if ok else detail, generation=generation))
+
+    # ----------------------------------------------------------------------------------------- control
+    def begin_operation(self, engines: Iterable[str]) -> None:
+        """On the loop: an operation concerning ``engines`` is out (none of them is caught up meanwhile)."""
+        for engine in engines:
+            self.fleet.update(engine, ops_in_flight=self.fleet.engine(engine).ops_in_flight + 1)
+
+    def end_operation(self, engines: Iterable[str]) -> None:
+        for engine in engines:
+            self.fleet.update(engine, ops_in_flight=max(0, self.fleet.engine(engine).ops_in_flight - 1))
+        self.poke_here()
+
+
+_APPLY: dict[str, Callable[[Reconciler, Action], None]] = {
+    "transition": Reconciler._transition,
+    "update": Reconciler._update,
+    "router_transition": Reconciler._router_transition,
+    "router_update": Reconciler._router_update,
+    "emit": Reconciler._emit,
+    "ready": Reconciler._ready,
+    "startup_failed": Reconciler._startup_failed,
+    "fail": Reconciler._fail,
+}
+
+
+def _describe_exit(process: EngineProcess) -> tuple[int, str]:
+    """(exit code, what happened) of an exited process (off the loop: it may ask Ray)."""
+    code = process.exit_code()
+    reason = process.exit_reason()
+    why = f": {reason}" if reason else ""
+    return (
+        code if code is not None else -1
+    ), f"process {process.name} exited with code {code} ({process.where}){why}"
+
+
+def _whole_number(value: Any) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value)
+    return None
+
+
+def external_settings(info: Any, path: str = "/server_info") -> tuple[int, bool, str | None]:
+    """An external engine's GPUs and LoRA serving from its ``/server_info`` (slime: ``num_gpus``, else
+    ``num_gpus_per_engine``, else tp_size * pp_size): ``(gpus, serves_lora, problem)``."""
+    if not isinstance(info, dict):
+        return 0, False, f"{path} answered {type(info).__name__} {str(info)[:200]!r}, not a JSON object"
+    for key in ("num_gpus", "num_gpus_per_engine"):
+        if info.get(key) is not None:
+            gpus = _whole_number(info[key])
+            if gpus is None or not 0 < gpus <= 65536:
+                return 0, False, f"{path} reports {key} {info[key]!r}, not a whole number of GPUs in 1..65536"
+            return gpus, bool(info.get("enable_lora")), None
+    sizes = []
+    for key in ("tp_size", "pp_size"):
+        value = info.get(key)
+        size = 1 if value is None else _whole_number(value)
+        if size is None or not 0 < size <= 65536:
+            return 0, False, f"{path} reports {key} {value!r}, not a whole number in 1..65536"
+        sizes.append(size)
+    return sizes[0] * sizes[1], bool(info.get("enable_lora")), None

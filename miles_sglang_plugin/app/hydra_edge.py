@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from miles_sglang_plugin.backends import Backend, get_backend
 from miles_sglang_plugin.config.reading import read_config
 from miles_sglang_plugin.config.schema import BackendKind, EngineKind, SGLangDeployConf
+from miles_sglang_plugin.config.trainer_mappings import name_the_trainer_keys
 from miles_sglang_plugin.errors import DeploymentConfigError, Problem
 from miles_sglang_plugin.planning.plan import DeploymentPlan
 from miles_sglang_plugin.planning.resolution import resolve_deployment
@@ -53,21 +54,27 @@ def prepare_from_config(
     ``<driver address>`` (:data:`NODE_ADDRESS`)."""
     fields = server_arg_fields if server_arg_fields is not None else known_server_arg_fields().fields
     reading = read_config(cfg, sglang_key=sglang_key)
-    plan = resolve_deployment(
-        reading.spec,
-        reading.trainer,
-        server_arg_fields=fields,
-        server_defaults=reading.settings.server_defaults,
-    )
-    if not addresses_known_before_launch(plan, reading.settings):
-        return prepare_deployment(
-            plan,
-            reading.settings,
+    try:
+        plan = resolve_deployment(
+            reading.spec,
+            reading.trainer,
             server_arg_fields=fields,
-            host_of_node=NODE_ADDRESS.format,
-            router_host=DRIVER_ADDRESS,
+            server_defaults=reading.settings.server_defaults,
         )
-    return prepare_deployment(plan, reading.settings, server_arg_fields=fields)
+        if not addresses_known_before_launch(plan, reading.settings):
+            return prepare_deployment(
+                plan,
+                reading.settings,
+                server_arg_fields=fields,
+                host_of_node=NODE_ADDRESS.format,
+                router_host=DRIVER_ADDRESS,
+            )
+        return prepare_deployment(plan, reading.settings, server_arg_fields=fields)
+    except DeploymentConfigError as exc:
+        if reading.mapping is None:
+            raise
+        named = name_the_trainer_keys(list(exc.problems), reading.mapping)
+        raise DeploymentConfigError(named, source=exc.source) from None
 
 
 def addresses_known_before_launch(plan: DeploymentPlan, settings: SGLangDeployConf) -> bool:

@@ -32,8 +32,15 @@ from typing import Any
 from omegaconf import II
 
 from miles_sglang_plugin.config.deployment_spec import WorkerType
+from miles_sglang_plugin.config.locating import register_resolvers
 from miles_sglang_plugin.config.shared_fields import fields_of, mapping_as_dict
 from miles_sglang_plugin.config.trainer_inputs import TrainerInputs
+from miles_sglang_plugin.config.trainer_mappings import TrainerKind
+
+# The defaults below interpolate ``msp.trainer`` / ``msp.rollout_num_gpus``: registered wherever these classes
+# are, so that a process that only unpickles a composed config (a Ray task of the trainer: its typed nodes
+# import this module) resolves it as the driver does.
+register_resolvers()
 
 #: Group slots of a model, in their default deployment order.
 GROUP_SLOTS: tuple[str, ...] = ("prefill", "decode", "regular", "placeholder")
@@ -357,3 +364,11 @@ class MilesTrainerArgs:
     """Deployment-wide settings: launcher, router, SGLang defaults, LoRA, API key, stand-in faults."""
     sglang_bench: Any = None
     """The rollout benchmark's settings (the ``sglang_bench`` group: ``+sglang_bench=default``); null: none."""
+
+
+@dataclass
+class SGLangTrainerConf:
+    """A trainer whose own keys the plugin reads as its trainer inputs (``+sglang_trainer=verl``, ``skyrl``)."""
+
+    trainer: TrainerKind = TrainerKind.verl
+    """The trainer: verl (0.9.1's ppo_trainer keys) or skyrl (skyrl-train 0.3.1's ppo_base_config keys)."""

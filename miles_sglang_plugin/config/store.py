@@ -12,6 +12,8 @@ Config groups registered here (the ``sglang`` presets themselves are YAML files 
 - ``hydra/callbacks``: ``sglang_cleanup`` — stops any deployment a job left running when the job ends;
   ``sglang_plan`` — the app's dry run: prints the plan of the app's own config and runs nothing.
 - ``miles_trainer_args``: Miles' trainer arguments as a root schema, for apps that want them typed.
+- ``sglang_trainer``: ``verl``, ``skyrl`` — a trainer's own keys read as the trainer inputs
+  (:mod:`miles_sglang_plugin.config.trainer_mappings`), at the root key ``sglang_trainer``.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ from miles_sglang_plugin.config.schema import (
     MilesTrainerArgs,
     ModelConf,
     SGLangDeployConf,
+    SGLangTrainerConf,
 )
+from miles_sglang_plugin.config.trainer_mappings import TRAINER_MAPPING_KEY, TrainerKind
 
 PROVIDER = "miles_sglang_plugin"
 
@@ -60,6 +64,13 @@ def register_configs() -> None:
         provider=PROVIDER,
     )
     config_store.store(name="miles_trainer_args", node=MilesTrainerArgs, provider=PROVIDER)
+    for trainer in TrainerKind:
+        config_store.store(
+            group=TRAINER_MAPPING_KEY,
+            name=trainer.value,
+            node=SGLangTrainerConf(trainer=trainer),
+            provider=PROVIDER,
+        )
     config_store.store(
         group="hydra/callbacks",
         name="sglang_cleanup",

@@ -65,6 +65,9 @@ _EXPORTS: dict[str, str] = {
     "RayBackend": "miles_sglang_plugin.backends.ray_backend",
     # serving
     "Deployment": "miles_sglang_plugin.serving.deployment",
+    "ApplyResult": "miles_sglang_plugin.serving.elastic",
+    "PlanDiff": "miles_sglang_plugin.planning.stable",
+    "stabilize": "miles_sglang_plugin.planning.stable",
     "EngineInfo": "miles_sglang_plugin.serving.fleet",
     "EngineState": "miles_sglang_plugin.serving.fleet",
     "RouterState": "miles_sglang_plugin.serving.fleet",
@@ -111,6 +114,7 @@ _EXPORTS: dict[str, str] = {
 }
 
 __all__ = [
+    "ApplyResult",
     "AsyncDeploymentControl",
     "Backend",
     "BackgroundControl",
@@ -143,6 +147,7 @@ __all__ = [
     "ModelRoute",
     "ModelSpec",
     "OperationResult",
+    "PlanDiff",
     "PreparedDeployment",
     "Problem",
     "RayBackend",
@@ -184,6 +189,7 @@ __all__ = [
     "resolve_namespace",
     "run_rollout_bench",
     "skyrl_engine_urls",
+    "stabilize",
     "trainer_mapping",
 ]
 
@@ -225,6 +231,7 @@ if TYPE_CHECKING:  # what static tools see; at run time the names load lazily th
     from miles_sglang_plugin.miles.sglang_config import load_miles_config
     from miles_sglang_plugin.planning.plan import DeploymentPlan, EnginePlan, GroupPlan, ModelPlan
     from miles_sglang_plugin.planning.resolution import resolve_deployment
+    from miles_sglang_plugin.planning.stable import PlanDiff, stabilize
     from miles_sglang_plugin.planning.views import print_plan
     from miles_sglang_plugin.rendering.launch_specs import EngineProcessLaunch, LaunchSpecs
     from miles_sglang_plugin.rendering.prepared import PreparedDeployment, prepare_deployment
@@ -234,6 +241,7 @@ if TYPE_CHECKING:  # what static tools see; at run time the names load lazily th
         DeploymentControl,
     )
     from miles_sglang_plugin.serving.deployment import Deployment
+    from miles_sglang_plugin.serving.elastic import ApplyResult
     from miles_sglang_plugin.serving.errors import (
         ControlError,
         DeploymentFailedError,

@@ -106,8 +106,10 @@ def test_weight_version_is_reported_everywhere(spawn: Callable[..., Proc]) -> No
         "num_paused_requests": 0,
     }
     assert post(engine, "/update_weight_version", {"new_version": "1b"}).json()["new_version"] == "1b"
-    for path in ("/model_info", "/get_server_info", "/server_info"):
+    for path in ("/model_info", "/get_model_info"):
         assert httpx.get(engine.url + path).json()["weight_version"] == "1b", path
+    for path in ("/server_info", "/get_server_info"):  # as SGLang's: the start-up --weight-version
+        assert httpx.get(engine.url + path).json()["weight_version"] == "v0", path
     assert httpx.get(engine.url + "/get_weight_version").status_code == 404  # not in SGLang 0.5.23
     assert post(engine, "/generate", GENERATE).json()["meta_info"]["weight_version"] == "1b"
     state = stats(engine)

@@ -19,8 +19,9 @@ SGLang's own server answers them (held to it by ``tests/test_engine_contract.py`
 * ``/update_weights_from_disk``, ``/init_weights_update_group`` (the engine's ranks ``rank_offset .. rank_offset
   + tp*pp - 1`` must lie in ``1 .. world_size - 1``: rank 0 is the trainer), ``/update_weights_from_distributed``
   (needs that group), ``/destroy_weights_update_group`` (400 ``{"success": false, ...}`` for a group that does
-  not exist, as SGLang), ``/update_weight_version``. The weight version they set is what ``/get_server_info``,
-  ``/model_info`` and each response's ``meta_info`` report (SGLang 0.5.23 has no ``/get_weight_version``).
+  not exist, as SGLang), ``/update_weight_version``. The weight version they set is what ``/model_info``
+  and each response's ``meta_info`` report (``/server_info`` keeps the start-up ``--weight-version``, as
+  SGLang's; SGLang 0.5.23 has no ``/get_weight_version``).
 * ``/pause_generation`` (``abort``, ``retract``, ``in_place``) and ``/continue_generation``: generation requests
   that arrive while paused wait for ``continue`` (in SGLang's tokenizer manager), whatever the mode; an abort of
   all requests (``/abort_request`` with ``abort_all``, a pause in ``abort`` mode, ``abort_all_requests`` of a

@@ -320,6 +320,7 @@ class EngineState:
     max_total_num_tokens: int = field(init=False)
     max_running_requests: int = field(init=False)
     gpu_id_step: int = field(init=False)
+    start_weight_version: str = field(init=False)
 
     def __post_init__(self) -> None:
         extra = self.args.extra_dict()
@@ -333,6 +334,7 @@ class EngineState:
         )
         if len(extra.get("weight_version", ())) == 1:
             self.control.weight_version = extra["weight_version"][0]
+        self.start_weight_version = self.control.weight_version
         self.max_total_num_tokens = _int_extra(extra, "max_total_tokens", 65536)
         self.max_running_requests = _int_extra(extra, "max_running_requests", 128)
         self.gpu_id_step = _int_extra(extra, "gpu_id_step", 1)
@@ -440,7 +442,8 @@ class EngineState:
             max_running_requests=self.max_running_requests,
             version=VERSION,
             status="ready",
-            weight_version=self.control.weight_version,
+            # As SGLang: the start-up --weight-version (its ServerArgs); the current one is /model_info's.
+            weight_version=self.start_weight_version,
             internal_states=[
                 {
                     "world_size": args.world_size,

@@ -2,11 +2,15 @@
 #   make demo   the main job end to end: stand-in engines, real sglang-router, one rollout step, teardown
 #   make test   the test suite (installs SGLang's argument parser for CPU and Ray first; ~1.7 GB); the Ray
 #               tests run in a loopback-only network namespace (scripts/in-loopback-netns.sh)
+# and, run by .ci/run after them:
+#   make test-real-engine   SGLang's own server on the CPU (engine kind cpu_sglang) in its own venv (.venv-real,
+#               ~6.3 GB): the real-engine lane and the contract test against both engines
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+REAL_VENV ?= .venv-real
 
-.PHONY: demo test test-ray lint bench mutation clean
+.PHONY: demo test test-ray test-real-engine lint bench mutation clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,15 +32,27 @@ $(VENV)/.ray-installed: pyproject.toml | $(VENV)/.base-installed
 	$(BIN)/python -m pip install --quiet -e '.[test,ray]' --config-settings editable_mode=compat
 	touch $@
 
+# The real-engine lane's venv: torch 2.14.1 (the build SGLang pins; a CUDA build, run on the CPU), sglang --no-deps
+# and what its server imports on a CPU, and this package with its test tools.
+$(REAL_VENV)/.installed: scripts/install-sglang-real-cpu.sh pyproject.toml
+	PYTHON=$(PYTHON) VENV=$(REAL_VENV) bash scripts/install-sglang-real-cpu.sh
+	touch $@
+
 demo: $(VENV)/.base-installed
 	cd examples && ../$(BIN)/python train.py sglang=agentic_32gpu sglang_deploy=simulated colocate=true actor_num_nodes=4 kill_engine_at_step=1
 
 test: $(VENV)/.sglang-installed $(VENV)/.ray-installed
-	$(BIN)/python -m pytest -m "not ray"
+	$(BIN)/python -m pytest -m "not ray and not real_engine"
 	bash scripts/in-loopback-netns.sh $(BIN)/python -m pytest -m ray -p no:cacheprovider
 
 test-ray: $(VENV)/.ray-installed
 	bash scripts/in-loopback-netns.sh $(BIN)/python -m pytest -m ray -p no:cacheprovider
+
+# At most two real engines at a time (~3 GB each). MSP_REQUIRE_REAL_ENGINE_TESTS=1 (.ci/run) turns a skip into a
+# failure.
+test-real-engine: $(REAL_VENV)/.installed
+	$(REAL_VENV)/bin/python -m pytest -m "real_engine or engine_contract" -p no:cacheprovider \
+		tests/test_real_engine.py tests/test_engine_contract.py
 
 lint: $(VENV)/.base-installed
 	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/lint-imports
@@ -55,4 +71,4 @@ mutation: $(VENV)/.sglang-installed
 	bash scripts/mutation.sh $(MUTATION_SETS)
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info
+	rm -rf $(VENV) $(REAL_VENV) build dist *.egg-info

@@ -6,9 +6,9 @@ plan's notes list them):
 * added, over every other value: ``--device cpu``, ``--attention-backend torch_native`` (the only attention
   backend without GPU or AMX kernels), ``--disable-overlap-schedule`` and ``--disable-cuda-graph``;
 * added as a default (``server_defaults`` and group overrides win): ``--max-total-tokens 8192``. Without it
-  SGLang sizes its KV cache from the machine's free memory (13 GB and over two minutes to start on a 24 GB
+  SGLang sizes its KV cache from the machine's free memory (reported as 13 GB and 140 s to start on a 24 GB
   machine);
-* left out: ``--enable-memory-saver`` (torch_memory_saver needs CUDA's ``libcuda.so.1``: on a CPU an offload
+* left out: ``--enable-memory-saver`` (it cannot start: torch_memory_saver is CUDA only; on a CPU an offload
   releases nothing, and the engine keeps serving) and every CUDA-graph setting (``cuda_graph_*``);
 * environment: ``SGLANG_USE_CPU_ENGINE=1`` (SGLang's CPU code paths) and ``PYTHONPATH`` = the package's
   ``cpu_engine_shim`` directory, then ``sglang_deploy.env.PYTHONPATH`` if set. The shim provides the few

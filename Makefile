@@ -4,6 +4,9 @@
 #               tests again on the [ray] extra's oldest Ray (.venv-ray-floor), and the trainers' lane in a venv
 #               of its own (verl's and SkyRL's config code, .venv-trainers; ~1.6 GB); the Ray tests run in a
 #               loopback-only network namespace (scripts/in-loopback-netns.sh)
+# and, run by .ci/run after them:
+#   make test-real-engine   SGLang's own server on the CPU (engine kind cpu_sglang) in its own venv (.venv-real,
+#               ~6.3 GB): the real-engine lane and the contract test against both engines
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -11,8 +14,9 @@ TRAINERS_VENV ?= .venv-trainers
 TRAINERS_BIN := $(TRAINERS_VENV)/bin
 RAY_FLOOR_VENV ?= .venv-ray-floor
 RAY_FLOOR_BIN := $(RAY_FLOOR_VENV)/bin
+REAL_VENV ?= .venv-real
 
-.PHONY: demo test test-smg test-ray test-ray-floor test-trainers lint bench mutation clean
+.PHONY: demo test test-smg test-ray test-ray-floor test-trainers test-real-engine lint bench mutation clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -65,11 +69,17 @@ $(RAY_FLOOR_VENV)/.installed: pyproject.toml Makefile | $(RAY_FLOOR_BIN)/python
 	$(RAY_FLOOR_BIN)/python -m pip install --quiet -e '.[test,ray]' 'ray==$(RAY_FLOOR)' --config-settings editable_mode=compat
 	touch $@
 
+# The real-engine lane's venv: torch 2.14.1 (the build SGLang pins; a CUDA build, run on the CPU), sglang --no-deps
+# and what its server imports on a CPU, and this package with its test tools.
+$(REAL_VENV)/.installed: scripts/install-sglang-real-cpu.sh pyproject.toml
+	PYTHON=$(PYTHON) VENV=$(REAL_VENV) bash scripts/install-sglang-real-cpu.sh
+	touch $@
+
 demo: $(VENV)/.base-installed
 	cd examples && ../$(BIN)/python train.py sglang=agentic_32gpu sglang_deploy=simulated colocate=true actor_num_nodes=4 kill_engine_at_step=1
 
 test: $(VENV)/.sglang-installed $(VENV)/.ray-installed $(VENV)/.smg-installed $(TRAINERS_VENV)/.installed $(RAY_FLOOR_VENV)/.installed
-	$(BIN)/python -m pytest -m "not ray and not trainers"
+	$(BIN)/python -m pytest -m "not ray and not trainers and not real_engine"
 	$(BIN)/python -m pytest --gateway smg -m "not ray" -p no:cacheprovider $(ROUTER_TESTS)
 	bash scripts/in-loopback-netns.sh $(BIN)/python -m pytest -m "ray and not trainers" -p no:cacheprovider
 	bash scripts/in-loopback-netns.sh $(RAY_FLOOR_BIN)/python -m pytest -m "ray and not trainers" -p no:cacheprovider
@@ -90,6 +100,12 @@ test-ray-floor: $(RAY_FLOOR_VENV)/.installed
 test-trainers: $(TRAINERS_VENV)/.installed
 	bash scripts/in-loopback-netns.sh $(TRAINERS_BIN)/python -m pytest -m trainers -p no:cacheprovider
 
+# At most two real engines at a time (~3 GB each). MSP_REQUIRE_REAL_ENGINE_TESTS=1 (.ci/run) turns a skip into a
+# failure.
+test-real-engine: $(REAL_VENV)/.installed
+	$(REAL_VENV)/bin/python -m pytest -m "real_engine or engine_contract" -p no:cacheprovider \
+		tests/test_real_engine.py tests/test_engine_contract.py
+
 lint: $(VENV)/.base-installed
 	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/lint-imports
 
@@ -107,4 +123,4 @@ mutation: $(VENV)/.sglang-installed
 	bash scripts/mutation.sh $(MUTATION_SETS)
 
 clean:
-	rm -rf $(VENV) $(TRAINERS_VENV) $(RAY_FLOOR_VENV) build dist *.egg-info
+	rm -rf $(VENV) $(TRAINERS_VENV) $(RAY_FLOOR_VENV) $(REAL_VENV) build dist *.egg-info

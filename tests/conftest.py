@@ -91,3 +91,13 @@ def model(
 
 def spec(*models: ModelSpec) -> DeploymentSpec:
     return DeploymentSpec(models=tuple(models), source="test")
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """The real-engine lane's measurements (engine start times, memory), where it ran."""
+    from tests.real_engine_helpers import MEASUREMENTS
+
+    if MEASUREMENTS:
+        terminalreporter.write_sep("-", "real-engine lane: measured")
+        for label, value in MEASUREMENTS.items():
+            terminalreporter.write_line(f"{label}: {value}")

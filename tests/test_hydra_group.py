@@ -178,10 +178,12 @@ def test_multi_model_paths():
     ]
 
 
-def test_deploy_settings_and_the_simulated_option():
+def test_deploy_settings_and_the_simulated_and_cpu_options():
     assert deploy_settings_from_config(compose_config(["sglang=pd"])).launch.engine is EngineKind.sglang
     settings = deploy_settings_from_config(compose_config(["sglang=pd", "sglang_deploy=simulated"]))
     assert settings.launch.engine is EngineKind.simulated
+    settings = deploy_settings_from_config(compose_config(["sglang=pd", "sglang_deploy=cpu_sglang"]))
+    assert settings.launch.engine is EngineKind.cpu_sglang
     settings = deploy_settings_from_config(
         compose_config(["sglang=pd", "sglang_deploy.router.policy=round_robin"])
     )

@@ -107,7 +107,7 @@ def test_an_engine_that_exits_is_restarted_with_its_command_gpus_and_control_sta
         assert d.state().status == "serving" and len(router_urls(d)) == 2
         kinds = [e.kind for e in d.events()[since:]]
         assert kinds == ["engine_lost", "engine_restarting", "engine_recovered"]
-        d.control.onload()
+        d.control.onload(["kv_cache"])  # what was released (resuming anything else ends a real engine)
         d.control.continue_generation()
 
 
@@ -217,7 +217,10 @@ def test_an_engine_restarted_after_a_broadcast_waits_for_weights(
         assert [e.state for e in d.engines()] == ["pending_weights", "serving"]
         assert len(router_urls(d)) == 1
         assert d.control.engines_outside_weight_group() == ("actor.regular.0",)
-        d.control.destroy_weights_update_group()
+        # The restarted engine never joined the group: SGLang answers it 400 "The group to be destroyed does
+        # not exist." (tests/test_engine_contract.py), as the stand-in now does. The engine of the group took it.
+        destroyed = d.control.destroy_weights_update_group(check=False)
+        assert [r.engine for r in destroyed.replies if r.ok] == ["actor.regular.1"]
         group = d.control.background.init_weights_update_group("127.0.0.1", 29501).result(timeout=30).group
         assert [(r.engine, r.rank_offset) for r in group.ranks] == [
             ("actor.regular.0", 1),

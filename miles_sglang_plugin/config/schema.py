@@ -109,10 +109,12 @@ class ModelConf:
 
 
 class EngineKind(StrEnum):
-    """What runs as an engine: real SGLang, or the HTTP stand-in for machines without GPUs."""
+    """What runs as an engine: real SGLang, the HTTP stand-in for machines without GPUs, or real SGLang on a
+    CPU (``cpu_sglang``: the CPU flags and shim of :mod:`miles_sglang_plugin.rendering.cpu_engine`)."""
 
     sglang = "sglang"
     simulated = "simulated"
+    cpu_sglang = "cpu_sglang"
 
 
 class BackendKind(StrEnum):
@@ -197,7 +199,7 @@ class LaunchConf:
     """How engines are started and stopped."""
 
     engine: EngineKind = EngineKind.sglang
-    """What runs as an engine: sglang (real SGLang) or simulated (the HTTP stand-in, for machines without GPUs)."""
+    """What runs as an engine: sglang (real SGLang), simulated (the HTTP stand-in, for machines without GPUs) or cpu_sglang (real SGLang on a CPU, tiny models only)."""
     backend: BackendKind = BackendKind.local
     """Where engines run: local (subprocesses of this machine) or ray (Ray actors on a cluster's nodes; see the README)."""
     command: list[str] = field(default_factory=lambda: ["{python}", "-m", "sglang.launch_server"], repr=False)

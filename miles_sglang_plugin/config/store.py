@@ -7,8 +7,9 @@ Config groups registered here (the ``sglang`` presets themselves are YAML files 
   ``+sglang_model@sglang.<name>=base``.
 - ``sglang_group``: ``regular``, ``prefill``, ``decode``, ``placeholder`` — a further group of a model, beside
   its four fixed slots: ``+sglang_group@sglang.<model>.extra_groups.<name>=decode``.
-- ``sglang_deploy``: ``default`` (real SGLang engines) and ``simulated`` (the HTTP stand-in engines) —
-  deployment-wide launcher, router and SGLang settings at the root key ``sglang_deploy``.
+- ``sglang_deploy``: ``default`` (real SGLang engines), ``simulated`` (the HTTP stand-in engines) and
+  ``cpu_sglang`` (real SGLang on a machine without a GPU) — deployment-wide launcher, router and SGLang
+  settings at the root key ``sglang_deploy``.
 - ``hydra/callbacks``: ``sglang_cleanup`` — stops any deployment a job left running when the job ends;
   ``sglang_plan`` — the app's dry run: prints the plan of the app's own config and runs nothing.
 - ``miles_trainer_args``: Miles' trainer arguments as a root schema, for apps that want them typed.
@@ -61,6 +62,12 @@ def register_configs() -> None:
         group="sglang_deploy",
         name="simulated",
         node=SGLangDeployConf(launch=LaunchConf(engine=EngineKind.simulated)),
+        provider=PROVIDER,
+    )
+    config_store.store(
+        group="sglang_deploy",
+        name="cpu_sglang",
+        node=SGLangDeployConf(launch=LaunchConf(engine=EngineKind.cpu_sglang)),
         provider=PROVIDER,
     )
     config_store.store(name="miles_trainer_args", node=MilesTrainerArgs, provider=PROVIDER)

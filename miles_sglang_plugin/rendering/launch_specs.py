@@ -37,6 +37,12 @@ from miles_sglang_plugin.planning.plan import (
     ModelPlan,
 )
 from miles_sglang_plugin.planning.resolution import PLAN_OWNED_OVERRIDES, suggest
+from miles_sglang_plugin.rendering.cpu_engine import (
+    CPU_ENGINE_ENV,
+    cpu_engine_env,
+    cpu_notes,
+    cpu_server_args,
+)
 from miles_sglang_plugin.rendering.deploy_checks import deploy_setting_problems
 from miles_sglang_plugin.rendering.lora import lora_server_args
 from miles_sglang_plugin.rendering.ports import EnginePorts, PortAssignment
@@ -67,6 +73,7 @@ MILES_ENGINE_ENV: Mapping[str, str] = {
 PACKAGE_ENV_NAMES: frozenset[str] = frozenset(
     {
         *MILES_ENGINE_ENV,
+        *CPU_ENGINE_ENV,
         "SGLANG_OPT_USE_CUSTOM_ALL_REDUCE_V2",
         "CUDA_VISIBLE_DEVICES",
         "MSP_STANDIN_START_DELAY_S",
@@ -408,6 +415,8 @@ class _EngineRendering:
     kind: EngineKind
     prefix: tuple[str, ...]
     dropped: set[str] = field(default_factory=set)
+    #: ``cpu_sglang``: the fields left out because a CPU cannot run them -> why.
+    cpu_dropped: dict[str, str] = field(default_factory=dict)
 
     def model_engines(self, model: ModelPlan) -> tuple[list[EngineProcessLaunch], list[WorkerRegistration]]:
         """Every engine process of ``model``, and the workers its router registers (one per engine)."""
@@ -444,6 +453,8 @@ class _EngineRendering:
             self.server_arg_fields,
             self.dropped,
         )
+        if self.kind is EngineKind.cpu_sglang:
+            values = cpu_server_args(values, self.cpu_dropped)
         bootstrap_port = values.get("disaggregation_bootstrap_port")
         return EngineProcessLaunch(
             engine_id=engine.id,
@@ -462,14 +473,17 @@ class _EngineRendering:
         )
 
     def env(self, group: GroupPlan, engine: EnginePlan, process: EngineProcessPlan) -> dict[str, str]:
-        """Miles' engine defaults < the stand-in's faults < ``sglang_deploy.env`` < ``CUDA_VISIBLE_DEVICES``."""
+        """Miles' engine defaults < the stand-in's faults < ``sglang_deploy.env`` < the CPU kind's variables
+        (its shim before the user's PYTHONPATH) < ``CUDA_VISIBLE_DEVICES``."""
         simulated = self.kind is EngineKind.simulated
+        cpu = self.kind is EngineKind.cpu_sglang
         custom_all_reduce = "0" if self.plan.trainer.colocate and group.num_gpus_per_engine > 1 else "1"
         return {
             **MILES_ENGINE_ENV,
             **(standin_fault_env(self.settings, engine.id) if simulated else {}),
             "SGLANG_OPT_USE_CUSTOM_ALL_REDUCE_V2": custom_all_reduce,
             **self.settings.env,
+            **(cpu_engine_env(self.settings.env.get("PYTHONPATH")) if cpu else {}),
             "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in process.local_gpu_ids),
         }
 
@@ -553,4 +567,6 @@ def render_launch(
         f"left out {key}: Miles sets it, but the installed SGLang has no such ServerArgs field"
         for key in sorted(rendering.dropped)
     ) + tuple(note for model in plan.models for router in routers if (note := _dp_aware_note(model, router)))
+    if kind is EngineKind.cpu_sglang:
+        notes += cpu_notes(rendering.cpu_dropped)
     return LaunchSpecs(engine_kind=kind, engines=tuple(engines), routers=tuple(routers), notes=notes)

@@ -99,7 +99,7 @@ def prepare_deployment(
         router_host=routers_on,
         server_arg_fields=server_arg_fields,
     )
-    real_launch = probe and launch.engine_kind is EngineKind.sglang
+    real_launch = probe and launch.engine_kind is not EngineKind.simulated
     problems.extend(
         server_arg_value_problems(plan, settings, launch.engines, launching_real_engines=real_launch)
     )

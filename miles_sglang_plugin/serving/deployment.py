@@ -171,6 +171,7 @@ class Deployment:
         self._started = False
         self._stopping = False
         self._stopped = False
+        self._stopped_event = threading.Event()
         self._stopping_lock = threading.Lock()
         self._lock = threading.Lock()
         self._failure: str | None = None
@@ -248,6 +249,11 @@ class Deployment:
     def events(self) -> tuple[DeploymentEvent, ...]:
         """The events so far (the last 1,000)."""
         return self.event_log.events()
+
+    def wait_stopped(self, timeout_s: float | None = None) -> bool:
+        """Wait until every process of the deployment is stopped and its backend closed (after :meth:`stop`,
+        or after a failure, which stops it by itself); False if ``timeout_s`` passed first."""
+        return self._stopped_event.wait(timeout_s)
 
     @property
     def failure(self) -> str | None:
@@ -704,6 +710,7 @@ class Deployment:
                 if router.state is not RouterState.STOPPED:
                     self.fleet.transition_router(router.model, RouterState.STOPPED)
             self.event_log.close()
+            self._stopped_event.set()
 
 
 def _at(when: str) -> str:

@@ -124,6 +124,16 @@ class Backend(abc.ABC):
         Supervision fails the deployment at once on such a reason instead of retrying in vain."""
         return None
 
+    def place_again(
+        self, prepared: PreparedDeployment, engines: Collection[str]
+    ) -> PreparedDeployment | None:
+        """``engines`` cannot start where they were (:meth:`cannot_restart` said why: their node is gone): place
+        them on free capacity and return ``prepared`` rendered with their new nodes, GPUs and ports (every other
+        process and the routers as they are), or None where this backend has nowhere else (supervision then
+        fails the deployment at once). Raises :class:`LaunchError` while there is no room for them (a failed
+        restart: tried again after the backoff, while the restart budget lasts)."""
+        return None
+
     def close(self) -> None:  # noqa: B027 - optional hook: nothing to give back by default
         """Give back what :meth:`prepare` took (port claims, placement); idempotent."""
 

@@ -57,9 +57,7 @@ class StatusView:
             table.add_column(col)
         for name, row in self.rows.items():
             state = Text(row.state, style=_STYLE.get(row.state, ""))  # any state name, styled or not
-            table.add_row(
-                Text(name), row.kind, state, f"{row.since - self.started_at:.1f}", Text(row.detail)
-            )
+            table.add_row(Text(name), row.kind, state, f"{row.since - self.started_at:.1f}", Text(row.detail))
         return table
 
     def _refresh(self) -> None:

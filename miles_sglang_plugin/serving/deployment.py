@@ -42,7 +42,7 @@ import dataclasses
 import signal
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Protocol
@@ -166,6 +166,7 @@ class Deployment:
             io=self._io,
             exits=ExitWatcher(),
             on_fail=self._fail_and_stop,
+            place_again=self._place_again,
         )
         self._control = DeploymentControl(AsyncDeploymentControl(self))
         self._started = False
@@ -647,6 +648,15 @@ class Deployment:
             for p in (r.http, r.prometheus)
         ]
         release(ports)
+
+    def _place_again(self, engines: Sequence[str]) -> PreparedDeployment | None:
+        """For the reconciler: ``engines`` lost their node; the backend places them on free capacity (None where
+        it cannot), and the deployment runs from the plan rendered with their new places."""
+        with self._apply_lock:  # never while a change of the deployment is rendered
+            prepared = self.backend.place_again(self.prepared, engines)
+            if prepared is not None:
+                self.prepared = prepared
+            return prepared
 
     # ---------------------------------------------------------------------------------------------- stop
     def _fail_and_stop(self, message: str) -> None:

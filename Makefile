@@ -1,12 +1,22 @@
 # Two entry points on a fresh machine (Python >= 3.11 on PATH as python3):
 #   make demo   the main job end to end: stand-in engines, real sglang-router, one rollout step, teardown
-#   make test   the test suite (installs SGLang's argument parser for CPU and Ray first; ~1.7 GB); the Ray
-#               tests run in a loopback-only network namespace (scripts/in-loopback-netns.sh)
+#   make test   the test suite (installs SGLang's argument parser for CPU and Ray first; ~1.7 GB), the Ray
+#               tests again on the [ray] extra's oldest Ray (.venv-ray-floor), and the trainers' lane in a venv
+#               of its own (verl's and SkyRL's config code, .venv-trainers; ~1.6 GB); the Ray tests run in a
+#               loopback-only network namespace (scripts/in-loopback-netns.sh)
+# and, run by .ci/run after them:
+#   make test-real-engine   SGLang's own server on the CPU (engine kind cpu_sglang) in its own venv (.venv-real,
+#               ~6.3 GB): the real-engine lane and the contract test against both engines
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+TRAINERS_VENV ?= .venv-trainers
+TRAINERS_BIN := $(TRAINERS_VENV)/bin
+RAY_FLOOR_VENV ?= .venv-ray-floor
+RAY_FLOOR_BIN := $(RAY_FLOOR_VENV)/bin
+REAL_VENV ?= .venv-real
 
-.PHONY: demo test test-ray lint bench mutation clean
+.PHONY: demo test test-smg test-ray test-ray-floor test-trainers test-real-engine lint bench mutation clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,20 +33,78 @@ $(VENV)/.sglang-installed: scripts/install-sglang-cpu.sh | $(VENV)/.base-install
 	PYTHON=$(BIN)/python bash scripts/install-sglang-cpu.sh
 	touch $@
 
+# SMG, the second gateway the router-facing tests run against (the [smg] extra).
+$(VENV)/.smg-installed: pyproject.toml | $(VENV)/.base-installed
+	$(BIN)/python -m pip install --quiet -e '.[test,smg]' --config-settings editable_mode=compat
+	touch $@
+
+# The tests that start routers, run a second time with SMG as the gateway (the first run: sglang-router).
+ROUTER_TESTS := tests/test_routers.py tests/test_launcher.py tests/test_launcher_faults.py \
+	tests/test_supervision.py tests/test_control.py tests/test_control_lifecycle.py \
+	tests/test_standin_control.py tests/test_external_engines_live.py tests/test_serving_faults.py
+
 # The ray backend's extra (Ray itself), for the tests.
 $(VENV)/.ray-installed: pyproject.toml | $(VENV)/.base-installed
 	$(BIN)/python -m pip install --quiet -e '.[test,ray]' --config-settings editable_mode=compat
 	touch $@
 
+# verl 0.9.1's and skyrl-train 0.3.1's own config code (tests/test_trainers.py), in a venv of its own: their
+# pins clash with the main test venv's (scripts/install-trainers.sh says which).
+$(TRAINERS_BIN)/python:
+	$(PYTHON) -m venv $(TRAINERS_VENV)
+	$(TRAINERS_BIN)/python -m pip install --quiet --upgrade pip
+
+$(TRAINERS_VENV)/.installed: scripts/install-trainers.sh pyproject.toml | $(TRAINERS_BIN)/python
+	PYTHON=$(TRAINERS_BIN)/python bash scripts/install-trainers.sh
+	touch $@
+
+# The oldest Ray of the [ray] extra (its floor in pyproject.toml; tests/test_extras.py checks they agree), for
+# the Ray tests at the low end of the range; the main venv has the newest.
+RAY_FLOOR := 2.54.0
+$(RAY_FLOOR_BIN)/python:
+	$(PYTHON) -m venv $(RAY_FLOOR_VENV)
+	$(RAY_FLOOR_BIN)/python -m pip install --quiet --upgrade pip
+
+$(RAY_FLOOR_VENV)/.installed: pyproject.toml Makefile | $(RAY_FLOOR_BIN)/python
+	$(RAY_FLOOR_BIN)/python -m pip install --quiet -e '.[test,ray]' 'ray==$(RAY_FLOOR)' --config-settings editable_mode=compat
+	touch $@
+
+# The real-engine lane's venv: torch 2.14.1 (the build SGLang pins; a CUDA build, run on the CPU), sglang --no-deps
+# and what its server imports on a CPU, and this package with its test tools.
+$(REAL_VENV)/.installed: scripts/install-sglang-real-cpu.sh pyproject.toml
+	PYTHON=$(PYTHON) VENV=$(REAL_VENV) bash scripts/install-sglang-real-cpu.sh
+	touch $@
+
 demo: $(VENV)/.base-installed
 	cd examples && ../$(BIN)/python train.py sglang=agentic_32gpu sglang_deploy=simulated colocate=true actor_num_nodes=4 kill_engine_at_step=1
 
-test: $(VENV)/.sglang-installed $(VENV)/.ray-installed
-	$(BIN)/python -m pytest -m "not ray"
-	bash scripts/in-loopback-netns.sh $(BIN)/python -m pytest -m ray -p no:cacheprovider
+test: $(VENV)/.sglang-installed $(VENV)/.ray-installed $(VENV)/.smg-installed $(TRAINERS_VENV)/.installed $(RAY_FLOOR_VENV)/.installed
+	$(BIN)/python -m pytest -m "not ray and not trainers and not real_engine"
+	$(BIN)/python -m pytest --gateway smg -m "not ray" -p no:cacheprovider $(ROUTER_TESTS)
+	bash scripts/in-loopback-netns.sh $(BIN)/python -m pytest -m "ray and not trainers" -p no:cacheprovider
+	bash scripts/in-loopback-netns.sh $(RAY_FLOOR_BIN)/python -m pytest -m "ray and not trainers" -p no:cacheprovider
+	bash scripts/in-loopback-netns.sh $(TRAINERS_BIN)/python -m pytest -m trainers -p no:cacheprovider
+
+# The router-facing tests against SMG alone.
+test-smg: $(VENV)/.sglang-installed $(VENV)/.smg-installed
+	$(BIN)/python -m pytest --gateway smg -m "not ray" -p no:cacheprovider $(ROUTER_TESTS)
 
 test-ray: $(VENV)/.ray-installed
-	bash scripts/in-loopback-netns.sh $(BIN)/python -m pytest -m ray -p no:cacheprovider
+	bash scripts/in-loopback-netns.sh $(BIN)/python -m pytest -m "ray and not trainers" -p no:cacheprovider
+
+# The Ray tests on the oldest Ray of the [ray] extra.
+test-ray-floor: $(RAY_FLOOR_VENV)/.installed
+	bash scripts/in-loopback-netns.sh $(RAY_FLOOR_BIN)/python -m pytest -m "ray and not trainers" -p no:cacheprovider
+
+# The trainers' lane alone: verl's and SkyRL's own config code (its Ray-task test in the loopback namespace).
+test-trainers: $(TRAINERS_VENV)/.installed
+	bash scripts/in-loopback-netns.sh $(TRAINERS_BIN)/python -m pytest -m trainers -p no:cacheprovider
+
+# At most two real engines at a time (~3 GB each). MSP_REQUIRE_REAL_ENGINE_TESTS=1 (.ci/run) turns a skip into a
+# failure.
+test-real-engine: $(REAL_VENV)/.installed
+	$(REAL_VENV)/bin/python -m pytest -m "real_engine or engine_contract" -p no:cacheprovider \
+		tests/test_real_engine.py tests/test_engine_contract.py
 
 lint: $(VENV)/.base-installed
 	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/lint-imports
@@ -55,4 +123,4 @@ mutation: $(VENV)/.sglang-installed
 	bash scripts/mutation.sh $(MUTATION_SETS)
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info
+	rm -rf $(VENV) $(TRAINERS_VENV) $(RAY_FLOOR_VENV) $(REAL_VENV) build dist *.egg-info

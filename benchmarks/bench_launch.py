@@ -564,11 +564,20 @@ def main() -> int:
     ks = [int(x) for x in args.ks.split(",")]
     from importlib.metadata import version
 
+    from miles_sglang_plugin.rendering.router_specs import gateway_info, gateway_version, resolve_gateway
+
+    gateway = resolve_gateway(
+        "auto"
+    )  # what the benchmark's routers run on ($MSP_ROUTER_GATEWAY, or installed)
     res: dict[str, Any] = {
         "args": vars(args),
         "cpus": os.cpu_count(),
         "python": sys.version.split()[0],
-        "versions": {p: version(p) for p in ("sglang-router", "httpx", "httpcore", "aiohttp")},
+        "gateway": gateway,
+        "versions": {
+            gateway_info(gateway).distribution: gateway_version(gateway),
+            **{p: version(p) for p in ("httpx", "httpcore", "aiohttp")},
+        },
         "loadavg_start": os.getloadavg(),
     }
     t0 = time.monotonic()

@@ -7,6 +7,7 @@ printing what each engine did. With ``kill_engine_at_step`` an engine is killed 
 the router retries its requests, the deployment heals it, and the loop goes on.
 
     python examples/train.py sglang=agentic_32gpu sglang_deploy=simulated colocate=true actor_num_nodes=4 kill_engine_at_step=1
+    python examples/train.py sglang=pd_actor_ref sglang_deploy=simulated colocate=true actor_num_nodes=3 rebalance_after_step=1
     python examples/train.py sglang=pd_actor_ref sglang.actor.decode.num_gpus=12 sglang_deploy=simulated sglang_deploy.launch.backend=ray
     python examples/train.py sglang=agentic_32gpu                             # GPU node: real SGLang
     python examples/train.py sglang=pd_actor_ref sglang.actor.decode.num_gpus=12 plan_only=true
@@ -68,6 +69,10 @@ class TrainConf(MilesTrainerArgs):
     train_step_s: float = 0.2
     #: Kill one engine (SIGKILL) before this step's rollout, to see it healed (local backend; null: never).
     kill_engine_at_step: int | None = None
+    #: After this step, move ``rebalance_gpus`` of the actor's GPUs from prefill to decode while the loop goes
+    #: on (responses grew longer: more decode): the engines that stay keep running (null: never).
+    rebalance_after_step: int | None = None
+    rebalance_gpus: int = 4
     #: Only resolve and print the plan; start nothing.
     plan_only: bool = False
     #: Write what each engine reports about itself (its /server_info: node, CUDA_VISIBLE_DEVICES, ...) to
@@ -199,6 +204,15 @@ def kill_an_engine(deployment: Deployment, console: Console) -> int:
     return since
 
 
+def rebalance(deployment: Deployment, num_gpus: int, console: Console) -> None:
+    """Move GPUs of the actor from prefill to decode in the running deployment: the engines that stay keep
+    their processes and GPUs, the removed prefill engines drain, new decode engines take their GPUs with the
+    deployment's weights."""
+    result = deployment.move_gpus("actor", "prefill", "decode", num_gpus)
+    for line in result.lines():
+        console.print(line, markup=False, highlight=False)
+
+
 @hydra.main(version_base=None, config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> None:
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 170)
@@ -231,6 +245,8 @@ def main(cfg: DictConfig) -> None:
                 console.print(f"[bold]healed: {event.message}; the loop goes on[/]")
             step_results = train_step(deployment, step, cfg)
             print_step(step, step_results, deployment.control.weight_versions(), deployment, console)
+            if step == cfg.rebalance_after_step:
+                rebalance(deployment, cfg.rebalance_gpus, console)
         if bench is not None:  # the rollout benchmark: plan.json and metrics.json in the job's directory
             bench_from_config(cfg, deployment, console=console)
     console.print("deployment stopped: every engine and router is gone")

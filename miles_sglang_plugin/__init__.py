@@ -38,6 +38,8 @@ _EXPORTS: dict[str, str] = {
     "MilesTrainerArgs": "miles_sglang_plugin.config.schema",
     "ModelConf": "miles_sglang_plugin.config.schema",
     "SGLangDeployConf": "miles_sglang_plugin.config.schema",
+    "trainer_mapping": "miles_sglang_plugin.config.trainer_mappings",
+    "TrainerMapping": "miles_sglang_plugin.config.trainer_mappings",
     # errors
     "DeploymentConfigError": "miles_sglang_plugin.errors",
     "Problem": "miles_sglang_plugin.errors",
@@ -63,6 +65,9 @@ _EXPORTS: dict[str, str] = {
     "RayBackend": "miles_sglang_plugin.backends.ray_backend",
     # serving
     "Deployment": "miles_sglang_plugin.serving.deployment",
+    "ApplyResult": "miles_sglang_plugin.serving.elastic",
+    "PlanDiff": "miles_sglang_plugin.planning.stable",
+    "stabilize": "miles_sglang_plugin.planning.stable",
     "EngineInfo": "miles_sglang_plugin.serving.fleet",
     "EngineState": "miles_sglang_plugin.serving.fleet",
     "RouterState": "miles_sglang_plugin.serving.fleet",
@@ -91,6 +96,8 @@ _EXPORTS: dict[str, str] = {
     "launch_from_config": "miles_sglang_plugin.app.hydra_edge",
     "SGLangCleanupCallback": "miles_sglang_plugin.app.callbacks",
     "SGLangPlanCallback": "miles_sglang_plugin.app.callbacks",
+    "fill_skyrl_engine_urls": "miles_sglang_plugin.app.trainers",
+    "skyrl_engine_urls": "miles_sglang_plugin.app.trainers",
     # Miles / slime formats
     "load_miles_config": "miles_sglang_plugin.miles.sglang_config",
     "resolve_namespace": "miles_sglang_plugin.miles.argparse_bridge",
@@ -107,6 +114,7 @@ _EXPORTS: dict[str, str] = {
 }
 
 __all__ = [
+    "ApplyResult",
     "AsyncDeploymentControl",
     "Backend",
     "BackgroundControl",
@@ -139,6 +147,7 @@ __all__ = [
     "ModelRoute",
     "ModelSpec",
     "OperationResult",
+    "PlanDiff",
     "PreparedDeployment",
     "Problem",
     "RayBackend",
@@ -151,6 +160,7 @@ __all__ = [
     "StartupInterrupted",
     "SweepReportCallback",
     "TrainerInputs",
+    "TrainerMapping",
     "UnknownModelError",
     "UnsupportedPlanError",
     "WeightUpdateGroup",
@@ -162,6 +172,7 @@ __all__ = [
     "bench_settings_from_config",
     "build_report",
     "compose_config",
+    "fill_skyrl_engine_urls",
     "get_backend",
     "get_model_url",
     "gpu_need",
@@ -177,6 +188,9 @@ __all__ = [
     "resolve_deployment",
     "resolve_namespace",
     "run_rollout_bench",
+    "skyrl_engine_urls",
+    "stabilize",
+    "trainer_mapping",
 ]
 
 
@@ -201,6 +215,7 @@ if TYPE_CHECKING:  # what static tools see; at run time the names load lazily th
         resolve_config,
         resolve_config_or_exit,
     )
+    from miles_sglang_plugin.app.trainers import fill_skyrl_engine_urls, skyrl_engine_urls
     from miles_sglang_plugin.backends import get_backend
     from miles_sglang_plugin.backends.base import Backend, EngineProcess, LaunchError, UnsupportedPlanError
     from miles_sglang_plugin.backends.local import LocalBackend
@@ -210,11 +225,13 @@ if TYPE_CHECKING:  # what static tools see; at run time the names load lazily th
     from miles_sglang_plugin.config.schema import MilesTrainerArgs, ModelConf, SGLangDeployConf
     from miles_sglang_plugin.config.store import register_configs
     from miles_sglang_plugin.config.trainer_inputs import TrainerInputs, apply_miles_rules
+    from miles_sglang_plugin.config.trainer_mappings import TrainerMapping, trainer_mapping
     from miles_sglang_plugin.errors import DeploymentConfigError, Problem
     from miles_sglang_plugin.miles.argparse_bridge import lora_from_namespace, resolve_namespace
     from miles_sglang_plugin.miles.sglang_config import load_miles_config
     from miles_sglang_plugin.planning.plan import DeploymentPlan, EnginePlan, GroupPlan, ModelPlan
     from miles_sglang_plugin.planning.resolution import resolve_deployment
+    from miles_sglang_plugin.planning.stable import PlanDiff, stabilize
     from miles_sglang_plugin.planning.views import print_plan
     from miles_sglang_plugin.rendering.launch_specs import EngineProcessLaunch, LaunchSpecs
     from miles_sglang_plugin.rendering.prepared import PreparedDeployment, prepare_deployment
@@ -224,6 +241,7 @@ if TYPE_CHECKING:  # what static tools see; at run time the names load lazily th
         DeploymentControl,
     )
     from miles_sglang_plugin.serving.deployment import Deployment
+    from miles_sglang_plugin.serving.elastic import ApplyResult
     from miles_sglang_plugin.serving.errors import (
         ControlError,
         DeploymentFailedError,

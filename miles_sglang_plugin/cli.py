@@ -1,6 +1,7 @@
 """``miles-sglang``: look at, convert and launch SGLang deployments described with the ``sglang`` group.
 
 miles-sglang plan [--json] [--commands] [-cp DIR -cn NAME] [-cd DIR] [--sglang-key KEY] [HYDRA OVERRIDES...]
+miles-sglang plan --diff OLD NEW [HYDRA OVERRIDES...]   (OLD, NEW: a preset name or quoted overrides)
 miles-sglang fields [PATH]
 miles-sglang launch [--log-dir DIR] [HYDRA OVERRIDES...]
 miles-sglang sweep-report SWEEP_DIR [--no-plot]
@@ -69,12 +70,12 @@ def log_to_stderr(level: int = logging.INFO) -> Iterator[logging.Handler]:
         package_logger.propagate = before[1]
 
 
-def _composed(args: argparse.Namespace) -> Any:
+def _composed(args: argparse.Namespace, extra: Sequence[str] = ()) -> Any:
     """The config ``plan`` shows: the command's own primary config, or the app's (``-cp`` / ``-cn``)."""
     from miles_sglang_plugin.config.compose import PRIMARY_CONFIG, compose_config
 
     return compose_config(
-        args.overrides,
+        [*args.overrides, *extra],
         args.config_name or PRIMARY_CONFIG,
         config_dir=args.config_path,
         search_dirs=[args.config_dir] if args.config_dir else [],
@@ -87,6 +88,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from miles_sglang_plugin.rendering.server_arg_fields import known_server_arg_fields
 
     known = known_server_arg_fields()
+    if args.diff is not None:
+        return _plan_diff(args)
     prepared = prepare_from_config(_composed(args), sglang_key=args.sglang_key)
     if args.json:
         prepared.write_json(sys.stdout, server_args_checked_against=known.source)
@@ -101,6 +104,37 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     console.print(f"override keys checked against {known.source}", markup=False)
     for note in prepared.launch.notes:
         console.print(f"note: {note}", markup=False)
+    return 0
+
+
+def _diff_side(side: str) -> list[str]:
+    """One side of ``--diff``: a preset name of the group (``pd``) or overrides (``"a=1 b=2"``)."""
+    import shlex
+
+    words = shlex.split(side)
+    return words if any("=" in word for word in words) else [f"sglang={side}"]
+
+
+def _plan_diff(args: argparse.Namespace) -> int:
+    """What ``Deployment.apply`` would do to a deployment of OLD given NEW: kept, started, stopped, replaced,
+    with GPUs and nodes, before anything runs."""
+    from miles_sglang_plugin.app.hydra_edge import prepare_from_config
+    from miles_sglang_plugin.rendering.prepared import prepare_deployment
+    from miles_sglang_plugin.rendering.server_arg_fields import known_server_arg_fields
+    from miles_sglang_plugin.serving.elastic import plan_change, result_of
+
+    fields = known_server_arg_fields().fields
+    old_side, new_side = args.diff
+    old = prepare_from_config(_composed(args, _diff_side(old_side)), sglang_key=args.sglang_key)
+    new = prepare_from_config(_composed(args, _diff_side(new_side)), sglang_key=args.sglang_key)
+
+    def render(plan: Any, ports: Any) -> Any:
+        return prepare_deployment(plan, new.settings, server_arg_fields=fields, fixed_ports=ports)
+
+    change = plan_change(old, new.plan, render, settings=new.settings)
+    console = _out_console()
+    for line in result_of(change, {}, 0.0, dry_run=True).lines():
+        console.print(line, markup=False)
     return 0
 
 
@@ -208,6 +242,14 @@ def _add_plan(sub: Any) -> None:
     p_plan.add_argument("--json", action="store_true", help="print the plan as JSON (fields: see README)")
     p_plan.add_argument(
         "--commands", action="store_true", help="also print each engine's command line and GPU pinning"
+    )
+    p_plan.add_argument(
+        "--diff",
+        nargs=2,
+        metavar=("OLD", "NEW"),
+        help="what a running deployment of OLD does given NEW (Deployment.apply): engines kept, started, "
+        "stopped, replaced, their GPUs and nodes; each a preset name of the group or quoted overrides "
+        "(the other overrides apply to both)",
     )
     p_plan.add_argument(
         "-cp", "--config-path", metavar="DIR", help="the app's primary config directory (relative to here)"

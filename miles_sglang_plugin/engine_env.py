@@ -22,11 +22,16 @@ MILES_ENGINE_ENV: Mapping[str, str] = {
     "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "false",
 }
 
+#: What a ``cpu_sglang`` engine needs on top (SGLang's CPU engine); its shim's PYTHONPATH is added where it
+#: is rendered (:mod:`~miles_sglang_plugin.rendering.cpu_engine`).
+CPU_ENGINE_ENV: Mapping[str, str] = {"SGLANG_USE_CPU_ENGINE": "1"}
+
 #: Variables this package sets itself in an engine's environment (shown in a printed plan; every other value
 #: from ``sglang_deploy.env`` is masked there, see :func:`~miles_sglang_plugin.masking.mask_env`).
 PACKAGE_ENV_NAMES: frozenset[str] = frozenset(
     {
         *MILES_ENGINE_ENV,
+        *CPU_ENGINE_ENV,
         "SGLANG_OPT_USE_CUSTOM_ALL_REDUCE_V2",
         "CUDA_VISIBLE_DEVICES",
         "MSP_STANDIN_START_DELAY_S",

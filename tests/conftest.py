@@ -10,7 +10,52 @@ from typing import Any
 # Tests of the inherited list set it themselves.
 os.environ.pop("CUDA_VISIBLE_DEVICES", None)
 
+import pytest
+
 from miles_sglang_plugin.config.deployment_spec import DeploymentSpec, GroupSpec, ModelSpec
+from miles_sglang_plugin.rendering.router_specs import (
+    GATEWAY_ENV,
+    GATEWAYS,
+    gateway_info,
+    gateway_installed,
+    gateway_version,
+)
+
+#: The gateway the suite's routers run on: ``--gateway`` or ``$MSP_ROUTER_GATEWAY``, else sglang-router (the
+#: default dependency). It is what ``sglang_deploy.router.gateway: auto`` (the default) means in every test,
+#: subprocesses included, so that installing SMG next to sglang-router changes no test's gateway.
+DEFAULT_TEST_GATEWAY = "sglang_router"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--gateway",
+        choices=GATEWAYS,
+        default=None,
+        help=f"gateway of the tests' routers (default: ${GATEWAY_ENV}, else {DEFAULT_TEST_GATEWAY})",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    gateway = config.getoption("--gateway") or os.environ.get(GATEWAY_ENV) or DEFAULT_TEST_GATEWAY
+    if gateway not in GATEWAYS:
+        raise pytest.UsageError(f"${GATEWAY_ENV}={gateway!r} is not one of {', '.join(GATEWAYS)}")
+    if not gateway_installed(gateway):
+        raise pytest.UsageError(
+            f"the tests' gateway {gateway} is not installed: {gateway_info(gateway).install}"
+        )
+    os.environ[GATEWAY_ENV] = gateway
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    gateway = os.environ[GATEWAY_ENV]
+    return f"router gateway: {gateway} ({gateway_info(gateway).distribution} {gateway_version(gateway)})"
+
+
+@pytest.fixture
+def test_gateway() -> str:
+    """The gateway this run's routers use (``sglang_router`` or ``smg``)."""
+    return os.environ[GATEWAY_ENV]
 
 
 def group(wt: str, num_gpus: Any, gpe: Any = None, name: str | None = None, **overrides: Any) -> GroupSpec:
@@ -46,3 +91,13 @@ def model(
 
 def spec(*models: ModelSpec) -> DeploymentSpec:
     return DeploymentSpec(models=tuple(models), source="test")
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """The real-engine lane's measurements (engine start times, memory), where it ran."""
+    from tests.real_engine_helpers import MEASUREMENTS
+
+    if MEASUREMENTS:
+        terminalreporter.write_sep("-", "real-engine lane: measured")
+        for label, value in MEASUREMENTS.items():
+            terminalreporter.write_line(f"{label}: {value}")

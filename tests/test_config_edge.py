@@ -60,8 +60,8 @@ BAD_OVERRIDES = {
     "sglang=null": "sglang=null: sglang is a config group: its value must be a preset name (this package's: "
     "actor_ref, agentic_32gpu, default, multi_model, pd, pd_actor_ref, placeholder; or one of the app's), not "
     "null; ~sglang removes it",
-    "sglang_deploy=null": "sglang_deploy=null: sglang_deploy is a config group: its value must be default or "
-    "simulated, not null; ~sglang_deploy removes it",
+    "sglang_deploy=null": "sglang_deploy=null: sglang_deploy is a config group: its value must be default, "
+    "simulated or cpu_sglang, not null; ~sglang_deploy removes it",
     f"+sglang.{LONG}.regular.num_gpus=1": "(327 characters): a key or name of 324 bytes; at most 200 (Hydra "
     "looks keys and option names up as file names)",
     "+sglang_model=base": "+sglang_model=base: sglang_model is a helper group, used only at a package: add a "

@@ -108,7 +108,7 @@ def test_operations_after_the_stop_are_refused_and_start_nothing(
         ("pause_generation", ()),
         ("update_weights_from_disk", ("/ckpt/step2",)),
         ("offload", ()),
-        ("query", ("/get_load",)),
+        ("query", ("/model_info",)),
     ):
         with pytest.raises(DeploymentStoppedError, match="the deployment was stopped"):
             getattr(d.control, operation)(*args)

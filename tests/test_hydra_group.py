@@ -178,10 +178,12 @@ def test_multi_model_paths():
     ]
 
 
-def test_deploy_settings_and_the_simulated_option():
+def test_deploy_settings_and_the_simulated_and_cpu_options():
     assert deploy_settings_from_config(compose_config(["sglang=pd"])).launch.engine is EngineKind.sglang
     settings = deploy_settings_from_config(compose_config(["sglang=pd", "sglang_deploy=simulated"]))
     assert settings.launch.engine is EngineKind.simulated
+    settings = deploy_settings_from_config(compose_config(["sglang=pd", "sglang_deploy=cpu_sglang"]))
+    assert settings.launch.engine is EngineKind.cpu_sglang
     settings = deploy_settings_from_config(
         compose_config(["sglang=pd", "sglang_deploy.router.policy=round_robin"])
     )
@@ -416,18 +418,26 @@ def test_each_lazily_stored_node_loads_as_its_structured_schema() -> None:
         MilesTrainerArgs,
         ModelConf,
         SGLangDeployConf,
+        SGLangTrainerConf,
     )
-    from miles_sglang_plugin.config.store import GROUP_OPTIONS, register_configs
+    from miles_sglang_plugin.config.store import GROUP_OPTIONS, TRAINER_OPTIONS, register_configs
+    from miles_sglang_plugin.config.trainer_mappings import TRAINER_MAPPING_KEY, TrainerKind
 
     register_configs()
     expected = {
         "sglang_model/base.yaml": ModelConf,
         "sglang_deploy/default.yaml": SGLangDeployConf,
         "sglang_deploy/simulated.yaml": SGLangDeployConf(launch=LaunchConf(engine=EngineKind.simulated)),
+        "sglang_deploy/cpu_sglang.yaml": SGLangDeployConf(launch=LaunchConf(engine=EngineKind.cpu_sglang)),
         "miles_trainer_args.yaml": MilesTrainerArgs,
         **{f"sglang_group/{w}.yaml": ExtraServerGroupConf(worker_type=WorkerType(w)) for w in GROUP_OPTIONS},
+        **{f"sglang_trainer/{t}.yaml": SGLangTrainerConf(trainer=TrainerKind(t)) for t in TRAINER_OPTIONS},
     }
     assert sorted(GROUP_OPTIONS) == sorted(w.value for w in WorkerType)
+    assert (
+        sorted(TRAINER_OPTIONS) == sorted(t.value for t in TrainerKind)
+        and TRAINER_MAPPING_KEY == "sglang_trainer"
+    )
     store = ConfigStore.instance()
     for path, schema in expected.items():
         loaded = store.load(path)

@@ -154,7 +154,7 @@ def test_each_process_of_a_multi_node_engine_binds_its_own_node_and_shares_the_f
     assert first.server_args["dist_init_addr"] == second.server_args["dist_init_addr"] == "10.0.0.1:15002"
 
 
-def test_plan_json_entries_of_an_engine_process_and_its_router():
+def test_plan_json_entries_of_an_engine_process_and_its_router(test_gateway):
     prep = prepare_from_config(
         compose_config(["hf_checkpoint=/c", "debug_rollout_only=true", "sglang.actor.regular.num_gpus=1"])
     )
@@ -175,8 +175,25 @@ def test_plan_json_entries_of_an_engine_process_and_its_router():
         "url": "http://127.0.0.1:15000",
         "prometheus_port": 15001,
         "pd_disaggregation": False,
+        "gateway": test_gateway,  # auto: the suite's gateway ($MSP_ROUTER_GATEWAY)
         "policy": "cache_aware",
-        "workers": [{"url": "http://127.0.0.1:15002", "worker_type": "regular", "bootstrap_port": None}],
+        "dp_aware": False,  # no DP attention
+        "workers": [
+            {
+                "url": "http://127.0.0.1:15002",
+                "worker_type": "regular",
+                "bootstrap_port": None,
+                # debug_rollout_only: nothing trains, so nothing offloads; /c is hf_checkpoint: it gets weights
+                "labels": {
+                    "model": "actor",
+                    "group": "regular",
+                    "worker_type": "regular",
+                    "engine_id": "actor.regular.0",
+                    "needs_offload": "false",
+                    "update_weights": "true",
+                },
+            }
+        ],
     }
 
 
@@ -258,3 +275,44 @@ def test_the_streamed_plan_json_is_the_plans_dictionary(overrides: list[str]) ->
     engines += sum(len(m.external) for m in prepared.plan.models)
     lines = out.getvalue().splitlines()
     assert sum(1 for line in lines if line.lstrip().startswith('{"id": ')) == engines  # one line each
+
+
+def test_worker_registrations_carry_the_plans_labels():
+    # Colocated actor of 1 node x 2 GPUs, eval fleet of 2: rollout_offset 0, Megatron on slots 0-1. actor.regular
+    # starts at slot 0 < 2 (needs offload), eval.regular at slot 2 (does not); eval gets no weights (Miles), the
+    # actor does (its path is hf_checkpoint). The actor's external engine holds no GPU: never offloaded.
+    from miles_sglang_plugin.config.deployment_spec import ExternalEngineSpec
+    from miles_sglang_plugin.config.schema import SGLangDeployConf
+    from miles_sglang_plugin.config.trainer_inputs import TrainerInputs
+    from miles_sglang_plugin.planning.resolution import resolve_deployment
+    from miles_sglang_plugin.rendering.server_arg_fields import shipped_server_arg_fields
+    from tests.conftest import group, model, spec
+
+    actor = replace(
+        model("actor", group("regular", 2)),
+        external=(ExternalEngineSpec(url="http://10.0.0.5:30000", key="sglang.actor.external[0]"),),
+    )
+    trainer = TrainerInputs(hf_checkpoint="/c", actor_num_gpus_per_node=2, colocate=True, eval_num_gpus=2)
+    plan = resolve_deployment(spec(actor, model("eval", group("regular", 2))), trainer)
+    launch = prepare_deployment(
+        plan, SGLangDeployConf(), server_arg_fields=shipped_server_arg_fields()
+    ).launch
+    labels = {router.model: [w.label_map for w in router.workers] for router in launch.routers}
+
+    def expected(model: str, group: str, index: int, offload: str, weights: str) -> dict[str, str]:
+        return {"model": model, "group": group, "worker_type": "regular", "engine_id": f"{model}.{group}.{index}",
+                "needs_offload": offload, "update_weights": weights}  # fmt: skip
+
+    assert labels == {
+        "actor": [
+            expected("actor", "regular", 0, "true", "true"),
+            expected("actor", "regular", 1, "true", "true"),
+            expected("actor", "external", 0, "false", "true"),
+        ],
+        "eval": [
+            expected("eval", "regular", 0, "false", "false"),
+            expected("eval", "regular", 1, "false", "false"),
+        ],
+    }
+    router = launch.routers[0]
+    assert router.registration("http://10.0.0.5:30000").label_map["engine_id"] == "actor.external.0"

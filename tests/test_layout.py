@@ -99,6 +99,7 @@ BENCHMARK_OUTPUT = {
     "bench_resolve.py": "(b)/(a):",
     "bench_launch.py": "(3) POST /generate req/s",
     "bench_control.py": "one killed: failed 0",
+    "bench_elastic.py": "failed 0 (goal 0)",
     "bench_sweep.py": "(1) packed/sequential:",
 }
 

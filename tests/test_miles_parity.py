@@ -23,7 +23,11 @@ from miles_sglang_plugin.config.compose import compose_config
 from miles_sglang_plugin.config.schema import SGLangDeployConf
 from miles_sglang_plugin.config.trainer_inputs import TrainerInputs, apply_miles_rules
 from miles_sglang_plugin.errors import DeploymentConfigError
-from miles_sglang_plugin.miles.argparse_bridge import lora_from_namespace, resolve_namespace
+from miles_sglang_plugin.miles.argparse_bridge import (
+    lora_from_namespace,
+    resolve_namespace,
+    server_defaults_from_namespace,
+)
 from miles_sglang_plugin.miles.sglang_config import load_miles_config, spec_to_preset
 from miles_sglang_plugin.planning.resolution import resolve_deployment
 from miles_sglang_plugin.rendering.lora import hf_target_modules, lora_server_args
@@ -764,3 +768,158 @@ def test_the_namespace_and_the_hydra_path_give_the_same_plan(run, tmp_path_facto
             plans.append(data)
     event("planned" if isinstance(plans[0], dict) else f"refused: {plans[0]}")
     assert plans[0] == plans[1]
+
+
+# ============================================================================ 10. round 3 (issue 21): DP, external
+def test_dp_attention_makes_the_router_dp_aware():
+    # miles/backends/sglang_utils/arguments.py validate_args: `if args.sglang_enable_dp_attention:
+    # args.router_dp_aware = True`; its tests/fast/backends/sglang_utils/test_router_dp_aware.py:
+    # --sglang-enable-dp-attention --sglang-dp-size 4 with rollout_num_gpus_per_engine=4 -> dp-aware; no flags
+    # -> untouched (False).
+    ns = miles_namespace(
+        rollout_num_gpus=8, rollout_num_gpus_per_engine=4, sglang_enable_dp_attention=True, sglang_dp_size=4
+    )
+    plan = resolve_namespace(ns, server_arg_fields=FIELDS_0_5_23)
+    regular = plan.model("default").group("regular")
+    assert (regular.tp_size, regular.dp_size, regular.dp_attention) == (4, 4, True)
+    # the engines get the namespace's --sglang-* values as sglang_deploy.server_defaults
+    settings = SGLangDeployConf(server_defaults=server_defaults_from_namespace(ns, FIELDS_0_5_23))
+    prepared = prepare_deployment(plan, settings, server_arg_fields=FIELDS_0_5_23)
+    (router,) = prepared.launch.routers
+    assert router.spec.settings.extra["dp_aware"] is True and router.to_dict()["dp_aware"] is True
+    engine = prepared.launch.for_engine("default.regular.0")[0]
+    assert "--enable-dp-attention" in engine.argv and flag(engine.argv, "--dp-size") == "4"
+
+    plain = resolve_namespace(miles_namespace(rollout_num_gpus=8, rollout_num_gpus_per_engine=4))
+    (router,) = prepare_deployment(plain, SGLangDeployConf(), server_arg_fields=FIELDS_0_5_23).launch.routers
+    assert "dp_aware" not in router.spec.settings.extra and router.to_dict()["dp_aware"] is False
+
+
+def test_dp_attention_of_one_group_makes_only_its_models_router_dp_aware():
+    # SGLang 0.5.23 turns --enable-dp-attention into attn_dp_size; attn_dp_size > 1 is DP attention too.
+    s = spec(
+        model("actor", group("regular", 4, gpe=4, enable_dp_attention=True, dp_size=2)),
+        model("ref", group("regular", 4, gpe=4, attn_dp_size=4), path="/ref"),
+        model("rm", group("regular", 4, gpe=4), path="/rm"),
+    )
+    plan = resolve_deployment(s, TrainerInputs(hf_checkpoint="/c", debug_rollout_only=True))
+    assert [m.dp_attention for m in plan.models] == [True, True, False]
+    launch = prepare_deployment(plan, SGLangDeployConf(), server_arg_fields=FIELDS_0_5_23).launch
+    assert [r.spec.settings.extra.get("dp_aware", False) for r in launch.routers] == [True, True, False]
+    # noted, with what sglang-router 0.3.2 cannot do for a dp-aware router
+    settings = SGLangDeployConf()
+    settings.router.gateway = "sglang_router"
+    notes = prepare_deployment(plan, settings, server_arg_fields=FIELDS_0_5_23).launch.notes
+    assert [note for note in notes if "dp-aware" in note] == [
+        f"router of model {name!r} is dp-aware (its engines run DP attention, as Miles sets it); sglang-router "
+        "0.3.2 cannot take a dp-aware worker out (its removal job fails), so a lost engine stays listed: "
+        "gateway=smg can"
+        for name in ("actor", "ref")
+    ]
+    # the user's own router.extra.dp_aware wins
+    settings = SGLangDeployConf()
+    settings.router.extra = {"dp_aware": False}
+    launch = prepare_deployment(plan, settings, server_arg_fields=FIELDS_0_5_23).launch
+    assert [r.spec.settings.extra["dp_aware"] for r in launch.routers] == [False, False, False]
+
+
+def test_dp_size_above_one_without_dp_attention_is_refused():
+    # validate_args: `if args.sglang_dp_size > 1: assert args.sglang_enable_dp_attention` (slime likewise).
+    # Without it SGLang runs dp_size replicas of the engine's TP: dp 2 x tp 4 = 8 GPUs in an engine of 4.
+    ns = miles_namespace(rollout_num_gpus=8, rollout_num_gpus_per_engine=4, sglang_dp_size=2)
+    with pytest.raises(DeploymentConfigError) as exc:
+        resolve_namespace(ns, server_arg_fields=FIELDS_0_5_23)
+    assert problems_of(exc) == {
+        "sglang_deploy.server_defaults.dp_size": "2 needs DP attention (enable_dp_attention: true), as Miles and "
+        "slime require: without it SGLang runs 2 data-parallel replicas of tp_size=4, 8 GPUs, in an engine of "
+        "num_gpus_per_engine=4"
+    }
+    # a group's own dp_size, with pipeline parallelism: dp 2 x tp 2 x pp 2 = 8 GPUs in an engine of 4
+    s = spec(model("actor", group("regular", 8, gpe=4, pp_size=2, dp_size=2)))
+    with pytest.raises(DeploymentConfigError) as exc:
+        resolve_deployment(s, TrainerInputs(hf_checkpoint="/c", debug_rollout_only=True))
+    assert problems_of(exc) == {
+        "sglang.actor.regular.overrides.dp_size": "2 needs DP attention (enable_dp_attention: true), as Miles and "
+        "slime require: without it SGLang runs 2 data-parallel replicas of tp_size=2 x pp_size=2, 8 GPUs, in an "
+        "engine of num_gpus_per_engine=4"
+    }
+
+
+EXTERNAL = ["10.0.0.1:30000", "10.0.0.2:30001"]
+
+
+def test_external_engines_with_colocate_take_miles_layout():
+    # miles/ray/placement_group.py _get_placement_group_layout: `if args.rollout_external: ... return
+    # actor_num_gpus, actor_num_gpus`, colocated or not; tests/fast/ray/test_placement_group_shared_ppo.py's
+    # arguments (actor 1 x 2, rollout_num_gpus 4) with --colocate: (2, 2): rollout after the actor's 2 GPUs,
+    # Megatron on 2. The colocate rule's rollout_num_gpus (2) holds no engine: the engines run elsewhere.
+    ns = miles_namespace(
+        actor_num_gpus_per_node=2, rollout_num_gpus=4, colocate=True, rollout_external=True,
+        rollout_external_engine_addrs=EXTERNAL,
+    )  # fmt: skip
+    plan = resolve_namespace(ns)
+    assert (plan.rollout_offset, plan.megatron_num_gpus, plan.total_gpus) == (2, 2, 0)
+    assert [e.url for e in plan.model("default").external] == [
+        "http://10.0.0.1:30000",
+        "http://10.0.0.2:30001",
+    ]
+    assert plan.notes[-1] == (
+        "external engines only: the 2 GPUs that colocate gives rollout (rollout_num_gpus) hold no engine here; "
+        "Miles' placement for external engines: rollout_offset=2, Megatron on 2 GPUs"
+    )
+    # not colocated: the same layout (actor_num_gpus, actor_num_gpus), nothing to note
+    plan = resolve_namespace(dataclasses_replace_ns(ns, colocate=False))
+    assert (plan.rollout_offset, plan.megatron_num_gpus, plan.total_gpus) == (2, 2, 0)
+    assert not any("external engines only" in note for note in plan.notes)
+
+
+def test_external_engines_with_debug_rollout_only_and_colocate_reserve_nothing():
+    # _get_placement_group_layout: `if args.rollout_external: if args.debug_rollout_only: return 0, 0`
+    # (test_external_rollout_only_reserves_no_local_bundles); miles_validate_args turns colocate off first.
+    ns = miles_namespace(
+        actor_num_gpus_per_node=2, rollout_num_gpus=4, colocate=True, debug_rollout_only=True,
+        rollout_external=True, rollout_external_engine_addrs=EXTERNAL,
+    )  # fmt: skip
+    plan = resolve_namespace(ns)
+    assert (plan.rollout_offset, plan.megatron_num_gpus, plan.total_gpus) == (0, 0, 0)
+    assert plan.trainer.colocate is False
+    assert len(plan.model("default").external) == 2
+
+
+def test_external_engines_with_colocate_on_the_hydra_path():
+    # A deployment whose only engines run elsewhere, colocated with an actor of 1 x 2 GPUs: (2, 2) as above.
+    cfg = compose_config(
+        ["hf_checkpoint=/c", "colocate=true", "actor_num_gpus_per_node=2", "sglang.actor.regular.num_gpus=0",
+         "sglang.actor.external=[http://10.0.0.1:30000]"]
+    )  # fmt: skip
+    plan = resolve_config(cfg)
+    assert (plan.rollout_offset, plan.megatron_num_gpus, plan.total_gpus) == (2, 2, 0)
+    # with a local group as well, colocate still sizes the deployment: 0 GPUs for an actor of 2 is refused
+    cfg = compose_config(
+        ["hf_checkpoint=/c", "colocate=true", "actor_num_gpus_per_node=2", "sglang.actor.regular.num_gpus=4",
+         "sglang.actor.external=[http://10.0.0.1:30000]"]
+    )  # fmt: skip
+    with pytest.raises(DeploymentConfigError, match="rollout_num_gpus: is 2 GPUs of the actor"):
+        resolve_config(cfg)
+
+
+def dataclasses_replace_ns(ns: argparse.Namespace, **kw: Any) -> argparse.Namespace:
+    return argparse.Namespace(**{**vars(ns), **kw})
+
+
+def test_a_dashed_override_key_of_a_miles_file_is_read_as_its_field_with_a_note(tmp_path):
+    # Miles (sglang_engine.py _compute_server_args) passes group overrides on as written and drops keys that are
+    # not ServerArgs fields, so `pp-size: 2` is lost there; slime normalises '-' to '_' (pp_size=2), as here.
+    path = tmp_path / "dashed.yaml"
+    path.write_text(
+        "sglang:\n  - name: actor\n    server_groups:\n      - worker_type: regular\n        num_gpus: 8\n"
+        "        num_gpus_per_engine: 4\n        overrides: {pp-size: 2}\n"
+    )
+    ns = miles_namespace(sglang_config=str(path), rollout_num_gpus=8, debug_rollout_only=True)
+    plan = resolve_namespace(ns, server_arg_fields=FIELDS_0_5_23)
+    regular = plan.model("actor").group("regular")
+    assert (regular.tp_size, regular.pp_size) == (2, 2)
+    assert (
+        "read dashed.yaml: sglang[0] (actor).server_groups[0].overrides.pp-size as pp_size, as slime does; Miles "
+        "drops a key spelt with '-' (no ServerArgs field has that name): write pp_size for both to read it"
+    ) in plan.notes

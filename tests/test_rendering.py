@@ -548,6 +548,7 @@ def test_local_backend_refuses_multi_node_plans_of_real_engines_before_starting_
 def test_deployment_wide_dp_and_pp_sizes_shape_engines_and_ports():
     prep = prepared_for("sglang=default", "hf_checkpoint=/c", "debug_rollout_only=true", "sglang.actor.regular.num_gpus=8",
                         "sglang.actor.num_gpus_per_engine=4", "+sglang_deploy.server_defaults.dp_size=4",
+                        "+sglang_deploy.server_defaults.enable_dp_attention=true",
                         "+sglang_deploy.server_defaults.pp_size=2")  # fmt: skip
     g = prep.plan.model("actor").groups[0]
     assert (g.tp_size, g.pp_size, g.dp_size) == (2, 2, 4)

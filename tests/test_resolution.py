@@ -387,7 +387,8 @@ def test_eval_fleet_overrides_layers_and_defaults():
         rollout_num_gpus_per_engine=4,
         eval_num_gpus=4,
         eval_num_gpus_per_engine=2,
-        eval_sglang_overrides={"mem_fraction_static": 0.5, "dp_size": 2},
+        # dp_size 2 needs DP attention (Miles' rule)
+        eval_sglang_overrides={"mem_fraction_static": 0.5, "dp_size": 2, "enable_dp_attention": True},
     )
     plan = resolve_deployment(s, t)
     ev = plan.model("eval")
@@ -399,6 +400,7 @@ def test_eval_fleet_overrides_layers_and_defaults():
         "enable_return_routed_experts": True,  # group override beats the eval default
         "enable_return_indexer_topk": False,
         "dp_size": 2,  # --eval-sglang-* beats the reset to 1
+        "enable_dp_attention": True,
         "pp_size": 1,
         "ep_size": 1,
         "attn_cp_size": 1,

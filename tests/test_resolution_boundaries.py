@@ -238,7 +238,9 @@ def test_disaggregation_mode_may_repeat_what_the_worker_type_implies():
 
 
 def test_dp_and_ep_sizes_from_a_group_override_are_bounded_by_the_engine():
-    s = spec(model("actor", group("regular", 8, gpe=4, pp_size=2, dp_size=2, ep_size=4)))
+    s = spec(
+        model("actor", group("regular", 8, gpe=4, pp_size=2, dp_size=2, ep_size=4, enable_dp_attention=True))
+    )
     g = resolve_deployment(s, T(debug_rollout_only=True)).model("actor").groups[0]
     assert (g.tp_size, g.pp_size, g.dp_size) == (2, 2, 2)
     assert all(type(size) is int for size in (g.tp_size, g.pp_size, g.dp_size))  # printed as 2, not 2.0

@@ -9,6 +9,7 @@ finalizer; the last test checks that nothing is left.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import re
@@ -25,9 +26,15 @@ import httpx
 import pytest
 
 from miles_sglang_plugin.rendering.router_specs import (
+    GATEWAY_ENV,
+    GATEWAYS,
     RouterLaunchSpec,
     RouterSettings,
     WorkerRegistration,
+    gateway_info,
+    gateway_installed,
+    gateway_version,
+    resolve_gateway,
     validate_router_settings,
 )
 from miles_sglang_plugin.serving import router_main
@@ -37,6 +44,8 @@ from miles_sglang_plugin.serving.routers import (
     RouterRequestError,
     deregister_workers,
     register_workers,
+    remove_worker,
+    replace_worker,
     router_command,
     router_ready,
     router_workers,
@@ -110,6 +119,90 @@ def test_spec_validation_and_url() -> None:
     )
 
 
+def test_gateway_auto_is_the_variable_then_smg_where_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    from miles_sglang_plugin.rendering import router_specs
+
+    assert (resolve_gateway("sglang_router"), resolve_gateway("smg")) == ("sglang_router", "smg")
+    monkeypatch.setenv(GATEWAY_ENV, "smg")
+    assert resolve_gateway("auto") == "smg"
+    assert resolve_gateway("sglang_router") == "sglang_router"  # an explicit choice is not overridden
+    monkeypatch.setenv(GATEWAY_ENV, "sglang_router")
+    assert resolve_gateway("auto") == "sglang_router"
+    monkeypatch.delenv(GATEWAY_ENV)
+    monkeypatch.setattr(router_specs, "gateway_installed", lambda name: name == "smg")
+    assert resolve_gateway("auto") == "smg"
+    monkeypatch.setattr(router_specs, "gateway_installed", lambda name: False)
+    assert resolve_gateway("auto") == "sglang_router"
+    settings = RouterSettings(policy="random", extra={"dp_aware": True})
+    assert settings.resolved() == RouterSettings(
+        gateway="sglang_router", policy="random", extra={"dp_aware": True}
+    )
+
+
+def test_gateway_setting_problems(monkeypatch: pytest.MonkeyPatch) -> None:
+    from miles_sglang_plugin.rendering import router_specs
+
+    assert validate_router_settings(RouterSettings(gateway="sglang-router")) == [
+        "gateway: 'sglang-router' is not one of auto, sglang_router, smg"
+    ]
+    monkeypatch.setenv(GATEWAY_ENV, "vllm")
+    assert validate_router_settings(RouterSettings()) == [
+        "gateway: auto, but $MSP_ROUTER_GATEWAY='vllm' is not one of sglang_router, smg"
+    ]
+    monkeypatch.setenv(GATEWAY_ENV, "sglang_router")
+    monkeypatch.setattr(router_specs, "gateway_installed", lambda name: name == "sglang_router")
+    assert validate_router_settings(RouterSettings(gateway="smg")) == [
+        "gateway: smg is not installed: pip install 'miles_sglang_plugin[smg]', or choose sglang_router"
+    ]
+    monkeypatch.setenv(GATEWAY_ENV, "smg")
+    assert validate_router_settings(RouterSettings(gateway="auto")) == [
+        "gateway: auto is smg here ($MSP_ROUTER_GATEWAY=smg), which is not installed: pip install "
+        "'miles_sglang_plugin[smg]', or set $MSP_ROUTER_GATEWAY to another gateway"
+    ]
+
+
+def test_plan_names_each_routers_gateway(capsys: pytest.CaptureFixture[str], test_gateway: str) -> None:
+    from miles_sglang_plugin import cli
+
+    assert cli.main(["plan", "sglang_deploy.router.gateway=sglang-router", "hf_checkpoint=/c"]) == 2
+    assert (
+        "  - sglang_deploy.router: gateway: 'sglang-router' is not one of auto, sglang_router, smg"
+        in capsys.readouterr().err.splitlines()
+    )
+    for choice, expected in (("sglang_router", "sglang_router"), ("auto", test_gateway)):
+        assert cli.main(["plan", "--json", f"sglang_deploy.router.gateway={choice}", "hf_checkpoint=/c"]) == 0
+        router = json.loads(capsys.readouterr().out)["models"]["actor"]["router"]
+        assert (router["gateway"], router["dp_aware"]) == (expected, False)
+
+
+def test_gateway_versions_are_the_installed_distributions() -> None:
+    # sglang-router is pinned <0.4 and tested at 0.3.2; SMG's module says 1.1.0 in 1.13.0 (its __version__ is
+    # not the package's), so the distribution is asked
+    assert gateway_version("sglang_router") == "0.3.2"
+    if gateway_installed("smg"):
+        import smg
+
+        assert gateway_version("smg") == "1.13.0" and smg.__version__ == "1.1.0"
+    assert [gateway_info(name).tested_version for name in GATEWAYS] == ["0.3.2", "1.13.0"]
+
+
+@pytest.mark.skipif(not gateway_installed("smg"), reason="SMG is not installed (the [smg] extra)")
+def test_smg_policies() -> None:
+    valid = (
+        "cache_aware, round_robin, power_of_two, random, manual, consistent_hashing, prefix_hash, least_load, "
+        "passthrough"
+    )
+    for policy in ("prefix_hash", "least_load", "passthrough", "consistent_hashing"):
+        assert validate_router_settings(RouterSettings(gateway="smg", policy=policy)) == []
+    assert validate_router_settings(RouterSettings(gateway="smg", policy="least-load")) == [
+        f"policy: unknown policy 'least-load'; valid: {valid} (did you mean least_load?)"
+    ]
+    assert validate_router_settings(RouterSettings(gateway="smg", prefill_policy="bucket")) == []
+    assert validate_router_settings(RouterSettings(gateway="smg", extra={"zzzz": 1})) == [
+        "extra.zzzz: not a SMG RouterArgs field"
+    ]
+
+
 def test_validate_default_settings_clean() -> None:
     assert validate_router_settings(RouterSettings()) == []
     for policy in ("round_robin", "cache_aware", "power_of_two", "random", "manual", "consistent_hashing"):
@@ -120,11 +213,11 @@ def test_validate_default_settings_clean() -> None:
 
 
 def test_validate_unknown_policy_lists_valid_ones() -> None:
-    (msg,) = validate_router_settings(RouterSettings(policy="round-robin"))
+    (msg,) = validate_router_settings(RouterSettings(gateway="sglang_router", policy="round-robin"))
     assert "policy: unknown policy 'round-robin'" in msg
     assert "valid: cache_aware, round_robin, power_of_two, random, manual, consistent_hashing" in msg
     assert "did you mean round_robin" in msg
-    (msg,) = validate_router_settings(RouterSettings(policy="prefix_hash"))
+    (msg,) = validate_router_settings(RouterSettings(gateway="sglang_router", policy="prefix_hash"))
     assert "503" in msg
 
 
@@ -139,6 +232,7 @@ def test_validate_bucket_only_for_prefill() -> None:
 
 def test_validate_extra_keys() -> None:
     settings = RouterSettings(
+        gateway="sglang_router",
         extra={
             "cache_treshold": 0.5,  # typo
             "balance_abs_threshold": 10,  # fine
@@ -147,7 +241,7 @@ def test_validate_extra_keys() -> None:
             "policy": "random",  # typed setting
             "cache_threshold": "high",  # wrong type
             "worker_urls": ["http://w:1"],  # workers come through POST /workers
-        }
+        },
     )
     problems = validate_router_settings(settings)
     text = "\n".join(problems)
@@ -169,6 +263,14 @@ def test_validate_other_fields() -> None:
     assert "log_level: 'warning' is not one of debug, info, warn, error (did you mean 'warn'?)" in text
     assert "health_check_interval_secs: must be an integer in 1..2592000 (at most 30 days), got 0" in text
     assert "disable_retries: must be true or false" in text
+
+
+def test_drain_settle_secs_is_a_duration_from_zero() -> None:
+    assert RouterSettings().drain_settle_secs == 0
+    assert validate_router_settings(RouterSettings(drain_settle_secs=5)) == []
+    assert validate_router_settings(RouterSettings(drain_settle_secs=-1)) == [
+        "drain_settle_secs: must be an integer in 0..2592000 (at most 30 days), got -1"
+    ]
 
 
 def test_validate_never_raises_on_garbage() -> None:
@@ -312,18 +414,23 @@ def test_worker_registration_describe() -> None:
 
 def test_policy_messages_in_full() -> None:
     valid = "cache_aware, round_robin, power_of_two, random, manual, consistent_hashing"
-    assert validate_router_settings(RouterSettings(policy="bucket")) == [
+
+    def problems(**settings: object) -> list[str]:
+        return validate_router_settings(RouterSettings(gateway="sglang_router", **settings))  # type: ignore[arg-type]
+
+    assert problems(policy="bucket") == [
         f"policy: 'bucket' is only valid as prefill_policy; valid here: {valid}"
     ]
-    assert validate_router_settings(RouterSettings(policy="prefix_hash")) == [
+    assert problems(policy="prefix_hash") == [
         f"policy: unknown policy 'prefix_hash'; valid: {valid} ('prefix_hash' exists in sglang-router 0.3.2 "
-        "but answers 503 no_available_workers in HTTP mode)"
+        "but answers 503 no_available_workers in HTTP mode; SMG serves it: gateway=smg)"
     ]
-    assert validate_router_settings(RouterSettings(policy="zzz")) == [
-        f"policy: unknown policy 'zzz'; valid: {valid}"
+    assert problems(policy="least_load") == [
+        f"policy: unknown policy 'least_load'; valid: {valid} ('least_load' is an SMG policy: gateway=smg)"
     ]
+    assert problems(policy="zzz") == [f"policy: unknown policy 'zzz'; valid: {valid}"]
     # "random_robin" is half random, half round_robin: both are offered, joined by "or"
-    (msg,) = validate_router_settings(RouterSettings(policy="random_robin"))
+    (msg,) = problems(policy="random_robin")
     match = re.fullmatch(
         rf"policy: unknown policy 'random_robin'; valid: {valid} \(did you mean (\w+) or (\w+)\?\)", msg
     )
@@ -361,8 +468,37 @@ _EXTRA_TYPES = [
 def test_extra_values_are_checked_against_router_args_types(
     key: str, type_name: str, good: object, bad: object
 ) -> None:
-    assert validate_router_settings(RouterSettings(extra={key: good})) == []
-    assert validate_router_settings(RouterSettings(extra={key: bad})) == [
+    assert validate_router_settings(RouterSettings(gateway="sglang_router", extra={key: good})) == []
+    assert validate_router_settings(RouterSettings(gateway="sglang_router", extra={key: bad})) == [
+        f"extra.{key}: expected {type_name}, got {bad!r}"
+    ]
+
+
+# The same fields in SMG 1.13.0, whose RouterArgs are annotated PEP 604 style (``int | None``, ``list[str]``),
+# plus fields of its own.
+_SMG_EXTRA_TYPES = [
+    ("balance_abs_threshold", "int", 10, "10"),
+    ("cache_threshold", "float", 0.5, True),
+    ("dp_aware", "bool", True, 1),
+    ("rate_limit_tokens_per_second", "int | None", None, "fast"),
+    ("rate_limit_tokens_per_second", "int | None", 100, 1.5),
+    ("request_id_headers", "list[str] | None", ["x-request-id"], "x-request-id"),
+    ("prometheus_duration_buckets", "list[float] | None", (0.1, 1.0), 0.1),
+    ("cors_allowed_origins", "list[str]", ["http://a"], "http://a"),
+    ("selector", "dict[str, str]", {"app": "sglang"}, ["app"]),
+    ("remove_unhealthy_workers", "bool | None", False, "no"),
+    ("worker_overload_token_usage", "float | None", 0.8, "high"),
+    ("enable_rl", "bool", True, "yes"),
+]
+
+
+@pytest.mark.skipif(not gateway_installed("smg"), reason="SMG is not installed (the [smg] extra)")
+@pytest.mark.parametrize(("key", "type_name", "good", "bad"), _SMG_EXTRA_TYPES)
+def test_extra_values_are_checked_against_smg_router_args_types(
+    key: str, type_name: str, good: object, bad: object
+) -> None:
+    assert validate_router_settings(RouterSettings(gateway="smg", extra={key: good})) == []
+    assert validate_router_settings(RouterSettings(gateway="smg", extra={key: bad})) == [
         f"extra.{key}: expected {type_name}, got {bad!r}"
     ]
 
@@ -375,11 +511,11 @@ def test_extra_values_must_be_json() -> None:
 
 
 def test_extra_key_suggestions() -> None:
-    assert validate_router_settings(RouterSettings(extra={"zzzz": 1})) == [
+    assert validate_router_settings(RouterSettings(gateway="sglang_router", extra={"zzzz": 1})) == [
         "extra.zzzz: not a sglang-router RouterArgs field"
     ]
     # many RouterArgs fields end in _threshold: three are offered, joined by ", "
-    (msg,) = validate_router_settings(RouterSettings(extra={"balance_threshold": 1}))
+    (msg,) = validate_router_settings(RouterSettings(gateway="sglang_router", extra={"balance_threshold": 1}))
     match = re.fullmatch(
         r"extra\.balance_threshold: not a sglang-router RouterArgs field; did you mean (\w+), (\w+), (\w+)\?",
         msg,
@@ -397,7 +533,9 @@ def test_extra_without_sglang_router_is_one_problem(monkeypatch: pytest.MonkeyPa
     router_specs.router_args_fields.cache_clear()
     monkeypatch.setitem(sys.modules, "sglang_router.router_args", None)  # import fails as if not installed
     try:
-        problems = validate_router_settings(RouterSettings(extra={"balance_abs_threshold": 10, "host": "h"}))
+        problems = validate_router_settings(
+            RouterSettings(gateway="sglang_router", extra={"balance_abs_threshold": 10, "host": "h"})
+        )
     finally:
         router_specs.router_args_fields.cache_clear()
     assert len(problems) == 2, problems
@@ -409,16 +547,26 @@ def test_extra_without_sglang_router_is_one_problem(monkeypatch: pytest.MonkeyPa
     assert validate_router_settings(RouterSettings()) == []
 
 
-def test_router_args_kwargs_build_real_router_args() -> None:
-    from sglang_router.router_args import RouterArgs
+def _installed_gateways() -> list[str]:
+    return [name for name in GATEWAYS if gateway_installed(name)]
+
+
+@pytest.mark.parametrize("gateway", _installed_gateways())
+def test_router_args_kwargs_build_real_router_args(gateway: str) -> None:
+    RouterArgs = importlib.import_module(f"{gateway_info(gateway).module}.router_args").RouterArgs
 
     spec = _spec(
         host="127.0.0.2",
         pd_disaggregation=True,
         api_key=SECRET,
-        settings=RouterSettings(policy="consistent_hashing", extra={"balance_abs_threshold": 10}),
+        settings=RouterSettings(
+            gateway=gateway, policy="consistent_hashing", extra={"balance_abs_threshold": 10}
+        ),
     )
-    args = RouterArgs(**router_main.build_router_args_kwargs(spec))
+    kwargs = router_main.build_router_args_kwargs(spec)
+    assert "gateway" not in kwargs  # which RouterArgs, not one of its fields
+    assert "drain_settle_secs" not in kwargs  # SMG's Rust router takes it, not its RouterArgs
+    args = RouterArgs(**kwargs)
     assert (args.host, args.port, args.prometheus_host, args.prometheus_port) == (
         "127.0.0.2",
         30100,
@@ -550,9 +698,14 @@ class Launcher:
             time.sleep(0.02)
 
     def engine(
-        self, mode: str = "null", bootstrap_port: int | None = None, api_key: str | None = None
+        self,
+        mode: str = "null",
+        bootstrap_port: int | None = None,
+        api_key: str | None = None,
+        port: int | None = None,
+        dp_size: int = 1,
     ) -> Proc:
-        (port,) = _free_ports(1)
+        (port,) = [port] if port is not None else _free_ports(1)
         argv = [sys.executable, "-m", "miles_sglang_plugin.standin", "--model-path", "msp-router-test-model"]
         argv += ["--host", "127.0.0.1", "--port", str(port)]
         if mode != "null":
@@ -561,7 +714,9 @@ class Launcher:
             argv += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
         if api_key:
             argv += ["--api-key", api_key]
-        proc = self._popen(f"engine-{mode}-{port}", argv, {})
+        if dp_size > 1:
+            argv += ["--dp-size", str(dp_size), "--tp-size", str(dp_size), "--enable-dp-attention"]
+        proc = self._popen(f"engine-{mode}-{port}-{len(self.procs)}", argv, {})
         proc.url = f"http://127.0.0.1:{port}"
         self._wait_http(proc, "/health")
         return proc
@@ -775,6 +930,183 @@ def test_router_main_port_in_use(launcher: Launcher) -> None:
         assert "Address already in use" in proc.tail()
     finally:
         holder.close()
+
+
+def _labels_listed(entry: dict, gateway: str) -> dict[str, str]:
+    """The labels a router lists for a worker: SMG under ``labels``, sglang-router 0.3.2 in ``metadata``."""
+    return entry["labels"] if gateway == "smg" else entry["metadata"]
+
+
+@pytest.mark.slow
+def test_a_registered_url_is_registered_again_by_replace_worker(
+    launcher: Launcher, test_gateway: str
+) -> None:
+    engine = launcher.engine()
+    spec = _router_spec("actor", policy="round_robin")
+    router, _ = launcher.router(spec)
+    alive = lambda: router.popen.poll() is None  # noqa: E731
+    first = WorkerRegistration(engine.url, labels={"engine_id": "actor.regular.0", "restarts": "0"})
+    register_workers(spec.url, [first])
+    wait_router_ready(spec.url, [first], timeout_s=30, alive=alive)
+
+    # A second POST of the URL: SMG refuses it, sglang-router 0.3.2 accepts it and keeps the old entry.
+    again = WorkerRegistration(engine.url, labels={"engine_id": "actor.regular.0", "restarts": "1"})
+    raw = httpx.post(spec.url + "/workers", json=again.payload(), timeout=10)
+    if test_gateway == "smg":
+        assert raw.status_code == 409 and raw.json()["code"] == "WORKER_ALREADY_EXISTS", raw.text
+    else:
+        assert raw.status_code == 202 and raw.json()["status"] == "accepted", raw.text
+        time.sleep(0.5)  # its job runs (and fails) in the background
+    (entry,) = router_workers(spec.url)
+    assert _labels_listed(entry, test_gateway)["restarts"] == "0"
+    # register_workers answers SMG's 409 by registering the worker afresh; sglang-router keeps its entry
+    (answer,) = register_workers(spec.url, [again])
+    assert answer["status"] == "accepted"
+    wait_router_ready(spec.url, [again], timeout_s=30, alive=alive)
+    if test_gateway == "sglang_router":
+        time.sleep(0.5)
+    (entry,) = router_workers(spec.url)
+    assert _labels_listed(entry, test_gateway)["restarts"] == ("1" if test_gateway == "smg" else "0")
+
+    # replace_worker: one entry, the new registration's, with either gateway
+    newer = WorkerRegistration(engine.url, labels={"engine_id": "actor.regular.0", "restarts": "1b"})
+    answer = replace_worker(spec.url, newer, timeout_s=30)
+    assert answer["status"] == "accepted" and answer["worker_id"] != entry["id"]
+    wait_router_ready(spec.url, [newer], timeout_s=30, alive=alive)
+    (entry,) = router_workers(spec.url)
+    assert _labels_listed(entry, test_gateway)["restarts"] == "1b"
+    assert entry["url"] == engine.url and entry["worker_type"] == "regular"
+    # and register_workers(replace=True) goes the same way
+    third = WorkerRegistration(engine.url, labels={"engine_id": "actor.regular.0", "restarts": "2"})
+    (answer,) = register_workers(spec.url, [third], replace=True)
+    assert answer["status"] == "accepted"
+    wait_router_ready(spec.url, [third], timeout_s=30, alive=alive)
+    (entry,) = router_workers(spec.url)
+    assert _labels_listed(entry, test_gateway)["restarts"] == "2"
+
+
+@pytest.mark.slow
+def test_an_engine_restarted_on_its_url_serves_again(launcher: Launcher) -> None:
+    """What supervision does with a lost engine: take it out, start it again on its port, register it."""
+    engine, other = launcher.engine(), launcher.engine()
+    spec = _router_spec("actor", policy="round_robin", disable_circuit_breaker=True)
+    router, _ = launcher.router(spec)
+    alive = lambda: router.popen.poll() is None  # noqa: E731
+    workers = [WorkerRegistration(engine.url), WorkerRegistration(other.url)]
+    register_workers(spec.url, workers)
+    wait_router_ready(spec.url, workers, timeout_s=30, alive=alive)
+
+    port = int(engine.url.rsplit(":", 1)[1])
+    _stop(engine)
+    assert remove_worker(spec.url, engine.url) == 1
+    restarted = launcher.engine(port=port)
+    replace_worker(spec.url, workers[0], timeout_s=30)
+    wait_router_ready(spec.url, workers, timeout_s=30, alive=alive)
+    ports = {_generate(spec.url + "/generate").json()["meta_info"]["stand_in"]["port"] for _ in range(4)}
+    assert ports == {port, int(other.url.rsplit(":", 1)[1])}
+    assert restarted.popen.poll() is None
+
+
+@pytest.mark.slow
+def test_registration_labels_are_listed(launcher: Launcher, test_gateway: str) -> None:
+    engine = launcher.engine()
+    spec = _router_spec("actor", policy="round_robin")
+    router, _ = launcher.router(spec)
+    worker = WorkerRegistration(
+        engine.url,
+        labels={
+            "model": "actor",
+            "group": "regular",
+            "worker_type": "regular",
+            "engine_id": "actor.regular.0",
+            "needs_offload": "true",
+            "update_weights": "true",
+        },
+    )
+    register_workers(spec.url, [worker])
+    wait_router_ready(spec.url, [worker], timeout_s=30, alive=lambda: router.popen.poll() is None)
+    (entry,) = router_workers(spec.url)
+    listed = _labels_listed(entry, test_gateway)
+    assert {key: listed[key] for key in worker.label_map} == worker.label_map
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not gateway_installed("smg"), reason="SMG is not installed (the [smg] extra)")
+def test_smg_rl_workers_show_the_labels_and_select_by_them(launcher: Launcher) -> None:
+    engines = [launcher.engine(), launcher.engine()]
+    spec = _router_spec("actor", gateway="smg", policy="round_robin", extra={"enable_rl": True})
+    router, _ = launcher.router(spec)
+    workers = [
+        WorkerRegistration(e.url, labels={"model": "actor", "group": group, "engine_id": f"actor.{group}.0"})
+        for e, group in zip(engines, ("regular", "small"), strict=True)
+    ]
+    register_workers(spec.url, workers)
+    wait_router_ready(spec.url, workers, timeout_s=30, alive=lambda: router.popen.poll() is None)
+    listed = httpx.get(spec.url + "/v1/rl/workers", timeout=10).json()["workers"]
+    assert sorted((w["url"], w["labels"]["group"], w["labels"]["engine_id"]) for w in listed) == sorted(
+        [(engines[0].url, "regular", "actor.regular.0"), (engines[1].url, "small", "actor.small.0")]
+    )
+    # a fan-out by label reaches exactly the engines it selects
+    r = httpx.post(
+        spec.url + "/v1/rl/engine/flush_cache", params={"selector": "group=small"}, json={}, timeout=10
+    )
+    assert r.status_code == 200, r.text
+    result = r.json()
+    assert result["total"] == 1 and result["succeeded"] == 1, result
+    assert [call["url"] for call in result["results"].values()] == [engines[1].url]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not gateway_installed("smg"), reason="SMG is not installed (the [smg] extra)")
+def test_smg_keeps_a_removed_worker_draining_for_its_drain_settle_time(launcher: Launcher) -> None:
+    """SMG's Rust router keeps a removed worker listed (a new POST of its URL refused) for drain_settle_secs
+    (SMG's default 5); the routers here set it from sglang_deploy.router.drain_settle_secs (default 0)."""
+    engine = launcher.engine()
+    for drain in (30, 0):
+        spec = _router_spec("actor", gateway="smg", policy="round_robin", drain_settle_secs=drain)
+        router, _ = launcher.router(spec)
+        worker = WorkerRegistration(engine.url)
+        register_workers(spec.url, [worker])
+        wait_router_ready(
+            spec.url, [worker], timeout_s=30, alive=lambda proc=router: proc.popen.poll() is None
+        )
+        assert remove_worker(spec.url, engine.url) == 1
+        if drain:
+            time.sleep(1.0)  # well within its 30 s
+            assert [w["url"] for w in router_workers(spec.url)] == [engine.url]
+            raw = httpx.post(spec.url + "/workers", json=worker.payload(), timeout=10)
+            assert raw.status_code == 409 and raw.json()["code"] == "WORKER_ALREADY_EXISTS"
+        else:
+            deadline = time.monotonic() + 30
+            while router_workers(spec.url) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert router_workers(spec.url) == []
+            assert httpx.post(spec.url + "/workers", json=worker.payload(), timeout=10).status_code == 202
+        _stop(router)
+
+
+@pytest.mark.slow
+def test_dp_aware_router_lists_each_rank(launcher: Launcher, test_gateway: str) -> None:
+    """Miles' dp-aware router (DP attention): an engine of dp_size 2 is listed once per rank, and counts as
+    registered; only SMG can take it out again (sglang-router 0.3.2's removal looks for ``url@0@``)."""
+    engine = launcher.engine(dp_size=2)
+    spec = _router_spec("actor", policy="round_robin", extra={"dp_aware": True})
+    router, _ = launcher.router(spec)
+    worker = WorkerRegistration(engine.url)
+    register_workers(spec.url, [worker])
+    detail = wait_router_ready(spec.url, [worker], timeout_s=30, alive=lambda: router.popen.poll() is None)
+    assert sorted(w["url"] for w in router_workers(spec.url)) == [engine.url + "@0", engine.url + "@1"]
+    assert detail.startswith("ready: 2/2 workers healthy")
+    assert _generate(spec.url + "/generate").status_code == 200
+    assert remove_worker(spec.url, engine.url) == 2
+    if test_gateway == "smg":
+        deadline = time.monotonic() + 30
+        while router_workers(spec.url) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert router_workers(spec.url) == []
+    else:
+        time.sleep(1.0)
+        assert len(router_workers(spec.url)) == 2  # 0.3.2 keeps them (its removal job fails)
 
 
 def test_nothing_left_running() -> None:

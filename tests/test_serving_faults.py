@@ -185,9 +185,13 @@ def test_a_dripping_health_endpoint_does_not_delay_noticing_a_local_engines_deat
         assert time.monotonic() - stopping < 3 + 10  # the grace period and slack, not the drip
 
 
-def test_a_restarted_router_serves_from_its_first_answer(tmp_path: Path, leak_check: LeakTracker) -> None:
+def test_a_restarted_router_serves_from_its_first_answer(
+    tmp_path: Path, leak_check: LeakTracker, test_gateway: str
+) -> None:
     """Requests keep coming while the router is killed: those that find no router fail to connect, and once
-    it answers again none gets a 503 for want of workers (it starts with the serving engines)."""
+    it answers again none gets a 503 for want of workers (it starts with the serving engines). SMG 1.13 answers
+    404 ``model_not_found`` for the moment it takes to register the workers it was given (sglang-router 0.3.2
+    holds such a request until they are in)."""
     with launch_from_config(
         compose("sglang.actor.regular.num_gpus=2", *FAST), log_dir=tmp_path / "logs"
     ) as d:
@@ -220,7 +224,8 @@ def test_a_restarted_router_serves_from_its_first_answer(tmp_path: Path, leak_ch
             for thread in threads:
                 thread.join(timeout=30)
     answered = [status for _, status in statuses if isinstance(status, int)]
-    assert 503 not in answered and set(answered) == {200}, sorted(set(answered))
+    allowed = {200, 404} if test_gateway == "smg" else {200}
+    assert 503 not in answered and set(answered) <= allowed, sorted(set(answered))
     assert any(t > recovered.monotonic and s == 200 for t, s in statuses)
 
 

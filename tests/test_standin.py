@@ -418,8 +418,12 @@ def test_engine_endpoints(spawn: Callable[..., Proc]) -> None:
     assert "server_args={'model_path'" in logged and f"'api_key': '{API_KEY}'" in logged
     assert API_KEY not in proc.stderr()
     with httpx.Client(base_url=proc.url, timeout=5.0) as client:
-        for path in ("/health_generate", "/liveness", "/readiness", "/metrics"):
+        for path in ("/health", "/health_generate", "/ready", "/metrics"):  # open, as SGLang's (by prefix)
             assert client.get(path).status_code == 200, path
+        assert (client.get("/health").text, client.get("/health_generate").text) == ("", "")
+        for path in ("/liveness", "/readiness", "/get_load", "/get_weight_version"):  # none in SGLang 0.5.23
+            answer = client.get(path, headers=auth())
+            assert (answer.status_code, answer.json()) == (404, {"detail": "Not Found"}), path
         assert client.get("/server_info").status_code == 401
         assert client.get("/server_info", headers=auth("wrong")).status_code == 401
         assert client.post("/generate", json={"text": "hi"}).status_code == 401
@@ -445,6 +449,7 @@ def test_engine_endpoints(spawn: Callable[..., Proc]) -> None:
             "text": "one two three four",
             "sampling_params": {"max_new_tokens": 5, "temperature": 0.7},
             "return_logprob": True,
+            "logprob_start_len": 0,
             "background": False,
             "model": None,
             "stream": False,
@@ -466,7 +471,15 @@ def test_engine_endpoints(spawn: Callable[..., Proc]) -> None:
         }
         assert client.post("/generate", json=body, headers=auth()).json()["text"] == out["text"]
 
-        ids = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 0}, "return_logprob": True}
+        no_start = {k: v for k, v in body.items() if k != "logprob_start_len"}  # SGLang's default -1: none
+        assert (
+            client.post("/generate", json=no_start, headers=auth()).json()["meta_info"][
+                "input_token_logprobs"
+            ]
+            == []
+        )
+        ids = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
+               "logprob_start_len": 0}  # fmt: skip
         scored = client.post("/generate", json=ids, headers=auth()).json()
         assert scored["text"] == "" and scored["meta_info"]["completion_tokens"] == 0
         assert scored["meta_info"]["output_token_logprobs"] == []
@@ -503,20 +516,20 @@ def test_engine_endpoints(spawn: Callable[..., Proc]) -> None:
         assert client.get("/v1/models", headers=auth()).json()["data"][0]["id"] == "Qwen/Qwen3-4B"
         assert client.get("/flush_cache", headers=auth()).status_code == 200
         assert client.post("/flush_cache", headers=auth()).status_code == 200
-        assert client.get("/get_load", headers=auth()).json()[0]["num_reqs"] == 0
         assert "sglang:num_requests_total" in client.get("/metrics").text
         assert client.post("/abort_request", json={"abort_all": True}, headers=auth()).status_code == 200
         released = client.post("/release_memory_occupation", json={"tags": ["kv_cache"]}, headers=auth())
-        assert released.json()["released_tags"] == ["kv_cache"]
-        assert client.post("/resume_memory_occupation", json={}, headers=auth()).json()["released_tags"] == []
+        assert (released.status_code, released.json()) == (200, None)
+        resumed = client.post("/resume_memory_occupation", json={"tags": ["kv_cache"]}, headers=auth())
+        assert (resumed.status_code, resumed.json()) == (200, None)
         client.post("/update_weights_from_disk", json={"model_path": "/x"}, headers=auth())
-        assert client.get("/get_weight_version", headers=auth()).json()["weight_version"] == "default"
+        assert client.get("/model_info", headers=auth()).json()["weight_version"] == "default"
         body = {"model_path": "/x", "weight_version": "1"}
         client.post("/update_weights_from_disk", json=body, headers=auth())
-        assert client.get("/get_weight_version", headers=auth()).json()["weight_version"] == "1"
+        assert client.get("/model_info", headers=auth()).json()["weight_version"] == "1"
 
         stats = client.get("/stand_in/stats", headers=auth()).json()
-        assert stats["requests_served"]["/generate"] == 4 and stats["requests_received"]["/generate"] == 7
+        assert stats["requests_served"]["/generate"] == 5 and stats["requests_received"]["/generate"] == 8
         assert stats["requests_served"]["/v1/chat/completions"] == 1
         assert (stats["cuda_visible_devices"], stats["node_id"]) == ("3,4", "node-a")
 
@@ -567,7 +580,7 @@ def test_start_delay_and_never_healthy(spawn: Callable[..., Proc]) -> None:
     delayed = start_standin(spawn, env={"MSP_STANDIN_START_DELAY_S": "1.5"})
     sick = start_standin(spawn, env={"MSP_STANDIN_NEVER_HEALTHY": "1"})
     assert wait_http(delayed) >= 1.2
-    wait_http(sick, "/liveness")
+    wait_http(sick, "/server_info")
     for path in ("/health", "/health_generate"):
         assert httpx.get(sick.url + path).status_code == 503
     assert httpx.get(sick.url + "/server_info").status_code == 200

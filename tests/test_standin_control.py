@@ -1,5 +1,6 @@
 """The stand-in engine's control routes (state as a real engine keeps it; bodies checked against SGLang's own
-request classes), and its answers in PD mode as SGLang's disaggregated servers give them, through the real
+request classes; answers as SGLang 0.5.23's server gives them, which tests/test_engine_contract.py checks against
+the real server), and its answers in PD mode as SGLang's disaggregated servers give them, through the real
 sglang-router 0.3.2."""
 
 from __future__ import annotations
@@ -21,7 +22,12 @@ from tests.test_standin import (  # noqa: F401  (the spawn fixture)
     wait_router_ready,
 )
 
-GENERATE = {"text": "one two three four", "sampling_params": {"max_new_tokens": 3}, "return_logprob": True}
+GENERATE = {
+    "text": "one two three four",
+    "sampling_params": {"max_new_tokens": 3},
+    "return_logprob": True,
+    "logprob_start_len": 0,  # the prompt's logprobs too (SGLang's default, -1: none)
+}
 
 
 def post(proc: Proc, route: str, body: dict | None = None) -> httpx.Response:
@@ -32,13 +38,15 @@ def stats(proc: Proc) -> dict:
     return httpx.get(proc.url + "/stand_in/stats", timeout=10.0).json()
 
 
-def test_released_memory_refuses_generation_until_resumed(spawn: Callable[..., Proc]) -> None:
-    engine = start_standin(spawn)
+def test_released_memory_refuses_generation_until_resumed_with_the_memory_saver(
+    spawn: Callable[..., Proc],
+) -> None:
+    engine = start_standin(spawn, "--enable-memory-saver")
     wait_http(engine)
     assert post(engine, "/generate", GENERATE).status_code == 200
-    assert post(engine, "/release_memory_occupation", {"tags": ["kv_cache"]}).json()["released_tags"] == [
-        "kv_cache"
-    ]
+    released = post(engine, "/release_memory_occupation", {"tags": ["kv_cache"]})
+    assert (released.status_code, released.json()) == (200, None)  # SGLang answers null
+    assert stats(engine)["released_memory_tags"] == ["kv_cache"]
     refused = post(engine, "/generate", GENERATE)
     assert refused.status_code == 503 and "memory released (kv_cache)" in refused.text
     assert (
@@ -55,8 +63,36 @@ def test_released_memory_refuses_generation_until_resumed(spawn: Callable[..., P
     assert post(engine, "/generate", GENERATE).status_code == 200
 
 
+def test_without_the_memory_saver_a_released_engine_keeps_serving(spawn: Callable[..., Proc]) -> None:
+    """As SGLang without --enable-memory-saver (on a CPU, say): nothing is released, everything still works."""
+    engine = start_standin(spawn)
+    wait_http(engine)
+    assert post(engine, "/release_memory_occupation", {}).json() is None
+    assert stats(engine)["released_memory_tags"] == ["cuda_graph", "kv_cache", "weights"]
+    assert post(engine, "/generate", GENERATE).status_code == 200
+    assert httpx.get(engine.url + "/health_generate").status_code == 200
+    loaded = post(engine, "/update_weights_from_disk", {"model_path": "/ckpt/step1"})
+    assert loaded.json()["message"] == "Succeeded to update model weights."
+    assert post(engine, "/resume_memory_occupation", {"tags": ["weights"]}).json() is None
+    assert stats(engine)["released_memory_tags"] == ["cuda_graph", "kv_cache"]
+
+
+def test_resuming_memory_that_was_not_released_ends_the_engine_as_sglangs(spawn: Callable[..., Proc]) -> None:
+    """SGLang's scheduler removes each tag from its set of released ones: a KeyError, and the engine exits
+    without answering. The stand-in does the same (exit code 5)."""
+    engine = start_standin(spawn)
+    wait_http(engine)
+    post(engine, "/release_memory_occupation", {"tags": ["kv_cache"]})
+    with pytest.raises(httpx.RemoteProtocolError):
+        post(engine, "/resume_memory_occupation", {"tags": ["kv_cache", "weights"]})
+    assert engine.wait(timeout=10) == 5
+    assert "KeyError: 'weights' (resume_memory_occupation of memory that was not released: weights)" in (
+        engine.stderr()
+    )
+
+
 def test_weight_version_is_reported_everywhere(spawn: Callable[..., Proc]) -> None:
-    engine = start_standin(spawn, "--weight-version", "v0")
+    engine = start_standin(spawn, "--weight-version", "v0", "--enable-memory-saver")
     wait_http(engine)
     assert httpx.get(engine.url + "/model_info").json()["weight_version"] == "v0"
     post(engine, "/release_memory_occupation", {"tags": ["weights"]})
@@ -64,10 +100,17 @@ def test_weight_version_is_reported_everywhere(spawn: Callable[..., Proc]) -> No
     assert refused.status_code == 400 and "weights are released" in refused.text
     post(engine, "/resume_memory_occupation", {"tags": ["weights"]})
     loaded = post(engine, "/update_weights_from_disk", {"model_path": "/ckpt/step1", "weight_version": "1"})
-    assert loaded.json()["success"] is True
+    assert loaded.json() == {
+        "success": True,
+        "message": "Succeeded to update model weights. Weight version updated to 1.",
+        "num_paused_requests": 0,
+    }
     assert post(engine, "/update_weight_version", {"new_version": "1b"}).json()["new_version"] == "1b"
-    for path in ("/model_info", "/get_server_info", "/server_info", "/get_weight_version"):
+    for path in ("/model_info", "/get_model_info"):
         assert httpx.get(engine.url + path).json()["weight_version"] == "1b", path
+    for path in ("/server_info", "/get_server_info"):  # as SGLang's: the start-up --weight-version
+        assert httpx.get(engine.url + path).json()["weight_version"] == "v0", path
+    assert httpx.get(engine.url + "/get_weight_version").status_code == 404  # not in SGLang 0.5.23
     assert post(engine, "/generate", GENERATE).json()["meta_info"]["weight_version"] == "1b"
     state = stats(engine)
     assert (state["loaded_model_path"], state["weight_updates"]) == ("/ckpt/step1", 1)
@@ -99,6 +142,11 @@ def test_weights_update_group_ranks_are_checked(spawn: Callable[..., Proc]) -> N
     assert httpx.get(engine.url + "/model_info").json()["weight_version"] == "7"
     assert post(engine, "/destroy_weights_update_group", {"group_name": "g"}).status_code == 200
     assert stats(engine)["weight_update_groups"] == {}
+    again = post(engine, "/destroy_weights_update_group", {"group_name": "g"})  # as SGLang: no such group
+    assert (again.status_code, again.json()) == (
+        400,
+        {"success": False, "message": "The group to be destroyed does not exist."},
+    )
 
 
 def test_bodies_are_checked_against_sglangs_request_classes(spawn: Callable[..., Proc]) -> None:
@@ -125,11 +173,26 @@ def test_bodies_are_checked_against_sglangs_request_classes(spawn: Callable[...,
     }
     for route, (body, message) in cases.items():
         answer = post(engine, route, body)
-        assert answer.status_code == 422 and message in answer.text, (route, answer.text)
+        assert answer.status_code == 400 and message in answer.json()["message"], (route, answer.text)
+        assert {k: v for k, v in answer.json().items() if k != "message"} == {
+            "object": "error", "type": "Bad Request", "param": None, "code": 400
+        }  # fmt: skip
+    # No body at all (SGLang: the body is required, also on GET): 400 as well.
+    for method, route in (("POST", "/pause_generation"), ("POST", "/continue_generation"),
+                          ("GET", "/release_memory_occupation"), ("POST", "/abort_request")):  # fmt: skip
+        answer = httpx.request(method, engine.url + route, timeout=10.0)
+        assert answer.status_code == 400 and "Field required" in answer.json()["message"], (
+            route,
+            answer.text,
+        )
     assert stats(engine)["control_calls"] == []  # none of them was acted on
 
 
-def test_pause_holds_generation_until_continue_and_abort_ends_it(spawn: Callable[..., Proc]) -> None:
+def test_pause_holds_generation_until_continue_and_an_abort_does_not_reach_it(
+    spawn: Callable[..., Proc],
+) -> None:
+    """As SGLang's tokenizer manager: a request that arrives while paused waits before it reaches the
+    scheduler, so an abort of all requests (which the scheduler carries out) does not end it."""
     engine = start_standin(spawn)
     wait_http(engine)
 
@@ -145,13 +208,15 @@ def test_pause_holds_generation_until_continue_and_abort_ends_it(spawn: Callable
             held = asyncio.ensure_future(client.post("/generate", json=GENERATE))
             await asyncio.sleep(0.3)
             await client.post("/abort_request", json={"abort_all": True})
-            aborted = [(await held).json()]
+            await asyncio.sleep(0.3)
+            still_held = not held.done()
             await client.post("/continue_generation", json={})
-            return resumed, aborted
+            return resumed, [still_held, (await held).json()]
 
-    resumed, aborted = asyncio.run(scenario())
+    resumed, (still_held, after) = asyncio.run(scenario())
     assert [r["meta_info"]["finish_reason"]["type"] for r in resumed] == ["length", "length"]
-    assert aborted[0]["meta_info"]["finish_reason"]["type"] == "abort" and aborted[0]["text"] == ""
+    assert still_held
+    assert after["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
 
 
 def test_lora_adapters_load_unload_and_are_listed(spawn: Callable[..., Proc]) -> None:

@@ -107,7 +107,7 @@ def test_an_engine_that_exits_is_restarted_with_its_command_gpus_and_control_sta
         assert d.state().status == "serving" and len(router_urls(d)) == 2
         kinds = [e.kind for e in d.events()[since:]]
         assert kinds == ["engine_lost", "engine_restarting", "engine_recovered"]
-        d.control.onload()
+        d.control.onload(["kv_cache"])  # what was released (resuming anything else ends a real engine)
         d.control.continue_generation()
 
 
@@ -171,11 +171,7 @@ def test_with_no_restarts_the_deployment_fails_whole_and_leaves_nothing(
         os.kill(engine_pid(d, "actor.regular.0"), signal.SIGKILL)
         failed = d.wait_for_event("deployment_failed", timeout_s=10)
         assert "supervision.max_restarts=0 (fail fast)" in failed.message
-        deadline = time.monotonic() + 15
-        while d.state().status != "stopped" and d.failure and time.monotonic() < deadline:
-            if all(p.exit_code() is not None for p in d.processes()):
-                break
-            time.sleep(0.1)
+        assert d.wait_stopped(timeout_s=120)  # a failure stops the deployment by itself
         assert all(p.exit_code() is not None for p in d.processes())  # everything is stopped already
         assert d.state().status == "failed"
         with pytest.raises(DeploymentFailedError, match="exited with code -9"):
@@ -217,7 +213,10 @@ def test_an_engine_restarted_after_a_broadcast_waits_for_weights(
         assert [e.state for e in d.engines()] == ["pending_weights", "serving"]
         assert len(router_urls(d)) == 1
         assert d.control.engines_outside_weight_group() == ("actor.regular.0",)
-        d.control.destroy_weights_update_group()
+        # The restarted engine never joined the group: SGLang answers it 400 "The group to be destroyed does
+        # not exist." (tests/test_engine_contract.py), as the stand-in now does. The engine of the group took it.
+        destroyed = d.control.destroy_weights_update_group(check=False)
+        assert [r.engine for r in destroyed.replies if r.ok] == ["actor.regular.1"]
         group = d.control.background.init_weights_update_group("127.0.0.1", 29501).result(timeout=30).group
         assert [(r.engine, r.rank_offset) for r in group.ranks] == [
             ("actor.regular.0", 1),
@@ -268,7 +267,9 @@ def test_miles_sglang_launch_heals_instead_of_stopping(tmp_path: Path, leak_chec
             cli.wait(timeout=10)
 
 
-def test_no_request_hangs_past_the_routers_request_timeout(tmp_path: Path, leak_check: LeakTracker) -> None:
+def test_no_request_hangs_past_the_routers_request_timeout(
+    tmp_path: Path, leak_check: LeakTracker, test_gateway: str
+) -> None:
     """Without supervision nothing takes a hung engine out: the router's request_timeout_secs still bounds
     every request (an error after it, not a hang of Miles' 4 hours)."""
     cfg = compose(
@@ -286,7 +287,12 @@ def test_no_request_hangs_past_the_routers_request_timeout(tmp_path: Path, leak_
             elapsed = time.monotonic() - started
         finally:
             os.kill(pid, signal.SIGCONT)
-        assert response.status_code == 500 and "call_upstream_request_error" in response.text
+        # sglang-router 0.3.2: 500 call_upstream_request_error; SMG 1.13.0: 504 call_upstream_timeout
+        status, code = {
+            "sglang_router": (500, "call_upstream_request_error"),
+            "smg": (504, "call_upstream_timeout"),
+        }[test_gateway]
+        assert response.status_code == status and f'"code":"{code}"' in response.text, response.text
         assert 1.9 < elapsed < 6
         assert d.events() == ()  # nothing watched
 

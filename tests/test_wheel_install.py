@@ -52,6 +52,7 @@ REPO = Path(__file__).resolve().parent.parent
 _TOP_LEVEL_SKIP = {
     ".git",
     ".venv",
+    ".venv-real",
     ".hypothesis",
     ".pytest_cache",
     ".ruff_cache",
@@ -71,6 +72,9 @@ REQUIRED_IN_WHEEL = (
     "miles_sglang_plugin/conf/sglang/pd_actor_ref.yaml",
     "miles_sglang_plugin/conf/sglang/default.yaml",
     "miles_sglang_plugin/data/sglang_server_args_fields.txt",
+    # The cpu_sglang kind's shim: a data directory, not a package of the packages list.
+    "miles_sglang_plugin/cpu_engine_shim/sitecustomize.py",
+    "miles_sglang_plugin/cpu_engine_shim/sgl_kernel/__init__.py",
     "hydra_plugins/miles_sglang_plugin/__init__.py",
     "hydra_plugins/miles_sglang_plugin/miles_sglang_searchpath.py",
     "hydra_plugins/miles_sglang_plugin/sglang_sweeps.py",

@@ -7,17 +7,20 @@ to the later stages; the backend is picked by ``sglang_deploy.launch.backend`` a
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import sys
 import time
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hydra.errors import CompactHydraException
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from miles_sglang_plugin.config.reading import read_config
 from miles_sglang_plugin.config.schema import BackendKind, EngineKind, SGLangDeployConf
+from miles_sglang_plugin.config.trainer_mappings import name_the_trainer_keys
 from miles_sglang_plugin.errors import DeploymentConfigError, Problem
 from miles_sglang_plugin.planning.plan import DeploymentPlan
 from miles_sglang_plugin.planning.resolution import resolve_deployment
@@ -54,21 +57,27 @@ def prepare_from_config(
     ``<driver address>`` (:data:`NODE_ADDRESS`)."""
     fields = server_arg_fields if server_arg_fields is not None else known_server_arg_fields().fields
     reading = read_config(cfg, sglang_key=sglang_key)
-    plan = resolve_deployment(
-        reading.spec,
-        reading.trainer,
-        server_arg_fields=fields,
-        server_defaults=reading.settings.server_defaults,
-    )
-    if not addresses_known_before_launch(plan, reading.settings):
-        return prepare_deployment(
-            plan,
-            reading.settings,
+    try:
+        plan = resolve_deployment(
+            reading.spec,
+            reading.trainer,
             server_arg_fields=fields,
-            host_of_node=NODE_ADDRESS.format,
-            router_host=DRIVER_ADDRESS,
+            server_defaults=reading.settings.server_defaults,
         )
-    return prepare_deployment(plan, reading.settings, server_arg_fields=fields)
+        if not addresses_known_before_launch(plan, reading.settings):
+            return prepare_deployment(
+                plan,
+                reading.settings,
+                server_arg_fields=fields,
+                host_of_node=NODE_ADDRESS.format,
+                router_host=DRIVER_ADDRESS,
+            )
+        return prepare_deployment(plan, reading.settings, server_arg_fields=fields)
+    except DeploymentConfigError as exc:
+        if reading.mapping is None:
+            raise
+        named = name_the_trainer_keys(list(exc.problems), reading.mapping)
+        raise DeploymentConfigError(named, source=exc.source) from None
 
 
 def addresses_known_before_launch(plan: DeploymentPlan, settings: SGLangDeployConf) -> bool:
@@ -148,6 +157,39 @@ def get_backend(name: str, **options: Any) -> Backend:
     return backend_named(name, **options)
 
 
+@dataclasses.dataclass
+class HydraConfigSource:
+    """How a deployment launched from a composed config resolves its changes (``Deployment.apply(cfg)``,
+    ``resize``, ``move_gpus``): with :func:`prepare_from_config`, every check of a launch."""
+
+    config: DictConfig
+    sglang_key: str | None = None
+    server_arg_fields: Collection[str] | None = None
+
+    def resolve(self, config: DictConfig) -> tuple[DeploymentPlan, SGLangDeployConf]:
+        checked = prepare_from_config(
+            config, sglang_key=self.sglang_key, server_arg_fields=self.server_arg_fields
+        )
+        return checked.plan, checked.settings
+
+    def resized(self, sizes: Mapping[tuple[str, str], int]) -> DictConfig:
+        """A copy of the current config with these groups' ``num_gpus`` (a group is found by the key it was
+        written at: ``sglang.actor.decode``)."""
+        plan, _settings = self.resolve(self.config)
+        config = copy.deepcopy(self.config)
+        problems = []
+        for (model, group), num_gpus in sizes.items():
+            try:
+                key = plan.model(model).group(group).key
+            except KeyError as exc:
+                problems.append(Problem(f"{model}.{group}", str(exc).strip('"')))
+                continue
+            OmegaConf.update(config, f"{key}.num_gpus", num_gpus, merge=True)
+        if problems:
+            raise DeploymentConfigError(problems)
+        return config
+
+
 @contextlib.contextmanager
 def launch_from_config(
     cfg: DictConfig,
@@ -179,7 +221,8 @@ def launch_from_config(
         )
     try:
         prepared = backend.prepare(checked.plan, settings, server_arg_fields=fields)
-        deployment = Deployment(prepared, backend, log_dir=target)
+        source = HydraConfigSource(cfg, sglang_key=sglang_key, server_arg_fields=fields)
+        deployment = Deployment(prepared, backend, log_dir=target, source=source)
     except BaseException:
         backend.close()
         raise

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, ClassVar
 from miles_sglang_plugin.config.schema import SGLangDeployConf
 from miles_sglang_plugin.planning.plan import DeploymentPlan
 from miles_sglang_plugin.rendering.launch_specs import EngineProcessLaunch
+from miles_sglang_plugin.rendering.ports import PortAssignment
 from miles_sglang_plugin.rendering.prepared import PreparedDeployment
 
 if TYPE_CHECKING:  # the child processes' module loads with a backend that starts them, not with the interface
@@ -93,9 +94,13 @@ class Backend(abc.ABC):
         settings: SGLangDeployConf,
         *,
         server_arg_fields: Collection[str] | None = None,
+        fixed_ports: PortAssignment | None = None,
     ) -> PreparedDeployment:
         """Addresses, ports and launch specs for ``plan`` on this backend's machines, every check included.
-        Raises :class:`~miles_sglang_plugin.errors.DeploymentConfigError` or :class:`UnsupportedPlanError`."""
+        ``fixed_ports``: the ports of the processes and routers of a running deployment that keep running through
+        a change of it (``Deployment.apply``; a backend that cannot change a running deployment raises
+        :class:`UnsupportedPlanError` for them). Raises :class:`~miles_sglang_plugin.errors.DeploymentConfigError`
+        or :class:`UnsupportedPlanError`."""
 
     @abc.abstractmethod
     def check(self, prepared: PreparedDeployment) -> list[str]:
@@ -119,6 +124,16 @@ class Backend(abc.ABC):
     def cannot_restart(self, launch: EngineProcessLaunch) -> str | None:
         """Why ``launch`` cannot be started again where the plan put it (its node left the cluster), or None.
         Supervision fails the deployment at once on such a reason instead of retrying in vain."""
+        return None
+
+    def place_again(
+        self, prepared: PreparedDeployment, engines: Collection[str]
+    ) -> PreparedDeployment | None:
+        """``engines`` cannot start where they were (:meth:`cannot_restart` said why: their node is gone): place
+        them on free capacity and return ``prepared`` rendered with their new nodes, GPUs and ports (every other
+        process and the routers as they are), or None where this backend has nowhere else (supervision then
+        fails the deployment at once). Raises :class:`LaunchError` while there is no room for them (a failed
+        restart: tried again after the backoff, while the restart budget lasts)."""
         return None
 
     def close(self) -> None:  # noqa: B027 - optional hook: nothing to give back by default

@@ -30,7 +30,7 @@ from miles_sglang_plugin.backends.visible_gpus import (
 from miles_sglang_plugin.config.schema import EngineKind, SGLangDeployConf
 from miles_sglang_plugin.planning.plan import DeploymentPlan
 from miles_sglang_plugin.rendering.launch_specs import EngineProcessLaunch
-from miles_sglang_plugin.rendering.ports import PortClaims, default_lock_dir
+from miles_sglang_plugin.rendering.ports import PortAssignment, PortClaims, default_lock_dir
 from miles_sglang_plugin.rendering.prepared import PreparedDeployment, prepare_deployment
 
 
@@ -94,12 +94,18 @@ class LocalBackend(Backend):
         settings: SGLangDeployConf,
         *,
         server_arg_fields: Collection[str] | None = None,
+        fixed_ports: PortAssignment | None = None,
     ) -> PreparedDeployment:
         visible = self.visible_devices if self.visible_devices is not None else inherited_visible_devices()
         if self.claims is None:
             self.claims = PortClaims(default_lock_dir())
         prepared = prepare_deployment(
-            plan, settings, server_arg_fields=server_arg_fields, probe=True, claims=self.claims
+            plan,
+            settings,
+            server_arg_fields=server_arg_fields,
+            probe=True,
+            claims=self.claims,
+            fixed_ports=fixed_ports,
         )
         self.check(prepared)
         return restrict_to_visible(prepared, visible) if visible is not None else prepared
@@ -144,6 +150,12 @@ class LocalBackend(Backend):
 
     def stop(self, processes: Sequence[EngineProcess], *, grace_s: float) -> None:
         stop_processes([p.process for p in processes if isinstance(p, LocalEngineProcess)], grace_s=grace_s)
+
+    def release_ports(self, ports: Sequence[int]) -> None:
+        """Give back the claims of ports a running deployment's change no longer uses."""
+        if self.claims is not None:
+            for port in ports:
+                self.claims.drop(port)
 
     def close(self) -> None:
         if self.claims is not None:

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_sglang_plugin.addresses import strip_brackets
-from miles_sglang_plugin.backends.base import Backend, EngineProcess, LaunchError
+from miles_sglang_plugin.backends.base import Backend, EngineProcess, LaunchError, UnsupportedPlanError
 from miles_sglang_plugin.backends.processes import SHOWN_ENV_NAMES, ExitWatcher, log_tail
 from miles_sglang_plugin.backends.ray_actor import EngineHost, gpu_probe
 from miles_sglang_plugin.backends.ray_placement import (
@@ -68,7 +68,7 @@ from miles_sglang_plugin.masking import mask_text, secret_values
 from miles_sglang_plugin.planning.plan import DeploymentPlan
 from miles_sglang_plugin.rendering.deploy_checks import Bounds, bounds_problems, duration_bounds
 from miles_sglang_plugin.rendering.launch_specs import EngineProcessLaunch, check_deploy_settings
-from miles_sglang_plugin.rendering.ports import PortClaims, default_lock_dir
+from miles_sglang_plugin.rendering.ports import PortAssignment, PortClaims, default_lock_dir
 from miles_sglang_plugin.rendering.prepared import PreparedDeployment, prepare_deployment
 
 #: What a user installs to get this backend.
@@ -363,7 +363,13 @@ class RayBackend(Backend):
         settings: SGLangDeployConf,
         *,
         server_arg_fields: Collection[str] | None = None,
+        fixed_ports: PortAssignment | None = None,
     ) -> PreparedDeployment:
+        if fixed_ports is not None:
+            raise UnsupportedPlanError(
+                "the ray backend cannot change a running deployment's engines yet (Deployment.apply): stop it "
+                "and start the new one"
+            )
         problems = ProblemCollector("sglang_deploy")
         problems.extend(check_deploy_settings(settings, server_arg_fields))
         problems.extend(ray_conf_problems(settings.launch.ray))

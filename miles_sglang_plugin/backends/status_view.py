@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
+from rich.text import Text
 
 _STYLE = {"starting": "yellow", "catching_up": "cyan", "serving": "green", "live": "cyan", "ready": "green",
           "failed": "bold red"}  # fmt: skip
@@ -55,10 +56,8 @@ class StatusView:
         for col in ("name", "kind", "state", "s", "where"):
             table.add_column(col)
         for name, row in self.rows.items():
-            style = _STYLE.get(row.state, "")
-            table.add_row(
-                name, row.kind, f"[{style}]{row.state}[/]", f"{row.since - self.started_at:.1f}", row.detail
-            )
+            state = Text(row.state, style=_STYLE.get(row.state, ""))  # any state name, styled or not
+            table.add_row(Text(name), row.kind, state, f"{row.since - self.started_at:.1f}", Text(row.detail))
         return table
 
     def _refresh(self) -> None:

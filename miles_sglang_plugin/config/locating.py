@@ -59,6 +59,21 @@ def find_trainer_value(nodes: Iterator[Container], name: str) -> tuple[bool, Any
     return False, None
 
 
+def trainer_value(nodes: list[Container], name: str) -> tuple[bool, Any]:
+    """(found, value) of the trainer's input ``name``: from ``nodes`` (the group outwards) where one holds it
+    and it is not null, else from the trainer's own keys where the config names a trainer mapping
+    (``sglang_trainer=verl``: :mod:`~miles_sglang_plugin.config.trainer_mappings`)."""
+    found, value = find_trainer_value(iter(nodes), name)
+    if found and value is not None:
+        return found, value
+    from miles_sglang_plugin.config.trainer_mappings import trainer_mapping
+
+    mapping = trainer_mapping(nodes[-1]) if nodes else None
+    if mapping is not None and name in mapping.values:
+        return True, mapping.values[name]
+    return found, value
+
+
 def _group_node_of(node: Container) -> Container:
     """The group's node around ``node`` (a model's or a group's field): the parent of its model."""
     model = next((ancestor for ancestor in _ancestors(node) if _is_model_node(ancestor)), None)
@@ -68,7 +83,7 @@ def _group_node_of(node: Container) -> Container:
 def _trainer_resolver(name: str, default: Any = None, *, _parent_: Container) -> Any:
     """``${msp.trainer:NAME,DEFAULT}`` written anywhere inside a model of the group (a model's or a group's
     field): NAME from the group outwards, DEFAULT when absent or null."""
-    found, value = find_trainer_value(enclosing_nodes(_group_node_of(_parent_)), name)
+    found, value = trainer_value(list(enclosing_nodes(_group_node_of(_parent_))), name)
     return default if not found or value is None else value
 
 
@@ -93,7 +108,7 @@ def _rollout_gpus_resolver(default: Any = None, *, _parent_: Container) -> Any:
     nodes = list(enclosing_nodes(_group_node_of(_parent_)))
     values = {}
     for name in _ROLLOUT_SIZE_INPUTS:
-        found, value = find_trainer_value(iter(nodes), name)
+        found, value = trainer_value(nodes, name)
         if found:
             values[name] = value
     try:

@@ -95,7 +95,7 @@ def _bad_choice(override: Any, text: str) -> list[Problem]:
     if group == "sglang":
         valid = f"a preset name (this package's: {', '.join(preset_names())}; or one of the app's)"
     else:
-        valid = "default or simulated"
+        valid = "default, simulated or cpu_sglang"
     shown = "null" if bad[0] is None else repr(bad[0])
     return [
         Problem(

@@ -55,6 +55,7 @@ from miles_sglang_plugin.config.schema import (
     SGLangDeployConf,
 )
 from miles_sglang_plugin.config.trainer_inputs import TrainerInputs
+from miles_sglang_plugin.config.trainer_mappings import TrainerMapping, trainer_mapping
 from miles_sglang_plugin.errors import ProblemCollector, first_line
 from miles_sglang_plugin.masking import secret_value_problem
 
@@ -75,6 +76,8 @@ class ConfigReading:
     trainer: TrainerInputs
     settings: SGLangDeployConf
     sglang_key: str
+    #: The trainer's own keys as trainer inputs (``sglang_trainer=verl``); None without one.
+    mapping: TrainerMapping | None = None
 
 
 # ------------------------------------------------------------------------------------------------- values
@@ -380,9 +383,13 @@ def _spec(node: Any, key: str, problems: ProblemCollector) -> DeploymentSpec | N
 
 
 # ------------------------------------------------------------------------------------ trainer, settings
-def _trainer(cfg: DictConfig, group_node: Any, problems: ProblemCollector) -> TrainerInputs:
-    """The trainer's inputs, found from the group outwards (the root when there is no group node)."""
+def _trainer(
+    cfg: DictConfig, group_node: Any, mapping: TrainerMapping | None, problems: ProblemCollector
+) -> TrainerInputs:
+    """The trainer's inputs, found from the group outwards (the root when there is no group node); where none
+    holds one (or it is null), the trainer mapping's value (``sglang_trainer=verl``)."""
     nodes = list(enclosing_nodes(group_node)) if isinstance(group_node, DictConfig) else [cfg]
+    mapped = mapping.values if mapping is not None else {}
     values: dict[str, Any] = {}
     for name in TrainerInputs.field_names():
         try:
@@ -390,7 +397,9 @@ def _trainer(cfg: DictConfig, group_node: Any, problems: ProblemCollector) -> Tr
         except OmegaConfBaseException as exc:
             problems.add(name, first_line(exc))
             continue
-        if found:
+        if (not found or value is None) and name in mapped:
+            values[name] = mapped[name]
+        elif found:
             values[name] = _resolved(value, name, problems) if OmegaConf.is_config(value) else value
     try:
         return TrainerInputs.from_mapping(values)
@@ -399,14 +408,21 @@ def _trainer(cfg: DictConfig, group_node: Any, problems: ProblemCollector) -> Tr
         return TrainerInputs()
 
 
-def _deploy_settings(cfg: DictConfig, problems: ProblemCollector) -> SGLangDeployConf:
+def _deploy_settings(
+    cfg: DictConfig, problems: ProblemCollector, mapping: TrainerMapping | None = None
+) -> SGLangDeployConf:
     """``sglang_deploy`` (resolved in place, then checked against the schema) as a plain dataclass; the
-    defaults where the app has none, or where it does not read."""
+    defaults where the app has none, or where it does not read. The trainer mapping's ServerArgs values
+    (``mem_fraction_static`` from the trainer's GPU memory share, ...) sit below ``server_defaults``."""
     node = OmegaConf.select(cfg, DEPLOY_KEY, default=None)
     if node is not None and not isinstance(node, DictConfig):
         problems.add(DEPLOY_KEY, f"must be a mapping (SGLangDeployConf), got {node!r}")
         node = None
     values = _resolved(node, DEPLOY_KEY, problems) if node is not None else {}
+    if mapping is not None and mapping.server_defaults and isinstance(values, dict):
+        given = values.get("server_defaults")
+        given = given if isinstance(given, dict) else {}
+        values["server_defaults"] = {**mapping.server_defaults, **given}
     try:
         merged = OmegaConf.merge(OmegaConf.structured(SGLangDeployConf), values or {})
         settings: SGLangDeployConf = OmegaConf.to_object(merged)  # type: ignore[assignment]
@@ -469,11 +485,30 @@ def read_config(cfg: DictConfig, *, sglang_key: str | None = None) -> ConfigRead
         if isinstance(node, DictConfig):
             unknown_keys(node, node_key, problems)
     _helper_group_problems(cfg, key, problems)
-    trainer = _trainer(cfg, group_node, problems)
-    settings = _deploy_settings(cfg, problems)
+    mapping = trainer_mapping(cfg)
+    if mapping is not None:
+        problems.extend(mapping.problems)
+    trainer = _trainer(cfg, group_node, mapping, problems)
+    settings = _deploy_settings(cfg, problems, mapping)
     spec = _spec(group_node, key, problems)
+    _pd_shape_problems(spec, mapping, key, problems)
     problems.raise_if_any()
-    return ConfigReading(spec=spec, trainer=trainer, settings=settings, sglang_key=key)
+    return ConfigReading(spec=spec, trainer=trainer, settings=settings, sglang_key=key, mapping=mapping)
+
+
+def _pd_shape_problems(
+    spec: DeploymentSpec | None, mapping: TrainerMapping | None, key: str, problems: ProblemCollector
+) -> None:
+    """The trainer turns PD on (verl's ``disaggregation.enabled``), but the deployment has no PD model: its
+    prefill and decode sizes would go nowhere."""
+    if mapping is None or mapping.pd_key is None or spec is None:
+        return
+    if not any(g.worker_type == WorkerType.prefill for m in spec.models for g in m.groups):
+        problems.add(
+            mapping.pd_key,
+            f"is true, but the deployment at {key} has no prefill and decode groups: pick a PD preset "
+            f"(sglang@{key}=pd), whose groups then follow the trainer's prefill and decode replicas",
+        )
 
 
 # ------------------------------------------------------------------------------- one part at a time
@@ -494,7 +529,7 @@ def deploy_settings_from_config(cfg: DictConfig) -> SGLangDeployConf:
     comes from the environment (``SGLANG_API_KEY``) unless the config sets one, so that it stays out of the
     config Hydra prints and saves; an IPv6 ``launch.host`` is kept without brackets."""
     problems = ProblemCollector("the Hydra config")
-    settings = _deploy_settings(cfg, problems)
+    settings = _deploy_settings(cfg, problems, trainer_mapping(cfg))
     problems.raise_if_any()
     return settings
 
@@ -504,6 +539,6 @@ def trainer_from_config(cfg: DictConfig, *, sglang_key: str | None = None) -> Tr
     register_resolvers()
     problems = ProblemCollector("the Hydra config")
     key = _group_key(cfg, sglang_key, problems)
-    trainer = _trainer(cfg, _group_node(cfg, key, False, problems), problems)
+    trainer = _trainer(cfg, _group_node(cfg, key, False, problems), trainer_mapping(cfg), problems)
     problems.raise_if_any()
     return trainer

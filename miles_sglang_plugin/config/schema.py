@@ -32,8 +32,15 @@ from typing import Any
 from omegaconf import II
 
 from miles_sglang_plugin.config.deployment_spec import WorkerType
+from miles_sglang_plugin.config.locating import register_resolvers
 from miles_sglang_plugin.config.shared_fields import fields_of, mapping_as_dict
 from miles_sglang_plugin.config.trainer_inputs import TrainerInputs
+from miles_sglang_plugin.config.trainer_mappings import TrainerKind
+
+# The defaults below interpolate ``msp.trainer`` / ``msp.rollout_num_gpus``: registered wherever these classes
+# are, so that a process that only unpickles a composed config (a Ray task of the trainer: its typed nodes
+# import this module) resolves it as the driver does.
+register_resolvers()
 
 #: Group slots of a model, in their default deployment order.
 GROUP_SLOTS: tuple[str, ...] = ("prefill", "decode", "regular", "placeholder")
@@ -102,10 +109,12 @@ class ModelConf:
 
 
 class EngineKind(StrEnum):
-    """What runs as an engine: real SGLang, or the HTTP stand-in for machines without GPUs."""
+    """What runs as an engine: real SGLang, the HTTP stand-in for machines without GPUs, or real SGLang on a
+    CPU (``cpu_sglang``: the CPU flags and shim of :mod:`miles_sglang_plugin.rendering.cpu_engine`)."""
 
     sglang = "sglang"
     simulated = "simulated"
+    cpu_sglang = "cpu_sglang"
 
 
 class BackendKind(StrEnum):
@@ -125,10 +134,14 @@ class EngineActors(StrEnum):
 
 @dataclass
 class RouterConf:
-    """sglang-router (SGLang Model Gateway) settings, one router per model."""
+    """The router of each model (sglang-router or SMG, the same settings for both), one router per model."""
 
+    gateway: str = "auto"
+    """Which gateway runs the routers: sglang_router (sglang-router 0.3.2), smg (SMG 1.13.0, the [smg] extra),
+    or auto ($MSP_ROUTER_GATEWAY when set, else smg where it is installed, else sglang_router)."""
     policy: str = "cache_aware"
-    """Load-balancing policy: cache_aware, round_robin, power_of_two, random, manual or consistent_hashing."""
+    """Load-balancing policy: cache_aware, round_robin, power_of_two, random, manual or consistent_hashing
+    (SMG also: prefix_hash, least_load, passthrough)."""
     prefill_policy: str | None = None
     """Policy among a PD model's prefill engines (bucket allowed here); null: ``policy``."""
     decode_policy: str | None = None
@@ -165,8 +178,12 @@ class RouterConf:
     """Turn the circuit breaker off."""
     log_level: str = "warn"
     """Router log level: debug, info, warn or error."""
+    drain_settle_secs: int = 0
+    """SMG only: how long a removed worker stays draining (listed, a new registration of its URL refused)
+    before it goes, in seconds. SMG's own default, 5, is for a load balancer in front of it; these routers are
+    reached directly, and a restarted engine is registered again at once. sglang-router removes at once."""
     extra: dict[str, Any] = field(default_factory=dict)
-    """Any other sglang-router ``RouterArgs`` field, by name (field -> value)."""
+    """Any other ``RouterArgs`` field of the gateway, by name (field -> value)."""
 
 
 @dataclass
@@ -192,7 +209,7 @@ class LaunchConf:
     """How engines are started and stopped."""
 
     engine: EngineKind = EngineKind.sglang
-    """What runs as an engine: sglang (real SGLang) or simulated (the HTTP stand-in, for machines without GPUs)."""
+    """What runs as an engine: sglang (real SGLang), simulated (the HTTP stand-in, for machines without GPUs) or cpu_sglang (real SGLang on a CPU, tiny models only)."""
     backend: BackendKind = BackendKind.local
     """Where engines run: local (subprocesses of this machine) or ray (Ray actors on a cluster's nodes; see the README)."""
     command: list[str] = field(default_factory=lambda: ["{python}", "-m", "sglang.launch_server"], repr=False)
@@ -206,6 +223,8 @@ class LaunchConf:
     """Time between health polls during start-up, in seconds."""
     shutdown_grace_s: float = 10.0
     """Time between SIGTERM and SIGKILL when stopping, in seconds."""
+    drain_timeout_s: float = 60.0
+    """Longest an engine removed by a change of the running deployment (``apply``) may take, out of its router, to finish its requests before it is stopped, in seconds."""
     port_base: int = 15000
     """First port tried for engines and routers (searched upward, below the ephemeral range; Miles: 15000)."""
     port_max: int = 32767
@@ -357,3 +376,11 @@ class MilesTrainerArgs:
     """Deployment-wide settings: launcher, router, SGLang defaults, LoRA, API key, stand-in faults."""
     sglang_bench: Any = None
     """The rollout benchmark's settings (the ``sglang_bench`` group: ``+sglang_bench=default``); null: none."""
+
+
+@dataclass
+class SGLangTrainerConf:
+    """A trainer whose own keys the plugin reads as its trainer inputs (``+sglang_trainer=verl``, ``skyrl``)."""
+
+    trainer: TrainerKind = TrainerKind.verl
+    """The trainer: verl (0.9.1's ppo_trainer keys) or skyrl (skyrl-train 0.3.1's ppo_base_config keys)."""

@@ -7,11 +7,14 @@ Config groups registered here (the ``sglang`` presets themselves are YAML files 
   ``+sglang_model@sglang.<name>=base``.
 - ``sglang_group``: ``regular``, ``prefill``, ``decode``, ``placeholder`` — a further group of a model, beside
   its four fixed slots: ``+sglang_group@sglang.<model>.extra_groups.<name>=decode``.
-- ``sglang_deploy``: ``default`` (real SGLang engines) and ``simulated`` (the HTTP stand-in engines) —
-  deployment-wide launcher, router and SGLang settings at the root key ``sglang_deploy``.
+- ``sglang_deploy``: ``default`` (real SGLang engines), ``simulated`` (the HTTP stand-in engines) and
+  ``cpu_sglang`` (real SGLang on a machine without a GPU) — deployment-wide launcher, router and SGLang
+  settings at the root key ``sglang_deploy``.
 - ``hydra/callbacks``: ``sglang_cleanup`` — stops any deployment a job left running when the job ends;
   ``sglang_plan`` — the app's dry run: prints the plan of the app's own config and runs nothing.
 - ``miles_trainer_args``: Miles' trainer arguments as a root schema, for apps that want them typed.
+- ``sglang_trainer``: ``verl``, ``skyrl`` — a trainer's own keys read as the trainer inputs
+  (:mod:`miles_sglang_plugin.config.trainer_mappings`), at the root key ``sglang_trainer``.
 """
 
 from __future__ import annotations
@@ -97,11 +100,29 @@ def _deploy_simulated() -> Any:
     return SGLangDeployConf(launch=LaunchConf(engine=EngineKind.simulated))
 
 
+def _deploy_cpu_sglang() -> Any:
+    from miles_sglang_plugin.config.schema import EngineKind, LaunchConf, SGLangDeployConf
+
+    return SGLangDeployConf(launch=LaunchConf(engine=EngineKind.cpu_sglang))
+
+
+def _trainer_mapping(trainer: str) -> Any:
+    from miles_sglang_plugin.config.schema import SGLangTrainerConf
+    from miles_sglang_plugin.config.trainer_mappings import TrainerKind
+
+    return SGLangTrainerConf(trainer=TrainerKind(trainer))
+
+
 def _trainer_args() -> Any:
     from miles_sglang_plugin.config.schema import MilesTrainerArgs
 
     return MilesTrainerArgs
 
+
+#: The ``sglang_trainer`` options and their group (``TrainerKind``'s values and ``TRAINER_MAPPING_KEY``: a test
+#: holds them equal; the mappings module is not imported at Hydra's plugin scan).
+TRAINER_OPTIONS = ("verl", "skyrl")
+_TRAINER_GROUP = "sglang_trainer"
 
 #: The worker types of the ``sglang_group`` options (``WorkerType``'s values; a test holds them equal).
 GROUP_OPTIONS = ("regular", "prefill", "decode", "placeholder")
@@ -125,6 +146,9 @@ def register_configs() -> None:
     store_lazily("simulated", _deploy_simulated, group="sglang_deploy")
     store_lazily("miles_trainer_args", _trainer_args)
     config_store = ConfigStore.instance()
+    store_lazily("cpu_sglang", _deploy_cpu_sglang, group="sglang_deploy")
+    for trainer in TRAINER_OPTIONS:
+        store_lazily(trainer, functools.partial(_trainer_mapping, trainer), group=_TRAINER_GROUP)
     config_store.store(
         group="hydra/callbacks",
         name="sglang_cleanup",

@@ -146,8 +146,9 @@ def _worker_type_ok(raw_group: Mapping[Any, Any], group_key: str, problems: Prob
     if worker_type == "encoder":
         problems.add(
             key,
-            "'encoder' (slime's encoder/EPD worker) is not supported: Miles and this plugin have no encoder "
-            f"worker type; valid: {valid}",
+            "'encoder' (slime's encoder/EPD worker) is not supported: slime starts its encoder engines first "
+            "and hands their URLs to the model's prefill and regular engines (encoder_urls, language_only), "
+            f"outside the router; Miles and this plugin have no encoder worker type; valid: {valid}",
         )
         return False
     if not isinstance(worker_type, str) or worker_type not in WORKER_TYPES:

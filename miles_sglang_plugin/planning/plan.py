@@ -104,6 +104,9 @@ class GroupPlan:
     engines: tuple[EnginePlan, ...]
     #: Where the group was written, for messages.
     key: str = ""
+    #: Its engines run DP attention (``enable_dp_attention``, or ``attn_dp_size`` > 1, from any layer), which
+    #: makes the model's router dp-aware (Miles: ``--sglang-enable-dp-attention`` sets ``router_dp_aware``).
+    dp_attention: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -113,6 +116,7 @@ class GroupPlan:
             "tp_size": self.tp_size,
             "pp_size": self.pp_size,
             "dp_size": self.dp_size,
+            "dp_attention": self.dp_attention,
             "gpu_offset": self.gpu_offset,
             "needs_offload": self.needs_offload,
             "overrides": thaw(self.overrides),
@@ -161,6 +165,11 @@ class ModelPlan:
         return any(g.worker_type.is_pd for g in self.groups) or any(
             e.worker_type.is_pd for e in self.external
         )
+
+    @property
+    def dp_attention(self) -> bool:
+        """Whether any of its groups runs DP attention: its router is then dp-aware (Miles' rule)."""
+        return any(g.dp_attention for g in self.groups)
 
     @property
     def has_router(self) -> bool:

@@ -154,6 +154,14 @@ SERVER_DEFAULTS_KEY = "sglang_deploy.server_defaults"
 OverrideLayer = tuple[str, Mapping[str, Any]]
 
 
+def dp_attention(layers: list[OverrideLayer]) -> bool:
+    """Whether the engine runs DP attention: ``enable_dp_attention`` true (Miles' ``--sglang-enable-dp-attention``),
+    or SGLang 0.5.23's ``attn_dp_size`` > 1 (what resolution turns the former into)."""
+    enabled, _ = _layered_value(layers, "enable_dp_attention", False)
+    width, _ = _layered_value(layers, "attn_dp_size", 1)
+    return enabled is True or str(enabled).lower() == "true" or (is_int(width) and width > 1)
+
+
 def _layered_value(layers: list[OverrideLayer], name: str, default: Any) -> tuple[Any, str]:
     """The value of ``name`` in the highest layer that sets it, and where that is (``default`` and "" when no
     layer sets it)."""
@@ -363,11 +371,12 @@ class _Resolver:
 
         engines: tuple[EnginePlan, ...] = ()
         sizes = {"tp_size": gpus_per_engine, "pp_size": 1, "dp_size": 1}
+        all_layers = [(SERVER_DEFAULTS_KEY, self.defaults), *layers]
+        attention = False
         if worker_type is not None and worker_type is not WorkerType.placeholder and num_gpus:
             self.check_keys(f"{key}.overrides", user)
-            sizes = self.check_parallel(
-                [(SERVER_DEFAULTS_KEY, self.defaults), *layers], worker_type, gpus_per_engine
-            )
+            sizes = self.check_parallel(all_layers, worker_type, gpus_per_engine)
+            attention = dp_attention(all_layers)
             engines = self.engine_plans(
                 model.name, group.name, key, worker_type, (num_gpus, gpus_per_engine), gpu_offset, rank_offset
             )
@@ -385,6 +394,7 @@ class _Resolver:
             overrides=freeze(overrides),
             engines=engines,
             key=key,
+            dp_attention=attention,
         )
 
     def worker_type(self, group: GroupSpec, key: str) -> WorkerType | None:
@@ -508,7 +518,25 @@ class _Resolver:
                 )
             elif name == "dp_size":
                 sizes["dp_size"] = value
+                self.check_dp_attention(layers, value, where, sizes)
         return sizes
+
+    def check_dp_attention(
+        self, layers: list[OverrideLayer], dp_size: int, where: str, sizes: dict[str, int]
+    ) -> None:
+        """``dp_size`` > 1 needs DP attention, as Miles and slime require (``validate_args``: ``assert
+        args.sglang_enable_dp_attention`` when ``--sglang-dp-size`` > 1): without it SGLang runs ``dp_size``
+        replicas of the engine's TP, ``dp_size`` times the GPUs the group gives it."""
+        if dp_size <= 1 or dp_attention(layers):
+            return
+        tp_size, pp_size = sizes["tp_size"], sizes["pp_size"]
+        self.problems.add(
+            where,
+            f"{dp_size} needs DP attention (enable_dp_attention: true), as Miles and slime require: without it "
+            f"SGLang runs {dp_size} data-parallel replicas of tp_size={tp_size}"
+            + (f" x pp_size={pp_size}" if pp_size > 1 else "")
+            + f", {dp_size * tp_size * pp_size} GPUs, in an engine of num_gpus_per_engine={tp_size * pp_size}",
+        )
 
     def pipeline_size(self, layers: list[OverrideLayer], gpus_per_engine: int) -> int:
         """``pp_size`` from the layers (1 when unset or wrong)."""
@@ -627,6 +655,43 @@ NO_ENGINES_DEBUG_TRAIN_ONLY = "debug_train_only: no rollout engines are started"
 NO_ENGINES_ZERO_ROLLOUT = (
     "rollout_num_gpus=0 and no sglang deployment: no rollout engines are started (as newer Miles: no models)"
 )
+
+
+def external_only(spec: DeploymentSpec) -> bool:
+    """Whether every engine of ``spec`` runs elsewhere: external engines, and no group holding a GPU (Miles'
+    ``--rollout-external``)."""
+    has_external = any(model.external for model in spec.models)
+    holds_gpus = any(
+        is_int(group.num_gpus) and group.num_gpus > 0 for model in spec.models for group in model.groups
+    )
+    return has_external and not holds_gpus
+
+
+def _external_layout(trainer: TrainerInputs, derivation: MilesDerivation) -> tuple[int, tuple[str, ...]]:
+    """The rollout offset of a deployment of external engines only, and its note. Miles' placement for
+    ``--rollout-external`` (``placement_group.py`` ``_get_placement_group_layout``): the actor's GPUs, then
+    rollout, whether colocated or not (an actor of 1 x 2 GPUs: (2, 2)); with ``debug_rollout_only`` nothing
+    (0, 0), Megatron holding no GPU."""
+    offset = 0 if trainer.debug_rollout_only else trainer.actor_gpus
+    if "rollout_num_gpus" not in derivation.derived:
+        return offset, ()
+    why = "debug_rollout_only" if trainer.debug_rollout_only else "colocate"
+    return offset, (
+        f"external engines only: the {trainer.rollout_num_gpus} GPUs that {why} gives rollout "
+        f"(rollout_num_gpus) hold no engine here; Miles' placement for external engines: rollout_offset="
+        f"{offset}, Megatron on {trainer.megatron_num_gpus} GPUs",
+    )
+
+
+def _rollout_layout(
+    spec: DeploymentSpec, trainer: TrainerInputs, derivation: MilesDerivation
+) -> tuple[bool, int, tuple[str, ...]]:
+    """Whether ``spec`` holds external engines only, its rollout offset (Miles' placement for
+    ``--rollout-external`` then, else the trainer's) and what to note about it."""
+    if not external_only(spec):
+        return False, trainer.rollout_offset, ()
+    offset, notes = _external_layout(trainer, derivation)
+    return True, offset, notes
 
 
 def _holds_engines(model: ModelSpec) -> bool:
@@ -768,13 +833,55 @@ def without_unknown_override_keys(
     return dataclasses.replace(spec, models=tuple(models)), tuple(notes)
 
 
+def dashed_override_notes(spec: DeploymentSpec) -> tuple[str, ...]:
+    """One note per group override key of a Miles file spelt with ``-`` (``pp-size``): read here as the
+    ServerArgs field (``pp_size``), as slime does (``sglang_config.py`` normalises ``-`` to ``_``), where Miles
+    (``sglang_engine.py`` ``_compute_server_args``) passes it on as written and drops it, no ServerArgs field
+    having that name."""
+    notes = []
+    for model in spec.models:
+        for group in model.groups:
+            where = group.key or f"sglang.{model.name}.{group.name}"
+            for name in group.overrides:
+                if "-" in str(name):
+                    norm = str(name).replace("-", "_")
+                    notes.append(
+                        f"read {where}.overrides.{name} as {norm}, as slime does; Miles drops a key spelt with "
+                        f"'-' (no ServerArgs field has that name): write {norm} for both to read it"
+                    )
+    return tuple(notes)
+
+
+def _miles_file_overrides(
+    spec: DeploymentSpec, server_arg_fields: Collection[str] | None
+) -> tuple[DeploymentSpec, tuple[str, ...]]:
+    """A Miles file's group overrides as resolution reads them, with notes: dashed keys read as fields
+    (:func:`dashed_override_notes`), and, given the installed SGLang's fields, the keys it lacks left out
+    (:func:`without_unknown_override_keys`). Other specs are returned as they are."""
+    if not spec.drops_unknown_override_keys:
+        return spec, ()
+    notes = dashed_override_notes(spec)
+    if server_arg_fields is None:
+        return spec, notes
+    spec, left_out = without_unknown_override_keys(spec, server_arg_fields)
+    return spec, notes + left_out
+
+
 def _check_total(
-    derivation: MilesDerivation, models: tuple[ModelPlan, ...], total: int, problems: ProblemCollector
+    derivation: MilesDerivation,
+    models: tuple[ModelPlan, ...],
+    total: int,
+    problems: ProblemCollector,
+    external_only: bool = False,
 ) -> None:
     """A pinned ``rollout_num_gpus`` (plus eval) must equal the groups' total; eval cannot exceed it. Under
-    ``debug_train_only`` only the eval fleet starts, which the eval check sizes."""
+    ``debug_train_only`` only the eval fleet starts, which the eval check sizes. A deployment of external
+    engines only is not held to the actor's GPUs that Miles' colocate (or debug_rollout_only) rule gives
+    ``rollout_num_gpus``: its engines run elsewhere (Miles' ``--rollout-external``)."""
     trainer = derivation.trainer
     if trainer.debug_train_only:
+        return
+    if external_only and "rollout_num_gpus" in derivation.derived:
         return
     if trainer.rollout_num_gpus is not None and trainer.rollout_num_gpus + trainer.eval_num_gpus != total:
         breakdown = ", ".join(f"{model.name}={model.num_gpus}" for model in models)
@@ -876,13 +983,13 @@ def resolve_deployment(
     spec, emptied = _without_models_of_no_engines(spec, trainer)
     if not _check_gpu_bounds(spec, trainer, problems):  # before any engine is enumerated
         problems.raise_if_any()
-    dropped: tuple[str, ...] = ()
-    if spec.drops_unknown_override_keys and server_arg_fields is not None:
-        spec, dropped = without_unknown_override_keys(spec, server_arg_fields)
+    spec, dropped = _miles_file_overrides(spec, server_arg_fields)
+    outside, rollout_offset, layout_notes = _rollout_layout(spec, trainer, derivation)
     resolver = _Resolver(spec, trainer, problems, server_arg_fields, server_defaults)
+    resolver.rollout_offset = rollout_offset
     models = resolver.run()
     total = resolver.cursor
-    _check_total(derivation, models, total, problems)
+    _check_total(derivation, models, total, problems, outside)
     _check_capacity(trainer, total, problems)
     problems.raise_if_any()
     return DeploymentPlan(
@@ -893,7 +1000,7 @@ def resolve_deployment(
         rollout_offset=resolver.rollout_offset,
         megatron_num_gpus=trainer.megatron_num_gpus,
         source=spec.source,
-        notes=(*derivation.notes, *started, *emptied, *dropped),
+        notes=(*derivation.notes, *started, *emptied, *dropped, *layout_notes),
         derived=derivation.derived,
         derived_server_defaults=derivation.server_defaults,
     )

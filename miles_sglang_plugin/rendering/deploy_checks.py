@@ -135,6 +135,7 @@ SETTING_BOUNDS: Mapping[str, Bounds] = {
         why="an engine that exits is noticed at the next poll",
     ),
     "launch.shutdown_grace_s": duration_bounds(),
+    "launch.drain_timeout_s": duration_bounds(),
     "launch.port_base": Bounds(
         1024,
         integer=True,

@@ -20,7 +20,7 @@ import json
 import shlex
 import sys
 from collections.abc import Callable, Collection, Iterator, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from miles_sglang_plugin.addresses import host_port, http_base_url
@@ -34,10 +34,16 @@ from miles_sglang_plugin.planning.plan import (
     DeploymentPlan,
     EnginePlan,
     EngineProcessPlan,
+    ExternalEnginePlan,
     GroupPlan,
     ModelPlan,
 )
 from miles_sglang_plugin.planning.resolution import PLAN_OWNED_OVERRIDES, suggest
+from miles_sglang_plugin.rendering.cpu_engine import (
+    cpu_engine_env,
+    cpu_notes,
+    cpu_server_args,
+)
 from miles_sglang_plugin.rendering.deploy_checks import deploy_setting_problems
 from miles_sglang_plugin.rendering.lora import lora_server_args
 from miles_sglang_plugin.rendering.ports import PortAssignment
@@ -46,6 +52,7 @@ from miles_sglang_plugin.rendering.router_specs import (
     RouterSettings,
     WorkerRegistration,
     validate_router_settings,
+    worker_labels,
 )
 
 STANDIN_COMMAND = ("{python}", "-m", "miles_sglang_plugin.standin")
@@ -227,7 +234,9 @@ class RouterLaunch:
             "url": self.spec.url,
             "prometheus_port": self.spec.prometheus_port,
             "pd_disaggregation": self.spec.pd_disaggregation,
+            "gateway": self.spec.settings.gateway,
             "policy": self.spec.settings.policy,
+            "dp_aware": bool(self.spec.settings.extra.get("dp_aware", False)),
         }
         if workers:
             out["workers"] = list(self.worker_dicts())
@@ -235,7 +244,19 @@ class RouterLaunch:
 
     def worker_dicts(self) -> Iterator[dict[str, Any]]:
         for w in self.workers:
-            yield {"url": w.url, "worker_type": w.worker_type, "bootstrap_port": w.bootstrap_port}
+            yield {
+                "url": w.url,
+                "worker_type": w.worker_type,
+                "bootstrap_port": w.bootstrap_port,
+                "labels": w.label_map,
+            }
+
+    def registration(self, url: str) -> WorkerRegistration:
+        """The registration of the worker at ``url`` (as the plan labels it); KeyError when it has none."""
+        for worker in self.workers:
+            if worker.url == url:
+                return worker
+        raise KeyError(f"router of model {self.model!r} registers no worker at {url}")
 
 
 @dataclass(frozen=True)
@@ -414,12 +435,46 @@ def standin_speed_env(settings: SGLangDeployConf) -> dict[str, str]:
     return {"MSP_STANDIN_SPEED": json.dumps(speed, sort_keys=True)}
 
 
-def _worker_registration(launch: EngineProcessLaunch) -> WorkerRegistration:
-    """How the engine of ``launch`` (its first process) registers with its model's router."""
+def _worker_registration(
+    launch: EngineProcessLaunch, model: ModelPlan, group: GroupPlan
+) -> WorkerRegistration:
+    """How the engine of ``launch`` (its first process) registers with its model's router, labelled with
+    what the plan decided for it (:func:`worker_labels`)."""
+    labels = worker_labels(
+        model=model.name,
+        group=group.name,
+        worker_type=launch.worker_type.value,
+        engine_id=launch.engine_id,
+        needs_offload=group.needs_offload,
+        update_weights=model.update_weights,
+    )
     return WorkerRegistration(
         url=launch.url,
         worker_type=launch.worker_type.value,
         bootstrap_port=launch.bootstrap_port if launch.worker_type is WorkerType.prefill else None,
+        labels=tuple(labels.items()),
+    )
+
+
+#: The group label of a model's external engines (as the deployment names their group).
+EXTERNAL_GROUP_LABEL = "external"
+
+
+def _external_registration(model: ModelPlan, engine: ExternalEnginePlan) -> WorkerRegistration:
+    """How an external engine registers: as given, labelled as the model's external group."""
+    labels = worker_labels(
+        model=model.name,
+        group=EXTERNAL_GROUP_LABEL,
+        worker_type=engine.worker_type.value,
+        engine_id=engine.id,
+        needs_offload=False,  # holds no GPU of the deployment
+        update_weights=model.update_weights,
+    )
+    return WorkerRegistration(
+        url=engine.url,
+        worker_type=engine.worker_type.value,
+        bootstrap_port=engine.bootstrap_port,
+        labels=tuple(labels.items()),
     )
 
 
@@ -435,6 +490,8 @@ class _EngineRendering:
     kind: EngineKind
     prefix: tuple[str, ...]
     dropped: set[str] = field(default_factory=set)
+    #: ``cpu_sglang``: the fields left out because a CPU cannot run them -> why.
+    cpu_dropped: dict[str, str] = field(default_factory=dict)
 
     def model_engines(self, model: ModelPlan) -> tuple[list[EngineProcessLaunch], list[WorkerRegistration]]:
         """Every engine process of ``model``, and the workers its router registers (one per engine)."""
@@ -451,7 +508,7 @@ class _EngineRendering:
                     launch = self.process_launch(model, group, engine, process, own, template)
                     launches.append(launch)
                     if process.node_rank == 0:
-                        workers.append(_worker_registration(launch))
+                        workers.append(_worker_registration(launch, model, group))
         return launches, workers
 
     def template(self, group: GroupPlan, own: Mapping[str, Any]) -> ProcessTemplate:
@@ -459,9 +516,18 @@ class _EngineRendering:
         values = _engine_server_args(
             self.plan, group, own, self.settings, self.server_arg_fields, self.dropped
         )
+        cpu = self.kind is EngineKind.cpu_sglang
+        if cpu:
+            values = cpu_server_args(values, self.cpu_dropped)
         own_keys = tuple(k for k in values if k in own and k not in group.overrides)
         custom_all_reduce = "0" if self.plan.trainer.colocate and group.num_gpus_per_engine > 1 else "1"
-        env_tail = {"SGLANG_OPT_USE_CUSTOM_ALL_REDUCE_V2": custom_all_reduce, **self.settings.env}
+        # Miles' engine defaults < the stand-in's faults < sglang_deploy.env < the CPU kind's variables (its
+        # shim before the user's PYTHONPATH) < CUDA_VISIBLE_DEVICES
+        env_tail = {
+            "SGLANG_OPT_USE_CUSTOM_ALL_REDUCE_V2": custom_all_reduce,
+            **self.settings.env,
+            **(cpu_engine_env(self.settings.env.get("PYTHONPATH")) if cpu else {}),
+        }
         simulated = self.kind is EngineKind.simulated
         return ProcessTemplate.of(
             self.prefix, values, own_keys, MILES_ENGINE_ENV, env_tail, self.settings if simulated else None
@@ -497,6 +563,16 @@ class _EngineRendering:
         )
 
 
+def router_settings(model: ModelPlan, settings: SGLangDeployConf) -> RouterSettings:
+    """The settings of ``model``'s router: ``sglang_deploy.router`` with the gateway decided, and dp-aware
+    routing when its engines run DP attention (Miles: ``--sglang-enable-dp-attention`` sets
+    ``router_dp_aware``), unless ``router.extra.dp_aware`` says otherwise."""
+    router = RouterSettings.from_mapping(asdict(settings.router)).resolved()
+    if model.dp_attention and "dp_aware" not in router.extra:
+        router = replace(router, extra={**router.extra, "dp_aware": True})
+    return router
+
+
 def _router_launch(
     model: ModelPlan,
     settings: SGLangDeployConf,
@@ -511,10 +587,25 @@ def _router_launch(
         port=router_ports.http,
         prometheus_port=router_ports.prometheus,
         pd_disaggregation=model.is_pd,
-        settings=RouterSettings.from_mapping(asdict(settings.router)),
+        settings=router_settings(model, settings),
         api_key=settings.api_key,
     )
     return RouterLaunch(model=model.name, spec=spec, workers=tuple(workers))
+
+
+def _dp_aware_note(model: ModelPlan, router: RouterLaunch) -> str | None:
+    """A dp-aware router's note: why it is dp-aware, and what sglang-router 0.3.2 cannot do then."""
+    settings = router.spec.settings
+    if router.model != model.name or not settings.extra.get("dp_aware"):
+        return None
+    why = "its engines run DP attention, as Miles sets it" if model.dp_attention else "router.extra.dp_aware"
+    note = f"router of model {router.model!r} is dp-aware ({why})"
+    if settings.gateway == "sglang_router":
+        note += (
+            "; sglang-router 0.3.2 cannot take a dp-aware worker out (its removal job fails), so a lost engine "
+            "stays listed: gateway=smg can"
+        )
+    return note
 
 
 def render_launch(
@@ -544,14 +635,13 @@ def render_launch(
     for model in plan.models:
         launches, workers = rendering.model_engines(model)
         engines += launches
-        workers += [
-            WorkerRegistration(url=e.url, worker_type=e.worker_type.value, bootstrap_port=e.bootstrap_port)
-            for e in model.external
-        ]
+        workers += [_external_registration(model, engine) for engine in model.external]
         if model.has_router:
             routers.append(_router_launch(model, settings, ports, router_host, workers))
     notes = tuple(
         f"left out {key}: Miles sets it, but the installed SGLang has no such ServerArgs field"
         for key in sorted(rendering.dropped)
-    )
+    ) + tuple(note for model in plan.models for router in routers if (note := _dp_aware_note(model, router)))
+    if kind is EngineKind.cpu_sglang:
+        notes += cpu_notes(rendering.cpu_dropped)
     return LaunchSpecs(engine_kind=kind, engines=tuple(engines), routers=tuple(routers), notes=notes)

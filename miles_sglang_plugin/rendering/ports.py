@@ -118,8 +118,12 @@ class _Cursor:
         )
         #: Ports passed over, by why: claimed by another launch (or unusable lock file), in use here.
         self.claimed, self.in_use = 0, 0
+        #: Ports of this deployment's own running processes (kept through a change): never handed out.
+        self.reserved: set[int] = set()
 
     def _usable(self, port: int) -> bool:
+        if port in self.reserved:
+            return False
         if not self.probe:
             return True
         if self.claims is not None and not self.claims.try_claim(port):
@@ -229,24 +233,31 @@ def assign_ports(
     probe: bool = False,
     claims: PortClaims | None = None,
     find_node_ports: NodePortFinder | None = None,
+    fixed: PortAssignment | None = None,
 ) -> PortAssignment:
     """Assign ports for every engine process and router of ``plan``, never twice on one host. Routers' ports
-    are found here; engine ports too, unless ``find_node_ports`` finds them on their nodes."""
+    are found here; engine ports too, unless ``find_node_ports`` finds them on their nodes. ``fixed``: ports
+    that engine processes and routers already running keep (a running deployment's change): theirs as they are,
+    and never handed to another."""
     if port_max >= EPHEMERAL_START:
         port_max = EPHEMERAL_START - 1
     cursors: dict[str, _Cursor] = {}
+    fixed = fixed or PortAssignment(engines={}, routers={})
 
     def cursor(host: str) -> _Cursor:
         if host not in cursors:
             cursors[host] = _Cursor(port_base, port_max, host, claims, probe)
+            cursors[host].reserved = _fixed_on(host, plan, fixed, host_of_node, router_host)
         return cursors[host]
 
     routers = {}
     for model in plan.models:
-        if model.has_router:
+        if model.name in fixed.routers and model.has_router:
+            routers[model.name] = fixed.routers[model.name]
+        elif model.has_router:
             host_cursor = cursor(router_host)
             routers[model.name] = RouterPorts(http=host_cursor.take(), prometheus=host_cursor.take())
-    requests = _engine_port_requests(plan)
+    requests = [r for r in _engine_port_requests(plan) if (r.engine_id, r.node_rank) not in fixed.engines]
     if find_node_ports is None:
         starts = [[cursor(host_of_node(request.node)).take(n) for n in request.runs] for request in requests]
     else:
@@ -260,4 +271,37 @@ def assign_ports(
         (request.engine_id, request.node_rank): _engine_ports(start)
         for request, start in zip(requests, starts, strict=True)
     }
+    engines.update({key: ports for key, ports in fixed.engines.items() if key in _process_keys(plan)})
     return PortAssignment(engines=engines, routers=routers)
+
+
+def _process_keys(plan: DeploymentPlan) -> set[tuple[str, int]]:
+    return {(e.id, p.node_rank) for e in plan.engines for p in e.processes}
+
+
+def _ports_of(ports: EnginePorts, dp_size: int) -> set[int]:
+    taken = {ports.http, ports.nccl}
+    if ports.dist_init is not None:
+        taken |= set(range(ports.dist_init, ports.dist_init + DIST_INIT_SPAN + dp_size))
+    taken |= {p for p in (ports.engine_info_bootstrap, ports.disaggregation_bootstrap) if p is not None}
+    return taken
+
+
+def _fixed_on(
+    host: str,
+    plan: DeploymentPlan,
+    fixed: PortAssignment,
+    host_of_node: Callable[[int], str],
+    router_host: str,
+) -> set[int]:
+    """The fixed ports on ``host`` (those of kept processes and routers), which no other process may get."""
+    taken: set[int] = set()
+    for _model, group in plan.groups():
+        for engine in group.engines:
+            for process in engine.processes:
+                ports = fixed.engines.get((engine.id, process.node_rank))
+                if ports is not None and host_of_node(process.node) == host:
+                    taken |= _ports_of(ports, group.dp_size)
+    if host == router_host:
+        taken |= {p for r in fixed.routers.values() for p in (r.http, r.prometheus)}
+    return taken

@@ -15,6 +15,7 @@ from miles_sglang_plugin.rendering.lora import lora_problems
 from miles_sglang_plugin.rendering.ports import (
     HostNotUsableError,
     NodePortFinder,
+    PortAssignment,
     PortClaims,
     PortExhaustedError,
     assign_ports,
@@ -27,6 +28,8 @@ class PreparedDeployment:
     plan: DeploymentPlan
     settings: SGLangDeployConf
     launch: LaunchSpecs
+    #: The ports every engine process and router got (what a change of the running deployment keeps).
+    ports: PortAssignment | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The plan's JSON with, per engine, its processes' argv/env/url and, per model, its router."""
@@ -139,13 +142,15 @@ def prepare_deployment(
     host_of_node: Callable[[int], str] | None = None,
     router_host: str | None = None,
     find_node_ports: NodePortFinder | None = None,
+    fixed_ports: PortAssignment | None = None,
 ) -> PreparedDeployment:
     """Check the deployment-wide settings, assign ports and render every launch spec.
 
     By default every node of the plan and the routers map to ``settings.launch.host`` (one machine: the local
     backend runs a multi-node plan side by side only with stand-ins); a backend whose nodes are other machines
     passes each node's address (``host_of_node``), the routers' (``router_host``) and, to find engine ports on
-    the nodes themselves, ``find_node_ports``."""
+    the nodes themselves, ``find_node_ports``. ``fixed_ports``: the ports of processes and routers that keep
+    running through a change of the deployment (theirs, and nobody else's)."""
     problems = ProblemCollector("sglang_deploy")
     problems.extend(check_deploy_settings(settings, server_arg_fields))
     problems.extend(lora_problems(settings.lora, colocate=plan.trainer.colocate))
@@ -163,6 +168,7 @@ def prepare_deployment(
             probe=probe,
             claims=claims,
             find_node_ports=find_node_ports,
+            fixed=fixed_ports,
         )
     except HostNotUsableError as exc:
         problems.add("sglang_deploy.launch.host", str(exc))
@@ -178,12 +184,12 @@ def prepare_deployment(
         router_host=routers_on,
         server_arg_fields=server_arg_fields,
     )
-    real_launch = probe and launch.engine_kind is EngineKind.sglang
+    real_launch = probe and launch.engine_kind is not EngineKind.simulated
     problems.extend(
         server_arg_value_problems(plan, settings, launch.engines, launching_real_engines=real_launch)
     )
     problems.raise_if_any()
-    return PreparedDeployment(plan=plan, settings=settings, launch=launch)
+    return PreparedDeployment(plan=plan, settings=settings, launch=launch, ports=ports)
 
 
 __all__ = ["DeploymentConfigError", "PreparedDeployment", "prepare_deployment"]

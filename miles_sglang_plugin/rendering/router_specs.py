@@ -1,10 +1,18 @@
-"""What a model's router is launched with: its settings (checked against sglang-router's ``RouterArgs``),
-its launch spec and the worker registrations it expects. Pure data and checks, no I/O; the HTTP side
-(registration, readiness) is :mod:`miles_sglang_plugin.serving.routers`.
+"""What a model's router is launched with: its gateway, its settings (checked against that gateway's
+``RouterArgs``), its launch spec and the worker registrations it expects. Data and checks, no network I/O;
+the HTTP side (registration, readiness) is :mod:`miles_sglang_plugin.serving.routers`.
 
-sglang-router 0.3.2 facts these checks encode (checked against the real router): the policies it accepts
-(``consistent_hashing`` only through the Python ``RouterArgs``, ``bucket`` only as a prefill policy), and that a
-worker URL with a trailing ``/`` is probed as ``…//health`` and never registers (URLs are normalised here).
+Two gateways run a model's router, with the same settings: **sglang-router** (``sglang_router``, 0.3.2, the
+default dependency and that package's last release) and its maintained successor **SMG** (``smg``, 1.13.0, the
+``[smg]`` extra). ``gateway: auto`` is ``$MSP_ROUTER_GATEWAY`` when set, else SMG where it is installed, else
+sglang-router; it is decided when the deployment is rendered (:meth:`RouterSettings.resolved`), so the launch
+spec names the gateway its router runs.
+
+Facts these checks encode (checked against the real gateways): the policies each accepts (sglang-router 0.3.2:
+``consistent_hashing`` only through the Python ``RouterArgs``, ``prefix_hash`` answers 503; SMG adds
+``least_load``, ``passthrough`` and a working ``prefix_hash``; ``bucket`` only as a prefill policy in both),
+``RouterArgs`` annotations (``Optional[int]`` in sglang-router, ``int | None`` in SMG), and that a worker URL
+with a trailing ``/`` is probed as ``…//health`` and never registers (URLs are normalised here).
 """
 
 from __future__ import annotations
@@ -12,7 +20,11 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import importlib.metadata
+import importlib.util
 import json
+import os
+import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -32,21 +44,30 @@ from miles_sglang_plugin.rendering.deploy_checks import (
 
 __all__ = [
     "DECODE_POLICIES",
+    "GATEWAYS",
+    "GATEWAY_CHOICES",
+    "GATEWAY_ENV",
     "LOG_LEVELS",
     "PREFILL_POLICIES",
     "ROUTER_POLICIES",
     "ROUTING_KEY_POLICIES",
     "WORKER_TYPES",
+    "Gateway",
     "RouterLaunchSpec",
     "RouterSettings",
     "WorkerRegistration",
+    "gateway_info",
+    "gateway_installed",
+    "gateway_version",
     "normalize_worker_url",
+    "resolve_gateway",
     "router_args_fields",
     "validate_router_settings",
+    "worker_labels",
 ]
 
-# Policies the router accepts for its main ``policy`` (sglang-router 0.3.2). ``consistent_hashing`` is
-# reachable only through the Python ``RouterArgs`` (not a CLI choice); ``bucket`` is only a prefill policy.
+# Policies sglang-router 0.3.2 accepts for its main ``policy``. ``consistent_hashing`` is reachable only through
+# the Python ``RouterArgs`` (not a CLI choice); ``bucket`` is only a prefill policy.
 ROUTER_POLICIES: tuple[str, ...] = (
     "cache_aware",
     "round_robin",
@@ -55,12 +76,103 @@ ROUTER_POLICIES: tuple[str, ...] = (
     "manual",
     "consistent_hashing",
 )
+#: SMG 1.13.0's main policies (its ``COMMON_POLICY_CHOICES``), in this project's order: sglang-router's, then
+#: SMG's own (``prefix_hash`` works there; ``least_load``, ``passthrough`` are new).
+SMG_POLICIES: tuple[str, ...] = (*ROUTER_POLICIES, "prefix_hash", "least_load", "passthrough")
 #: Policies that pick the worker from the ``X-SMG-Routing-Key`` header: a request must carry one.
 ROUTING_KEY_POLICIES: frozenset[str] = frozenset({"consistent_hashing", "manual"})
 PREFILL_POLICIES: tuple[str, ...] = (*ROUTER_POLICIES, "bucket")
 DECODE_POLICIES: tuple[str, ...] = ROUTER_POLICIES
 LOG_LEVELS: tuple[str, ...] = ("debug", "info", "warn", "error")
 WORKER_TYPES: tuple[str, ...] = ("regular", "prefill", "decode")
+
+
+@dataclass(frozen=True)
+class Gateway:
+    """One gateway that can run a model's router: its setting's name, its package and modules, what it
+    accepts, and the version this project is tested against."""
+
+    name: str
+    #: Its name in messages.
+    display: str
+    #: The distribution whose installed version is looked up (``importlib.metadata``; SMG's own
+    #: ``smg.__version__`` says 1.1.0 in 1.13.0, so the module's attribute is not used).
+    distribution: str
+    #: The Python package holding ``router``, ``router_args`` and ``launch_router``.
+    module: str
+    policies: tuple[str, ...]
+    tested_version: str
+    #: How to install it, for messages.
+    install: str
+
+    @property
+    def prefill_policies(self) -> tuple[str, ...]:
+        return (*self.policies, "bucket")
+
+
+_GATEWAYS: dict[str, Gateway] = {
+    "sglang_router": Gateway(
+        name="sglang_router",
+        display="sglang-router",
+        distribution="sglang-router",
+        module="sglang_router",
+        policies=ROUTER_POLICIES,
+        tested_version="0.3.2",
+        install="pip install sglang-router",
+    ),
+    "smg": Gateway(
+        name="smg",
+        display="SMG",
+        distribution="smg",
+        module="smg",
+        policies=SMG_POLICIES,
+        tested_version="1.13.0",
+        install="pip install 'miles_sglang_plugin[smg]'",
+    ),
+}
+#: The gateways, by their setting's name (``sglang_deploy.router.gateway``).
+GATEWAYS: tuple[str, ...] = tuple(_GATEWAYS)
+GATEWAY_CHOICES: tuple[str, ...] = ("auto", *GATEWAYS)
+#: What ``gateway: auto`` means when set (``sglang_router`` or ``smg``); unset: SMG where it is installed.
+GATEWAY_ENV = "MSP_ROUTER_GATEWAY"
+
+
+def gateway_info(name: str) -> Gateway:
+    """The :class:`Gateway` called ``name`` (``sglang_router`` or ``smg``); KeyError for others."""
+    return _GATEWAYS[name]
+
+
+def gateway_installed(name: str) -> bool:
+    """Whether the gateway's Python package can be imported here (looked up, not imported)."""
+    try:
+        return importlib.util.find_spec(_GATEWAYS[name].module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def gateway_version(name: str) -> str | None:
+    """The installed version of the gateway's distribution, or None when it is not installed."""
+    try:
+        return importlib.metadata.version(_GATEWAYS[name].distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def resolve_gateway(choice: str) -> str:
+    """The gateway ``choice`` stands for: itself, or for ``auto`` ``$MSP_ROUTER_GATEWAY`` when that names a
+    gateway, else ``smg`` where it is installed, else ``sglang_router``. Any other value is returned as it is
+    (:func:`validate_router_settings` reports it)."""
+    if choice != "auto":
+        return choice
+    chosen = os.environ.get(GATEWAY_ENV, "").strip()
+    if chosen:
+        return chosen
+    return "smg" if gateway_installed("smg") else "sglang_router"
+
+
+#: Settings of this project that are not ``RouterArgs`` fields (``drain_settle_secs`` is an argument of SMG's
+#: Rust router that its ``RouterArgs`` does not carry: the router's process passes it itself).
+_NOT_ROUTER_ARGS = frozenset({"extra", "gateway", "drain_settle_secs"})
 
 # RouterArgs fields that must not come through ``RouterSettings.extra``, with the reason.
 _MANAGED_BY_SPEC = {
@@ -73,11 +185,13 @@ _MANAGED_BY_SPEC = {
     "worker_urls": "workers are registered through POST /workers (register_workers), not at launch",
     "prefill_urls": "workers are registered through POST /workers (register_workers), not at launch",
     "decode_urls": "workers are registered through POST /workers (register_workers), not at launch",
+    "encode_urls": "workers are registered through POST /workers (register_workers), not at launch",
     "mini_lb": "the Python MiniLB is a debugging balancer (needs sglang); this launcher runs the Rust router",
     "control_plane_api_keys": "holds secrets, which would be visible in the router's argv",
     "oracle_password": "a secret, which would be visible in the router's argv",
     "postgres_db_url": "may hold a password, which would be visible in the router's argv",
     "redis_url": "may hold a password, which would be visible in the router's argv",
+    "tenant_api_keys": "holds secrets, which would be visible in the router's argv",
 }
 
 
@@ -120,10 +234,17 @@ class RouterSettings:
         return cls(**kwargs)
 
     def router_args_kwargs(self) -> dict[str, Any]:
-        """The ``RouterArgs`` keyword arguments these settings stand for (typed fields, then ``extra``)."""
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
+        """The ``RouterArgs`` keyword arguments these settings stand for (typed fields, then ``extra``; the
+        gateway is which ``RouterArgs``, not one of its fields)."""
+        out = {
+            f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _NOT_ROUTER_ARGS
+        }
         out.update(self.extra)
         return out
+
+    def resolved(self) -> RouterSettings:
+        """These settings with ``gateway: auto`` decided (:func:`resolve_gateway`)."""
+        return dataclasses.replace(self, gateway=resolve_gateway(self.gateway))
 
 
 @dataclass(frozen=True, repr=False)
@@ -202,11 +323,16 @@ class RouterLaunchSpec:
 
 @dataclass(frozen=True)
 class WorkerRegistration:
-    """One engine to register with a router. ``url`` is normalised (scheme added, trailing ``/`` removed)."""
+    """One engine to register with a router. ``url`` is normalised (scheme added, trailing ``/`` removed).
+
+    ``labels`` (a mapping of strings, kept as sorted pairs so that a registration stays hashable) travel in
+    ``POST /workers``: SMG lists them under ``labels`` (also in ``/v1/rl/workers``, where its selectors match
+    them), sglang-router 0.3.2 under ``metadata``. :func:`worker_labels` gives the plan's."""
 
     url: str
     worker_type: str = "regular"
     bootstrap_port: int | None = None
+    labels: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, str) or not self.url.strip():
@@ -222,11 +348,18 @@ class WorkerRegistration:
             port = self.bootstrap_port
             if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
                 raise ValueError(f"bootstrap_port must be an integer in 1..65535, got {port!r}")
+        object.__setattr__(self, "labels", _label_pairs(self.labels))
+
+    @property
+    def label_map(self) -> dict[str, str]:
+        return dict(self.labels)
 
     def payload(self, api_key: str | None = None) -> dict[str, Any]:
         body: dict[str, Any] = {"url": self.url, "worker_type": self.worker_type}
         if self.bootstrap_port is not None:
             body["bootstrap_port"] = self.bootstrap_port
+        if self.labels:
+            body["labels"] = self.label_map
         if api_key is not None:
             body["api_key"] = api_key
         return body
@@ -234,6 +367,36 @@ class WorkerRegistration:
     def describe(self) -> str:
         extra = f", bootstrap_port={self.bootstrap_port}" if self.bootstrap_port is not None else ""
         return f"{self.url} ({self.worker_type}{extra})"
+
+
+def _label_pairs(labels: Any) -> tuple[tuple[str, str], ...]:
+    """Labels (a mapping, or pairs) as sorted ``(key, value)`` string pairs; ValueError for anything else."""
+    items = labels.items() if isinstance(labels, Mapping) else labels
+    try:
+        pairs = [(key, value) for key, value in items]
+    except (TypeError, ValueError):
+        raise ValueError(f"labels must be a mapping of strings, got {labels!r}") from None
+    for key, value in pairs:
+        if not isinstance(key, str) or not key or not isinstance(value, str):
+            raise ValueError(f"labels must map non-empty strings to strings, got {key!r}: {value!r}")
+    if len({key for key, _ in pairs}) != len(pairs):
+        raise ValueError(f"labels name a key twice: {labels!r}")
+    return tuple(sorted(pairs))
+
+
+def worker_labels(
+    *, model: str, group: str, worker_type: str, engine_id: str, needs_offload: bool, update_weights: bool
+) -> dict[str, str]:
+    """The labels an engine is registered with: what the plan decided for it, so that a gateway's worker list
+    (SMG's ``/v1/rl/workers`` and its label selectors) shows the plan."""
+    return {
+        "model": model,
+        "group": group,
+        "worker_type": worker_type,
+        "engine_id": engine_id,
+        "needs_offload": "true" if needs_offload else "false",
+        "update_weights": "true" if update_weights else "false",
+    }
 
 
 def normalize_worker_url(url: str) -> str:
@@ -249,17 +412,23 @@ def normalize_worker_url(url: str) -> str:
 # Validation
 # ----------------------------------------------------------------------------------------------------
 @functools.cache
-def router_args_fields() -> dict[str, Any]:
-    """``RouterArgs`` dataclass field name -> type annotation (imports sglang_router on first use)."""
-    from sglang_router.router_args import RouterArgs
+def router_args_fields(gateway: str = "sglang_router") -> dict[str, Any]:
+    """The gateway's ``RouterArgs`` dataclass field name -> type annotation (imports ``<module>.router_args`` on
+    first use; ImportError when the gateway is not installed)."""
+    module = importlib.import_module(f"{_GATEWAYS[gateway].module}.router_args")
+    router_args = module.RouterArgs
+    hints = typing.get_type_hints(router_args)
+    return {f.name: hints.get(f.name, Any) for f in dataclasses.fields(router_args)}
 
-    hints = typing.get_type_hints(RouterArgs)
-    return {f.name: hints.get(f.name, Any) for f in dataclasses.fields(RouterArgs)}
+
+def _is_union(annotation: Any) -> bool:
+    """``Optional[int]`` / ``Union[...]`` (sglang-router) and ``int | None`` (SMG) alike."""
+    return typing.get_origin(annotation) in (typing.Union, types.UnionType)
 
 
 def _type_ok(value: Any, annotation: Any) -> bool:
     origin = typing.get_origin(annotation)
-    if origin is typing.Union:
+    if _is_union(annotation):
         return any(_type_ok(value, arg) for arg in typing.get_args(annotation))
     if annotation is type(None):
         return value is None
@@ -271,7 +440,7 @@ def _type_ok(value: Any, annotation: Any) -> bool:
         return isinstance(value, int | float) and not isinstance(value, bool)
     if annotation is str:
         return isinstance(value, str)
-    if annotation is list or origin is list:
+    if annotation in (list, tuple) or origin in (list, tuple):
         return isinstance(value, list | tuple)
     if annotation is dict or origin is dict:
         return isinstance(value, Mapping)
@@ -279,22 +448,26 @@ def _type_ok(value: Any, annotation: Any) -> bool:
 
 
 def _type_name(annotation: Any) -> str:
-    """``int`` for a class, ``Optional[int]`` for a generic (whose ``__name__`` would be ``Optional``)."""
+    """``int`` for a class, ``Optional[int]`` / ``int | None`` for a generic (whose ``__name__`` would be
+    ``Optional`` or missing)."""
     if isinstance(annotation, type):  # list[str] is not a type (Python 3.11+)
         return annotation.__name__
     return str(annotation).replace("typing.", "")
 
 
-def _policy_problem(key: str, value: Any, valid: tuple[str, ...]) -> str | None:
+def _policy_problem(key: str, value: Any, valid: tuple[str, ...], gateway: str) -> str | None:
     if value in valid:
         return None
     msg = f"{key}: unknown policy {value!r}; valid: {', '.join(valid)}"
     if value == "bucket":
         msg = f"{key}: 'bucket' is only valid as prefill_policy; valid here: {', '.join(valid)}"
-    elif value == "prefix_hash":
+    elif value == "prefix_hash" and gateway == "sglang_router":
         msg += (
-            " ('prefix_hash' exists in sglang-router 0.3.2 but answers 503 no_available_workers in HTTP mode)"
+            " ('prefix_hash' exists in sglang-router 0.3.2 but answers 503 no_available_workers in HTTP mode; "
+            "SMG serves it: gateway=smg)"
         )
+    elif value in SMG_POLICIES and gateway == "sglang_router":
+        msg += f" ({value!r} is an SMG policy: gateway=smg)"
     else:
         close = difflib.get_close_matches(str(value), valid, n=2, cutoff=0.6)
         if close:
@@ -326,6 +499,7 @@ _SETTING_BOUNDS = {
             "cb_failure_threshold",
         )
     },
+    "drain_settle_secs": Bounds(0, integer=True, maximum=MAX_DURATION_S, why="at most 30 days"),
     "retry_backoff_multiplier": Bounds(1.0, maximum=100.0),
     "retry_jitter_factor": Bounds(0.0, maximum=1.0),
 }
@@ -334,13 +508,32 @@ _BOOL_SETTINGS = ("disable_health_check", "disable_retries", "disable_circuit_br
 _TYPED_SETTINGS = frozenset(f.name for f in dataclasses.fields(RouterSettings)) - {"extra"}
 
 
-def _policy_problems(settings: RouterSettings) -> list[str]:
-    checked = [("policy", settings.policy, ROUTER_POLICIES)]
+def _gateway_problem(choice: Any, gateway: str) -> str | None:
+    """What is wrong with the gateway setting (``choice``) that resolved to ``gateway``; None: fine."""
+    if choice not in GATEWAY_CHOICES:
+        return f"gateway: {choice!r} is not one of {', '.join(GATEWAY_CHOICES)}"
+    if gateway not in _GATEWAYS:
+        return f"gateway: auto, but ${GATEWAY_ENV}={gateway!r} is not one of {', '.join(GATEWAYS)}"
+    if not gateway_installed(gateway):
+        install = _GATEWAYS[gateway].install
+        if choice == "auto":
+            return (
+                f"gateway: auto is {gateway} here (${GATEWAY_ENV}={gateway}), which is not installed: {install}, "
+                f"or set ${GATEWAY_ENV} to another gateway"
+            )
+        others = " or ".join(name for name in GATEWAYS if name != gateway)
+        return f"gateway: {gateway} is not installed: {install}, or choose {others}"
+    return None
+
+
+def _policy_problems(settings: RouterSettings, gateway: str) -> list[str]:
+    info = _GATEWAYS.get(gateway, _GATEWAYS["sglang_router"])
+    checked = [("policy", settings.policy, info.policies)]
     if settings.prefill_policy is not None:
-        checked.append(("prefill_policy", settings.prefill_policy, PREFILL_POLICIES))
+        checked.append(("prefill_policy", settings.prefill_policy, info.prefill_policies))
     if settings.decode_policy is not None:
-        checked.append(("decode_policy", settings.decode_policy, DECODE_POLICIES))
-    problems = [_policy_problem(key, value, valid) for key, value, valid in checked]
+        checked.append(("decode_policy", settings.decode_policy, info.policies))
+    problems = [_policy_problem(key, value, valid, info.name) for key, value, valid in checked]
     return [problem for problem in problems if problem]
 
 
@@ -358,8 +551,9 @@ def _typed_setting_problems(settings: RouterSettings) -> list[str]:
     return problems + [f"{name}: {problem}" for name, problem in checked if problem]
 
 
-def _extra_problem(key: Any, value: Any, fields: Mapping[str, Any] | None) -> str | None:
-    """What is wrong with ``extra[key] = value`` (``fields``: RouterArgs' fields, None when unknown)."""
+def _extra_problem(key: Any, value: Any, fields: Mapping[str, Any] | None, package: str) -> str | None:
+    """What is wrong with ``extra[key] = value`` (``fields``: the gateway's RouterArgs fields, None when
+    unknown; ``package``: the gateway's name in messages)."""
     if not isinstance(key, str):
         return f"extra: key {key!r} is not a string"
     if key in _TYPED_SETTINGS:
@@ -371,7 +565,7 @@ def _extra_problem(key: Any, value: Any, fields: Mapping[str, Any] | None) -> st
     if key not in fields:
         close = difflib.get_close_matches(key, list(fields), n=3, cutoff=0.6)
         hint = f"; did you mean {', '.join(close)}?" if close else ""
-        return f"extra.{key}: not a sglang-router RouterArgs field{hint}"
+        return f"extra.{key}: not a {package} RouterArgs field{hint}"
     if not _type_ok(value, fields[key]):
         return f"extra.{key}: expected {_type_name(fields[key])}, got {value!r}"
     try:
@@ -381,25 +575,30 @@ def _extra_problem(key: Any, value: Any, fields: Mapping[str, Any] | None) -> st
     return None
 
 
-def _extra_problems(extra: Mapping[Any, Any]) -> list[str]:
+def _extra_problems(extra: Mapping[Any, Any], gateway: str) -> list[str]:
     problems: list[str] = []
+    info = _GATEWAYS.get(gateway, _GATEWAYS["sglang_router"])
     try:
-        fields = router_args_fields()
-    except Exception as e:  # sglang_router missing or broken: report, do not raise
+        fields = router_args_fields(info.name)
+    except Exception as e:  # the gateway missing or broken: report, do not raise
         fields = None
         if extra:
-            problems.append(f"extra: cannot check keys against RouterArgs (sglang_router import failed: {e})")
+            problems.append(f"extra: cannot check keys against RouterArgs ({info.module} import failed: {e})")
     for key, value in extra.items():
-        problem = _extra_problem(key, value, fields)
+        problem = _extra_problem(key, value, fields, info.display)
         if problem:
             problems.append(problem)
     return problems
 
 
 def validate_router_settings(settings: RouterSettings) -> list[str]:
-    """Every problem with ``settings``, as messages (empty list: fine). Never raises for bad values."""
+    """Every problem with ``settings``, as messages (empty list: fine), checked against the gateway they
+    resolve to (``auto``: :func:`resolve_gateway`). Never raises for bad values."""
+    gateway = resolve_gateway(settings.gateway) if isinstance(settings.gateway, str) else settings.gateway
+    problem = _gateway_problem(settings.gateway, gateway)
     return [
-        *_policy_problems(settings),
+        *([problem] if problem else []),
+        *_policy_problems(settings, gateway),
         *_typed_setting_problems(settings),
-        *_extra_problems(settings.extra),
+        *_extra_problems(settings.extra, gateway),
     ]

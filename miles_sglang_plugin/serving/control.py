@@ -95,7 +95,7 @@ class AsyncDeploymentControl:
         return tuple(row.info() for row in self._select(model, group))
 
     def _select(self, model: str | None, group: str | None) -> list[EngineRow]:
-        rows = list(self._serving.fleet.engines())
+        rows = [r for r in self._serving.fleet.engines() if not r.retired]  # removed by a change: not driven
         if model is not None:
             known = sorted({r.model for r in rows})
             if model not in known:
@@ -116,10 +116,16 @@ class AsyncDeploymentControl:
         model: str | None,
         group: str | None,
         also: Callable[[EngineRow], bool] | None = None,
+        needed: Callable[[EngineRow], bool] | None = None,
     ) -> _Targets:
         """The engines ``spec`` concerns among ``model`` / ``group``: those up now are sent it (and pass
-        ``also``, e.g. members of a weights update group), the others deferred."""
+        ``also``, e.g. members of a weights update group), the others deferred; those it would change nothing
+        on (``needed`` false: memory released already) are skipped."""
         selected = self._select(model, group)
+        idle = [
+            r.id for r in selected if spec.concerns(r) and r.state.up and needed is not None and not needed(r)
+        ]
+        selected = [r for r in selected if r.id not in idle]
         mine = [r for r in selected if spec.concerns(r)]
         sent = tuple(r for r in mine if r.state.up and (also is None or also(r)))
         taken = {r.id for r in sent}
@@ -132,7 +138,8 @@ class AsyncDeploymentControl:
             for r in mine
             if r.id not in taken
         }
-        return _Targets(sent, tuple(r.id for r in selected if not spec.concerns(r)), tuple(why), why)
+        skipped = (*(r.id for r in selected if not spec.concerns(r)), *idle)
+        return _Targets(sent, skipped, tuple(why), why)
 
     # ------------------------------------------------------------------------------------------ running
     async def _on_loop(self, coro: Coroutine[Any, Any, R]) -> R:
@@ -318,17 +325,11 @@ class AsyncDeploymentControl:
         check: bool = True,
     ) -> OperationResult:
         """``/release_memory_occupation`` on the engines of groups with ``needs_offload`` (``tags``: some of
-        ``weights``, ``kv_cache``, ``cuda_graph``, or one of them; None: all)."""
-        chosen = ops.memory_tags(tags)
-        effect = ops.memory_effect(chosen, released=True)
-        return await self._run(
-            "offload",
-            ops.memory_body(chosen),
-            effect,
-            model=model,
-            group=group,
-            timeout_s=timeout_s,
-            check=check,
+        ``weights``, ``kv_cache``, ``cuda_graph``, or one of them; None: all). Each engine is sent the tags it
+        holds of them (one that released them all already is skipped). Pause generation first: SGLang's
+        scheduler fails when memory is released under running requests."""
+        return await self._memory(
+            "offload", ops.memory_tags(tags), model, group, timeout_s, check, released=True
         )
 
     async def onload(
@@ -341,17 +342,43 @@ class AsyncDeploymentControl:
         check: bool = True,
     ) -> OperationResult:
         """``/resume_memory_occupation`` on the engines of groups with ``needs_offload`` (Miles resumes
-        ``weights`` before a weight update and ``kv_cache`` + ``cuda_graph`` after it)."""
-        chosen = ops.memory_tags(tags)
-        effect = ops.memory_effect(chosen, released=False)
+        ``weights`` before a weight update and ``kv_cache`` + ``cuda_graph`` after it). Each engine is sent
+        only the tags it released (resuming memory that is not released ends SGLang's scheduler); one that
+        released none of them is skipped."""
+        return await self._memory(
+            "onload", ops.memory_tags(tags), model, group, timeout_s, check, released=False
+        )
+
+    async def _memory(
+        self,
+        name: str,
+        tags: Sequence[str] | None,
+        model: str | None,
+        group: str | None,
+        timeout_s: float | None,
+        check: bool,
+        *,
+        released: bool,
+    ) -> OperationResult:
+        wanted = tuple(tags) if tags is not None else ops.MEMORY_TAGS
+        ledger = self._serving.ledger
+
+        def tags_of(row: EngineRow) -> list[str]:
+            has = ledger.has(row.id).released
+            return [t for t in wanted if (t not in has) == released]
+
+        ops.check_timeout(timeout_s)
+        targets = self._targets(OPERATIONS[name], model, group, needed=lambda r: bool(tags_of(r)))
+        effect = ops.memory_effect(wanted, released=released)
         return await self._run(
-            "onload",
-            ops.memory_body(chosen),
+            name,
+            lambda row: {"tags": tags_of(row)},
             effect,
             model=model,
             group=group,
             timeout_s=timeout_s,
             check=check,
+            targets=targets,
         )
 
     # ------------------------------------------------------------------------------------------ weights
@@ -550,15 +577,21 @@ class AsyncDeploymentControl:
         timeout_s: float | None = None,
         check: bool = True,
     ) -> OperationResult:
-        """``/destroy_weights_update_group`` on the engines receiving weights."""
+        """``/destroy_weights_update_group`` on the engines of the group as it was formed (an engine restarted
+        since, or added, never joined it: skipped)."""
+        ops.check_timeout(timeout_s)
+        formed = self._serving.ledger.group(group_name)
+        spec = OPERATIONS["destroy_weights_update_group"]
+        targets = self._targets(spec, model, None, needed=lambda r: formed.get(r.id) == r.restarts)
         result = await self._run(
-            "destroy_weights_update_group",
+            spec.name,
             {"group_name": group_name},
             None,
             model=model,
             group=None,
             timeout_s=timeout_s,
             check=False,
+            targets=targets,
         )
         await self._on_loop(self._leave(group_name, result.accepted))
         return result.raise_for_errors() if check else result

@@ -35,22 +35,28 @@ sees it only once nothing is left running.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import concurrent.futures
+import dataclasses
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
 from miles_sglang_plugin.backends.base import Backend, EngineProcess, LaunchError
 from miles_sglang_plugin.backends.processes import ExitWatcher, ManagedProcess, Spawner, stop_processes
 from miles_sglang_plugin.backends.status_view import StatusView, SummaryRow
+from miles_sglang_plugin.config.schema import SGLangDeployConf
 from miles_sglang_plugin.masking import mask_argv
-from miles_sglang_plugin.rendering.prepared import PreparedDeployment
-from miles_sglang_plugin.serving import quiet_http, signals
+from miles_sglang_plugin.planning.plan import DeploymentPlan
+from miles_sglang_plugin.rendering.launch_specs import RouterLaunch
+from miles_sglang_plugin.rendering.ports import PortAssignment
+from miles_sglang_plugin.rendering.prepared import PreparedDeployment, prepare_deployment
+from miles_sglang_plugin.serving import elastic, quiet_http, signals
 from miles_sglang_plugin.serving.control import AsyncDeploymentControl, DeploymentControl
 from miles_sglang_plugin.serving.errors import (
     DeploymentFailedError,
@@ -72,7 +78,6 @@ from miles_sglang_plugin.serving.ledger import Ledger, initial_state
 from miles_sglang_plugin.serving.policy import STARTUP_HEALTH_ENDPOINT
 from miles_sglang_plugin.serving.reconciler import Reconciler, ServingLoop, StartupFailure
 from miles_sglang_plugin.serving.registry import ModelRoute, RouterRegistry
-from miles_sglang_plugin.serving.routers import router_command
 from miles_sglang_plugin.serving.wire import ClientPool
 
 __all__ = ["Deployment", "StartupInterrupted", "stop_all_active"]
@@ -81,6 +86,23 @@ __all__ = ["Deployment", "StartupInterrupted", "stop_all_active"]
 _SIGNAL_CHECK_S = 0.05
 #: How long stopping waits for what runs on the serving loop to wind down.
 STOP_LOOP_TIMEOUT_S = 5.0
+
+
+class ConfigSource(Protocol):
+    """Where a running deployment's changes are resolved: the app's config and its checks (the Hydra edge
+    provides it to the deployments it launches)."""
+
+    #: The config the deployment runs with now (a change replaces it).
+    config: Any
+    #: SGLang's ServerArgs fields the overrides are checked against (None: the installed SGLang's).
+    server_arg_fields: Collection[str] | None
+
+    def resolve(self, config: Any) -> tuple[DeploymentPlan, SGLangDeployConf]:
+        """``config`` resolved with every rule and check of a launch."""
+
+    def resized(self, sizes: Mapping[tuple[str, str], int]) -> Any:
+        """The current config with these groups' ``num_gpus`` ((model, group) -> GPUs)."""
+
 
 #: Deployments of this process that have started and not stopped. Held strongly: a deployment whose code kept
 #: no reference to it still runs its processes, and must still be stopped at job end and at exit.
@@ -109,8 +131,14 @@ class Deployment:
         log_dir: Path,
         status: StatusView | None = None,
         install_signal_handlers: bool = True,
+        source: ConfigSource | None = None,
     ) -> None:
         self.prepared = prepared
+        #: Where a change's config is resolved (``apply(config)``, ``resize``): the app's, when it launched it.
+        self.source = source
+        self._apply_lock = threading.Lock()
+        #: Processes of engines a change removed (stopped): still among :meth:`processes`.
+        self._removed_processes: list[EngineProcess] = []
         self.backend = backend
         self.settings = prepared.settings
         self.log_dir = Path(log_dir)
@@ -138,11 +166,13 @@ class Deployment:
             io=self._io,
             exits=ExitWatcher(),
             on_fail=self._fail_and_stop,
+            place_again=self._place_again,
         )
         self._control = DeploymentControl(AsyncDeploymentControl(self))
         self._started = False
         self._stopping = False
         self._stopped = False
+        self._stopped_event = threading.Event()
         self._stopping_lock = threading.Lock()
         self._lock = threading.Lock()
         self._failure: str | None = None
@@ -150,18 +180,7 @@ class Deployment:
         self._watch: signals.SignalWatch | None = None
 
     def _router_rows(self) -> list[RouterRow]:
-        rows = []
-        for launch in self.prepared.launch.routers:
-            argv, env = router_command(launch.spec)
-            process = ManagedProcess(
-                name=f"router.{launch.model}",
-                argv=argv,
-                env=env,
-                log_path=self.log_dir / f"router.{launch.model}.log",
-                display_command=" ".join(argv[:3]) + f" <spec of {launch.model}>",
-            )
-            rows.append(RouterRow(model=launch.model, launch=launch, process=process))
-        return rows
+        return [elastic.new_router_row(launch, self.log_dir) for launch in self.prepared.launch.routers]
 
     # ---------------------------------------------------------------------------------------------- API
     @property
@@ -176,8 +195,12 @@ class Deployment:
         return self.fleet.engine_infos()
 
     def processes(self) -> list[EngineProcess | ManagedProcess]:
-        """Every process started: engine processes (all nodes), then routers."""
-        return [*self._engine_processes(), *(router.process for router in self.fleet.routers())]
+        """Every process started: engine processes (all nodes; those a change removed too), then routers."""
+        return [
+            *self._engine_processes(),
+            *self._removed_processes,
+            *(router.process for router in self.fleet.routers()),
+        ]
 
     def auth_headers(self) -> dict[str, str]:
         """``Authorization`` for requests to the routers and engines (empty without an API key). The key
@@ -227,6 +250,11 @@ class Deployment:
     def events(self) -> tuple[DeploymentEvent, ...]:
         """The events so far (the last 1,000)."""
         return self.event_log.events()
+
+    def wait_stopped(self, timeout_s: float | None = None) -> bool:
+        """Wait until every process of the deployment is stopped and its backend closed (after :meth:`stop`,
+        or after a failure, which stops it by itself); False if ``timeout_s`` passed first."""
+        return self._stopped_event.wait(timeout_s)
 
     @property
     def failure(self) -> str | None:
@@ -486,6 +514,150 @@ class Deployment:
             )
         return rows
 
+    # ---------------------------------------------------------------------------------------------- change
+    @property
+    def plan(self) -> DeploymentPlan:
+        """The plan the deployment runs now (after its last change)."""
+        return self.prepared.plan
+
+    def apply(
+        self, config_or_plan: Any, *, dry_run: bool = False, timeout_s: float | None = None
+    ) -> elastic.ApplyResult:
+        """Change the running deployment to ``config_or_plan`` (a config like the one it was launched from, or
+        a resolved :class:`DeploymentPlan`) without touching what stays: see :mod:`.elastic`. Every problem
+        is found before anything changes (:class:`DeploymentConfigError`). ``dry_run``: what it would do.
+        Blocks until the deployment has converged (at most ``timeout_s``, default
+        ``sglang_deploy.launch.startup_timeout_s``); returns what it did per engine."""
+        with self._apply_lock:
+            self.check_running()
+            started = time.monotonic()
+            fresh, settings = self._resolve_change(config_or_plan)
+            render = self._dry_render if dry_run else self._render
+            change = elastic.plan_change(
+                self.prepared, fresh, lambda plan, ports: render(plan, settings, ports), settings=settings
+            )
+            if dry_run:
+                return elastic.result_of(change, {}, started, dry_run=True)
+            deadline = timeout_s if timeout_s is not None else self.settings.launch.startup_timeout_s
+            done_at, removed = self.serving_loop.submit(self._converge(change, deadline)).result()
+            self._removed_processes += removed
+            self._forget_ports(change)
+            self.prepared = change.prepared
+            if self.source is not None and not isinstance(config_or_plan, DeploymentPlan):
+                self.source.config = config_or_plan
+            return elastic.result_of(change, done_at, started, dry_run=False)
+
+    def resize(
+        self, model: str, group: str, num_gpus: int, *, dry_run: bool = False, timeout_s: float | None = None
+    ) -> elastic.ApplyResult:
+        """:meth:`apply` of the config it runs with one group's ``num_gpus`` changed."""
+        return self.apply(
+            self._source().resized({(model, group): num_gpus}), dry_run=dry_run, timeout_s=timeout_s
+        )
+
+    def move_gpus(
+        self,
+        model: str,
+        from_group: str,
+        to_group: str,
+        num_gpus: int,
+        *,
+        dry_run: bool = False,
+        timeout_s: float | None = None,
+    ) -> elastic.ApplyResult:
+        """:meth:`apply` with ``num_gpus`` GPUs of ``model`` moved from one group to another (prefill to
+        decode, say): the engines that stay keep their GPUs, the new ones take those given up."""
+        plan_model = self.plan.model(model)
+        sizes = {
+            (model, from_group): plan_model.group(from_group).num_gpus - num_gpus,
+            (model, to_group): plan_model.group(to_group).num_gpus + num_gpus,
+        }
+        return self.apply(self._source().resized(sizes), dry_run=dry_run, timeout_s=timeout_s)
+
+    def _source(self) -> ConfigSource:
+        if self.source is None:
+            raise TypeError(
+                "this deployment was not launched from a config (launch_from_config): pass apply() a plan"
+            )
+        return self.source
+
+    def _resolve_change(self, config_or_plan: Any) -> tuple[DeploymentPlan, SGLangDeployConf]:
+        if isinstance(config_or_plan, DeploymentPlan):
+            return config_or_plan, self.settings
+        return self._source().resolve(config_or_plan)
+
+    def _render(
+        self, plan: DeploymentPlan, settings: SGLangDeployConf, ports: PortAssignment
+    ) -> PreparedDeployment:
+        fields = self.source.server_arg_fields if self.source is not None else None
+        prepared = self.backend.prepare(plan, settings, server_arg_fields=fields, fixed_ports=ports)
+        self.backend.check(prepared)
+        return prepared
+
+    def _dry_render(
+        self, plan: DeploymentPlan, settings: SGLangDeployConf, ports: PortAssignment
+    ) -> PreparedDeployment:
+        fields = self.source.server_arg_fields if self.source is not None else None
+        return prepare_deployment(plan, settings, server_arg_fields=fields, fixed_ports=ports)
+
+    async def _converge(self, change: elastic.Change, timeout_s: float) -> tuple[dict[str, float], list[Any]]:
+        return await elastic.converge(
+            change,
+            fleet=self.fleet,
+            ledger=self.ledger,
+            reconciler=self.reconciler,
+            serving=self.serving_loop,
+            timeout_s=timeout_s,
+            start_router=self._start_new_router,
+            stop_router=self._stop_old_router,
+        )
+
+    async def _start_new_router(self, launch: RouterLaunch) -> None:
+        row = elastic.new_router_row(launch, self.log_dir)
+        self.fleet.add_router(row)
+        await asyncio.wrap_future(self._spawner.submit(row.process.start))
+        self.reconciler.watch_router(row.model, 0, row.process)
+
+    async def _stop_old_router(self, router: RouterRow) -> None:
+        grace = self.settings.launch.shutdown_grace_s
+        await asyncio.get_running_loop().run_in_executor(
+            self._io, lambda: stop_processes([router.process], grace)
+        )
+        self.fleet.transition_router(router.model, RouterState.STOPPED)
+        self.fleet.drop_router(router.model)
+        self._removed_processes.append(router.process)  # type: ignore[arg-type]
+
+    def _forget_ports(self, change: elastic.Change) -> None:
+        """Give back the port claims of the engines and routers the change removed."""
+        release = getattr(self.backend, "release_ports", None)
+        if release is None or self.prepared.ports is None:
+            return
+        kept = change.prepared.ports
+        old = self.prepared.ports
+        ports = [
+            p
+            for key, e in old.engines.items()
+            if kept is None or key not in kept.engines
+            for p in dataclasses.astuple(e)
+            if p
+        ]
+        ports += [
+            p
+            for m, r in old.routers.items()
+            if kept is None or m not in kept.routers
+            for p in (r.http, r.prometheus)
+        ]
+        release(ports)
+
+    def _place_again(self, engines: Sequence[str]) -> PreparedDeployment | None:
+        """For the reconciler: ``engines`` lost their node; the backend places them on free capacity (None where
+        it cannot), and the deployment runs from the plan rendered with their new places."""
+        with self._apply_lock:  # never while a change of the deployment is rendered
+            prepared = self.backend.place_again(self.prepared, engines)
+            if prepared is not None:
+                self.prepared = prepared
+            return prepared
+
     # ---------------------------------------------------------------------------------------------- stop
     def _fail_and_stop(self, message: str) -> None:
         """The reconciler gave up (restarts used up, a router that cannot come back): record it and stop."""
@@ -548,6 +720,7 @@ class Deployment:
                 if router.state is not RouterState.STOPPED:
                     self.fleet.transition_router(router.model, RouterState.STOPPED)
             self.event_log.close()
+            self._stopped_event.set()
 
 
 def _at(when: str) -> str:

@@ -7,20 +7,26 @@ Engine states and the changes allowed (``EngineState``):
 =================  ==========================================================  ==============================
 state              meaning                                                     may become
 =================  ==========================================================  ==============================
-starting           its processes run (or, external: not answered yet); not     catching_up, lost, stopped
-                   answering its health endpoint yet
+new                added by a change of the deployment (``apply``): waits      starting, lost, stopped
+                   until its GPUs are free, then is started
+starting           its processes run (or, external: not answered yet); not     catching_up, lost, draining,
+                   answering its health endpoint yet                           stopped
 catching_up        answers; being brought to the ledger (replay of the         serving, pending_weights,
-                   control state it should have), then registered              lost, stopped
+                   control state it should have), then registered              lost, draining, stopped
 serving            in its model's router, serving requests                     catching_up (it disagrees with
-                                                                               the ledger), lost, stopped
-pending_weights    up, out of its router: its weights can only come through    catching_up, lost, stopped
-                   a weights update group the trainer forms again
+                                                                               the ledger), lost, draining,
+                                                                               stopped
+pending_weights    up, out of its router: its weights can only come through    catching_up, lost, draining,
+                   a weights update group the trainer forms again              stopped
 lost               exited or stopped answering: out of its router, its         restarting, catching_up
                    processes stopped; restarted after the backoff (an          (external, answers again),
-                   external engine: waited for)                                failed, stopped
+                   external engine: waited for)                                failed, draining, stopped
 restarting         being started again with its same argv, environment, GPUs   starting, lost, stopped
+draining           removed by a change of the deployment: out of its router,   stopped
+                   finishing the requests it has, then stopped
 failed             could not be brought back: the deployment fails             stopped
-stopped            the deployment stopped (external engines keep running)      (none)
+stopped            the deployment stopped, or the engine was removed           (none)
+                   (external engines keep running)
 =================  ==========================================================  ==============================
 
 Routers (``RouterState``): starting -> live (answers ``/liveness``) -> ready (lists every engine it should
@@ -68,12 +74,14 @@ EXTERNAL_GROUP = "external"
 class EngineState(enum.Enum):
     """See the module docstring."""
 
+    NEW = "new"
     STARTING = "starting"
     CATCHING_UP = "catching_up"
     SERVING = "serving"
     PENDING_WEIGHTS = "pending_weights"
     LOST = "lost"
     RESTARTING = "restarting"
+    DRAINING = "draining"
     FAILED = "failed"
     STOPPED = "stopped"
 
@@ -88,12 +96,14 @@ _UP = frozenset({EngineState.SERVING, EngineState.PENDING_WEIGHTS})
 _E = EngineState
 ENGINE_TRANSITIONS: Mapping[EngineState, frozenset[EngineState]] = MappingProxyType(
     {
-        _E.STARTING: frozenset({_E.CATCHING_UP, _E.LOST, _E.STOPPED}),
-        _E.CATCHING_UP: frozenset({_E.SERVING, _E.PENDING_WEIGHTS, _E.LOST, _E.STOPPED}),
-        _E.SERVING: frozenset({_E.CATCHING_UP, _E.LOST, _E.STOPPED}),
-        _E.PENDING_WEIGHTS: frozenset({_E.CATCHING_UP, _E.LOST, _E.STOPPED}),
-        _E.LOST: frozenset({_E.RESTARTING, _E.CATCHING_UP, _E.FAILED, _E.STOPPED}),
+        _E.NEW: frozenset({_E.STARTING, _E.LOST, _E.STOPPED}),
+        _E.STARTING: frozenset({_E.CATCHING_UP, _E.LOST, _E.DRAINING, _E.STOPPED}),
+        _E.CATCHING_UP: frozenset({_E.SERVING, _E.PENDING_WEIGHTS, _E.LOST, _E.DRAINING, _E.STOPPED}),
+        _E.SERVING: frozenset({_E.CATCHING_UP, _E.LOST, _E.DRAINING, _E.STOPPED}),
+        _E.PENDING_WEIGHTS: frozenset({_E.CATCHING_UP, _E.LOST, _E.DRAINING, _E.STOPPED}),
+        _E.LOST: frozenset({_E.RESTARTING, _E.CATCHING_UP, _E.FAILED, _E.DRAINING, _E.STOPPED}),
         _E.RESTARTING: frozenset({_E.STARTING, _E.LOST, _E.STOPPED}),
+        _E.DRAINING: frozenset({_E.STOPPED}),
         _E.FAILED: frozenset({_E.STOPPED}),
         _E.STOPPED: frozenset(),
     }
@@ -248,6 +258,12 @@ class EngineRow:
     restart_at: float | None = None
     #: The last divergence from the ledger that was reported (to report each once).
     divergence: str = ""
+    #: Its global GPU slots in the plan (which a new engine may take only once a removed one has let go).
+    slots: tuple[int, ...] = ()
+    #: Removed by a change of the deployment: it drains and stops, and is then dropped from the fleet.
+    retired: bool = False
+    #: A draining engine is stopped at this ``time.monotonic()`` even if it still has requests.
+    drain_until: float | None = None
 
     @property
     def lead(self) -> EngineProcessLaunch | None:
@@ -331,6 +347,9 @@ class Fleet:
     def engine(self, engine_id: str) -> EngineRow:
         return self._engines[engine_id]
 
+    def __contains__(self, engine_id: object) -> bool:
+        return engine_id in self._engines
+
     def router(self, model: str) -> RouterRow | None:
         return self._routers.get(model)
 
@@ -343,6 +362,37 @@ class Fleet:
             return tuple(row.info() for row in self._routers.values())
 
     # ------------------------------------------------------------------------------------------ writing
+    def add_engine(self, row: EngineRow) -> None:
+        """A new engine row (a change of the deployment), after the others (its router registers it in turn)."""
+        with self.lock:
+            if row.id in self._engines:
+                raise IllegalTransitionError(f"engine {row.id} is in the fleet already")
+            self._engines[row.id] = row
+
+    def drop_engine(self, engine_id: str) -> EngineRow:
+        """Take a stopped engine out of the fleet."""
+        with self.lock:
+            row = self._engines[engine_id]
+            if row.state is not EngineState.STOPPED:
+                raise IllegalTransitionError(
+                    f"engine {engine_id} is {row.state.value}: only a stopped one leaves"
+                )
+            return self._engines.pop(engine_id)
+
+    def order(self, engine_ids: Sequence[str]) -> None:
+        """Put the engines in this order (the plan's, after a change); the others keep theirs, after them."""
+        with self.lock:
+            first = {e: self._engines[e] for e in engine_ids if e in self._engines}
+            self._engines = {**first, **{e: r for e, r in self._engines.items() if e not in first}}
+
+    def add_router(self, row: RouterRow) -> None:
+        with self.lock:
+            self._routers[row.model] = row
+
+    def drop_router(self, model: str) -> RouterRow:
+        with self.lock:
+            return self._routers.pop(model)
+
     def transition(self, engine_id: str, state: EngineState, **changes: Any) -> EngineRow:
         """Move an engine to ``state`` (and set ``changes``); raises :class:`IllegalTransitionError` for a
         change :data:`ENGINE_TRANSITIONS` does not allow."""
@@ -399,6 +449,16 @@ def _lora_paths(launch: EngineProcessLaunch) -> tuple[tuple[str, str], ...]:
     return tuple(sorted(pairs))
 
 
+def _registration(
+    prepared: PreparedDeployment, model: str, url: str, fallback: WorkerRegistration
+) -> WorkerRegistration:
+    """The router's registration of the worker at ``url`` (with the plan's labels), as rendered."""
+    try:
+        return prepared.launch.router(model).registration(url)
+    except KeyError:
+        return fallback
+
+
 def _local_row(
     model: ModelPlan, group: GroupPlan, launches: Sequence[EngineProcessLaunch], num_gpus: int
 ) -> EngineRow:
@@ -424,6 +484,11 @@ def _local_row(
         launches=tuple(launches),
         initial_lora=_lora_paths(lead),
     )
+
+
+def slots_of(prepared: PreparedDeployment) -> dict[str, tuple[int, ...]]:
+    """engine id -> its global GPU slots in the plan."""
+    return {engine.id: engine.gpu_slots for engine in prepared.plan.engines}
 
 
 def _external_row(model: ModelPlan, engine: ExternalEnginePlan) -> EngineRow:
@@ -457,6 +522,10 @@ def engine_rows(prepared: PreparedDeployment) -> list[EngineRow]:
                 launches = sorted(prepared.launch.for_engine(engine.id), key=lambda p: p.node_rank)
                 rows.append(_local_row(model, group, launches, engine.num_gpus))
         rows += [_external_row(model, engine) for engine in model.external]
+    slots = slots_of(prepared)
+    for row in rows:
+        row.registration = _registration(prepared, row.model, row.url, row.registration)
+        row.slots = slots.get(row.id, ())
     return rows
 
 

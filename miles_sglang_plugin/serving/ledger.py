@@ -275,6 +275,22 @@ class Ledger:
         self.version += 1
 
     @_locked
+    def add_engine(self, engine: str, initial: ControlState, desired: ControlState) -> None:
+        """An engine added by a change of the deployment: its command line's state, and what it should have."""
+        self._initial[engine] = self._has[engine] = initial
+        self._desired[engine] = desired
+        self.version += 1
+
+    @_locked
+    def drop_engine(self, engine: str) -> None:
+        """An engine removed by a change of the deployment."""
+        for book in (self._initial, self._has, self._desired):
+            book.pop(engine, None)
+        for members in self._groups.values():
+            members.pop(engine, None)
+        self.version += 1
+
+    @_locked
     def accepted(self, engine: str, effect: Effect) -> None:
         """``engine`` accepted one call of a replay."""
         self._has[engine] = effect(self._has[engine])
@@ -315,7 +331,8 @@ class Ledger:
         for engine in took:
             self._has[engine] = effect(self._has[engine])
         for engine in [*took, *later, *refused]:
-            self._desired[engine] = effect(self._desired[engine])
+            if engine in self._desired:  # not one a change of the deployment removed meanwhile
+                self._desired[engine] = effect(self._desired[engine])
         self.version += 1
         return Record(recorded=True, diverged=tuple(refused), deferred=tuple(later))
 

@@ -17,6 +17,7 @@ from miles_sglang_plugin.serving.ledger import MEMORY_TAGS, ControlState, Effect
 
 __all__ = [
     "DEFAULT_GROUP_NAME",
+    "MEMORY_TAGS",
     "OPERATIONS",
     "PAUSE_MODES",
     "OperationSpec",

@@ -51,6 +51,7 @@ class Policy:
     restart_backoff_s: float = 1.0
     restart_backoff_max_s: float = 30.0
     restart_budget_reset_s: float = 600.0
+    drain_timeout_s: float = 60.0
     router_max_restarts: int = 3
     startup_timeout_s: float = 600.0
     poll_interval_s: float = 0.25
@@ -70,6 +71,7 @@ class Policy:
             restart_budget_reset_s=s.restart_budget_reset_s,
             router_max_restarts=s.router_max_restarts,
             startup_timeout_s=launch.startup_timeout_s,
+            drain_timeout_s=launch.drain_timeout_s,
             poll_interval_s=launch.poll_interval_s,
         )
 
@@ -140,7 +142,7 @@ class Action:
 
 
 #: Actions whose outcome is awaited; while one is out for an engine, no second one of its kind starts.
-PENDING_KINDS = frozenset({"probe", "spawn", "cleanup", "replay", "register", "deregister", "learn"})
+PENDING_KINDS = frozenset({"probe", "spawn", "cleanup", "replay", "register", "deregister", "learn", "drain"})
 
 
 # -------------------------------------------------------------------------------------------- the scratch
@@ -149,7 +151,7 @@ class _Scratch:
     only when the reconciler applies the actions."""
 
     def __init__(self, fleet: Fleet) -> None:
-        self._fleet = fleet
+        self.fleet = self._fleet = fleet
         self._engines: dict[str, EngineRow] = {}
         self._routers: dict[str, RouterRow] = {}
         self.actions: list[Action] = []
@@ -242,14 +244,7 @@ def plan_actions(
     if phase == "stopping":
         return []
     for observation in observations:
-        if observation.engine is not None:
-            _observe_engine(
-                scratch, scratch.engine(observation.engine), observation, ledger, policy, now, phase
-            )
-        elif observation.router is not None:
-            router = scratch.router(observation.router)
-            if router is not None:
-                _observe_router(scratch, router, observation, policy, now, phase)
+        _observe(scratch, observation, ledger, policy, now, phase)
     if any(a.kind in ("fail", "startup_failed") for a in scratch.actions):
         return scratch.actions
     for row in scratch.engines():
@@ -259,6 +254,16 @@ def plan_actions(
     if phase == "starting":
         _end_of_startup(scratch, now, startup_deadline)
     return scratch.actions
+
+
+def _observe(s: _Scratch, o: Observation, ledger: Ledger, policy: Policy, now: float, phase: str) -> None:
+    if o.engine is not None:
+        if o.engine in s.fleet:  # else about an engine a change removed from the fleet
+            _observe_engine(s, s.engine(o.engine), o, ledger, policy, now, phase)
+    elif o.router is not None:
+        router = s.router(o.router)
+        if router is not None:  # else about a router a change removed
+            _observe_router(s, router, o, policy, now, phase)
 
 
 # -------------------------------------------------------------------------------------- engine observations
@@ -311,7 +316,7 @@ def _on_probe(
 def _on_spawn(
     s: _Scratch, row: EngineRow, o: Observation, ledger: Ledger, policy: Policy, now: float, phase: str
 ) -> None:
-    if row.state is not EngineState.RESTARTING:
+    if row.state not in (EngineState.RESTARTING, EngineState.NEW):
         return
     if o.ok:
         s.move(row, EngineState.STARTING, started_at=now, probed_at=None, health_failures=0)
@@ -477,7 +482,11 @@ def _advance_engine(
     s: _Scratch, row: EngineRow, ledger: Ledger, policy: Policy, now: float, phase: str
 ) -> None:
     state = row.state
-    if state is EngineState.STARTING:
+    if row.retired:
+        _advance_retired(s, row, policy, now)
+    elif state is EngineState.NEW:
+        _advance_new(s, row)
+    elif state is EngineState.STARTING:
         _advance_starting(s, row, policy, now, phase)
     elif state is EngineState.CATCHING_UP:
         _advance_catching_up(s, row, ledger, now, phase)
@@ -486,6 +495,59 @@ def _advance_engine(
     elif state is EngineState.LOST:
         _advance_lost(s, row, policy, now, phase)
     _deregister_if_out(s, row)
+
+
+# -------------------------------------------------------------------------------- added and removed engines
+#: The work of a removed engine under way: it must end before the engine is stopped.
+_WINDING = frozenset({"spawn", "replay", "register", "learn", "probe"})
+
+
+def _advance_retired(s: _Scratch, row: EngineRow, policy: Policy, now: float) -> None:
+    """A removed engine: out of its router (the general rule), its requests finished or its drain time over,
+    its processes stopped; then it is ``stopped`` and the change that removed it drops it."""
+    state = row.state
+    if state is EngineState.NEW:
+        s.move(row, EngineState.STOPPED)  # never started
+        return
+    if state in (EngineState.STOPPED, EngineState.FAILED) or row.pending & _WINDING:
+        return
+    if state is not EngineState.DRAINING:
+        s.move(row, EngineState.DRAINING, drain_until=now + policy.drain_timeout_s, probed_at=None)
+    if row.registered or row.pending & {"drain", "cleanup", "deregister"}:
+        return
+    if row.external or row.cleaned_up:
+        s.move(row, EngineState.STOPPED)
+        s.emit("engine_removed", row.id, f"engine {row.id} ({row.url}) is out of the deployment")
+    elif row.drain_until is not None and now >= row.drain_until:
+        s.start(row, "cleanup")
+    elif _due(row.probed_at, RESTART_POLL_S * 2, now):
+        s.set(row, probed_at=now)
+        s.start(row, "drain")
+
+
+def _on_drain(
+    s: _Scratch, row: EngineRow, o: Observation, ledger: Ledger, policy: Policy, now: float, phase: str
+) -> None:
+    """A draining engine reported how many requests it still has (``ok``: none, or it does not answer)."""
+    if row.state is EngineState.DRAINING and o.ok and "cleanup" not in row.pending:
+        s.start(row, "cleanup")
+
+
+_ENGINE_OBSERVERS["drain"] = _on_drain
+
+
+def _advance_new(s: _Scratch, row: EngineRow) -> None:
+    """An added engine is started once no other engine holds any of its GPUs (a removed one has stopped)."""
+    if "spawn" in row.pending:
+        return
+    busy = {
+        slot
+        for other in s.engines()
+        if other.id != row.id and other.state is not EngineState.STOPPED
+        for slot in other.slots
+    }
+    if not busy & set(row.slots):
+        s.start(row, "spawn")
 
 
 def _due(probed_at: float | None, interval: float, now: float) -> bool:
@@ -570,6 +632,13 @@ def _serve(s: _Scratch, row: EngineRow, now: float) -> None:
     elif came_from == "pending":
         s.set(row, recovered_at=now, lost_at=None)
         s.emit("engine_admitted", row.id, f"engine {row.id} got weights and serves again", **back)
+    elif came_from == "new":
+        s.emit(
+            "engine_added",
+            row.id,
+            f"engine {row.id} ({row.url}) serves ({start_s:.1f} s its own start)",
+            **back,
+        )
 
 
 def _advance_up(s: _Scratch, row: EngineRow, ledger: Ledger, policy: Policy, now: float, phase: str) -> None:

@@ -17,7 +17,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -26,9 +26,11 @@ from miles_sglang_plugin.backends.base import Backend, EngineProcess, LaunchErro
 from miles_sglang_plugin.backends.processes import ExitWatcher, ManagedProcess, Spawner, stop_processes
 from miles_sglang_plugin.backends.status_view import StatusView
 from miles_sglang_plugin.config.schema import SGLangDeployConf
+from miles_sglang_plugin.errors import DeploymentConfigError, first_line
+from miles_sglang_plugin.rendering.prepared import PreparedDeployment
 from miles_sglang_plugin.serving import router_client
 from miles_sglang_plugin.serving.events import EventLog
-from miles_sglang_plugin.serving.fleet import EngineRow, EngineState, Fleet, RouterRow
+from miles_sglang_plugin.serving.fleet import EngineRow, EngineState, Fleet, RouterRow, engine_rows
 from miles_sglang_plugin.serving.ledger import Ledger
 from miles_sglang_plugin.serving.policy import (
     Action,
@@ -171,6 +173,7 @@ class Reconciler:
         io: concurrent.futures.ThreadPoolExecutor,
         exits: ExitWatcher,
         on_fail: Callable[[str], None],
+        place_again: Callable[[Sequence[str]], PreparedDeployment | None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.fleet, self.ledger, self.settings = fleet, ledger, settings
@@ -180,6 +183,10 @@ class Reconciler:
         #: Reads of the routers' lists, shared by the registrations that wait on one router at a time.
         self.router_reads = router_client.SharedReads(pool, loop.create_task)
         self._on_fail, self.clock = on_fail, clock
+        #: Places engines whose node is gone elsewhere, returning the deployment rendered with their new places
+        #: (None where the backend cannot; PlacementError while the cluster has no room for them).
+        self._place_again = place_again
+        self._placing = threading.Lock()
         self.phase = "starting"
         self.failure: str | None = None
         #: Set once start-up ends: None (ready) or a :class:`StartupFailure`.
@@ -315,7 +322,7 @@ class Reconciler:
         except Exception as exc:  # an unexpected error becomes the action's failed outcome
             log.exception("supervision: %s of %s failed", a.kind, a.engine or a.router)
             problem = f"{type(exc).__name__}: {exc}"
-            if a.engine is not None:
+            if a.engine is not None and a.engine in self.fleet:
                 self.observe(done(a.kind, a.engine, self.fleet.engine(a.engine).restarts, problem))
             elif a.router is not None:
                 row = self.fleet.router(a.router)
@@ -359,8 +366,12 @@ class Reconciler:
         generation = row.restarts
         blocker = await self._blocking(self._restart_blocker, row)
         if blocker is not None:
-            self.observe(done("spawn", row.id, generation, blocker, fatal=True))
-            return
+            problem, fatal = await self._blocking(self._place_elsewhere, row.id, blocker)
+            if problem is not None:
+                # no room now: a failed restart, tried again after the backoff while the budget lasts
+                self.observe(done("spawn", row.id, generation, problem, fatal=fatal))
+                return
+            row = self.fleet.engine(row.id)
         self.ledger.reset(row.id)
         self.fleet.update(row.id, processes=(), started_at=self.clock())
         try:
@@ -376,6 +387,42 @@ class Reconciler:
             if reason is not None:
                 return reason
         return None
+
+    def _place_elsewhere(self, engine: str, blocker: str) -> tuple[str | None, bool]:
+        """``engine`` cannot start where it was (its node left the cluster): have the backend place it on free
+        capacity, and take its new launches (and those of the other engines that were on the same node) into
+        the fleet. (problem, fatal): (None, False) once placed; fatal where the backend cannot place it
+        anywhere else."""
+        if self._place_again is None:
+            return blocker, True
+        with self._placing:
+            try:
+                prepared = self._place_again([engine])
+            except (LaunchError, DeploymentConfigError) as exc:
+                return f"{blocker}; it could not be placed on another node: {first_line(exc)}", False
+            if prepared is None:
+                return blocker, True
+            moved = []
+            for new in engine_rows(prepared):
+                if new.id not in self.fleet or new.external:
+                    continue
+                row = self.fleet.engine(new.id)
+                if tuple(p.argv for p in row.launches) == tuple(p.argv for p in new.launches):
+                    continue
+                old_url = row.url
+                self.fleet.update(
+                    new.id, url=new.url, launches=new.launches, registration=new.registration, gpus=new.gpus
+                )
+                moved.append((new.id, old_url, new.url))
+        for engine_id, old_url, new_url in moved:
+            self.events.emit(
+                "engine_placed_again",
+                engine_id,
+                f"engine {engine_id} placed again: {new_url} (was {old_url}, on a node that left the cluster)",
+                url=new_url,
+                was=old_url,
+            )
+        return None, False
 
     def _start_processes(self, row: EngineRow, generation: int) -> str | None:
         """On the spawner thread: start ``row``'s processes, each one in its row (and watched) as soon as it
@@ -422,6 +469,15 @@ class Reconciler:
             if self.fleet.engine(row.id).restarts == generation:
                 self.ledger.accepted(row.id, call.effect)
         self.observe(done("replay", row.id, generation, problem))
+
+    async def _do_drain(self, a: Action) -> None:
+        """How many requests a draining engine still has (its /metrics: running and queued); done when none,
+        or when it no longer answers (nothing is left to finish)."""
+        row = self.fleet.engine(a.engine or "")
+        generation = row.restarts
+        answer = await self.pool.call(row.url, "GET", "/metrics", deadline_s=self.policy.health_timeout_s)
+        left = requests_left(answer.body) if answer.ok else 0
+        self.observe(done("drain", row.id, generation, None if not left else f"{left} request(s) left"))
 
     async def _do_register(self, a: Action) -> None:
         row = self.fleet.engine(a.engine or "")
@@ -556,6 +612,22 @@ def _describe_exit(process: EngineProcess) -> tuple[int, str]:
     return (
         code if code is not None else -1
     ), f"process {process.name} exited with code {code} ({process.where}){why}"
+
+
+def requests_left(metrics: Any) -> int:
+    """Running plus queued requests of a Prometheus page of SGLang's (``sglang:num_running_reqs``,
+    ``sglang:num_queue_reqs``, summed over their labels); 0 when it holds neither."""
+    if not isinstance(metrics, str):
+        return 0
+    total = 0.0
+    for line in metrics.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in ("sglang:num_running_reqs", "sglang:num_queue_reqs"):
+            try:
+                total += float(line.rsplit(" ", 1)[1])
+            except (IndexError, ValueError):
+                continue
+    return int(total)
 
 
 def _whole_number(value: Any) -> int | None:

@@ -103,19 +103,37 @@ async def listed(
     return True, f"ready: {len(expected)} workers healthy{note}"
 
 
+async def _post(
+    pool: ClientPool, router_url: str, registration: WorkerRegistration, api_key: str | None, deadline: float
+) -> str | None:
+    """``POST /workers``, as often as SMG answers 409 (the URL is listed still: an entry of a process that is
+    gone, or its removal still draining), taking that entry out each time, until ``deadline``."""
+    while True:
+        answer = await pool.call(
+            router_url,
+            "POST",
+            "/workers",
+            body=registration.payload(api_key),
+            deadline_s=ROUTER_CALL_TIMEOUT_S,
+        )
+        if answer.status != 409 or time.monotonic() >= deadline:
+            problem = answer.problem()
+            return None if problem is None else f"POST {router_url}/workers: {problem}"
+        await deregister(pool, router_url, registration.url)
+        await asyncio.sleep(LIST_POLL_S)
+
+
 async def register(
     pool: ClientPool | SharedReads, router_url: str, registration: WorkerRegistration, api_key: str | None
 ) -> str | None:
-    """Register one engine and wait until the router lists it healthy (reading the router's list with the
-    other registrations that wait on it, when ``pool`` is a :class:`SharedReads`). The problem, or None."""
+    """Register one engine (with either gateway, also on a URL the router still lists) and wait until the
+    router lists it healthy (reading the router's list with the other registrations that wait on it, when
+    ``pool`` is a :class:`SharedReads`). The problem, or None."""
     reads = _reads(pool)
-    answer = await reads.pool.call(
-        router_url, "POST", "/workers", body=registration.payload(api_key), deadline_s=ROUTER_CALL_TIMEOUT_S
-    )
-    problem = answer.problem()
-    if problem is not None:
-        return f"POST {router_url}/workers: {problem}"
     deadline = time.monotonic() + REGISTRATION_TIMEOUT_S
+    problem = await _post(reads.pool, router_url, registration, api_key, deadline)
+    if problem is not None:
+        return problem
     detail = ""
     while time.monotonic() < deadline:
         ok, detail = await listed(reads, router_url, [registration])

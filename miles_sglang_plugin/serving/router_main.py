@@ -1,14 +1,16 @@
-"""``python -m miles_sglang_plugin.serving.router_main --spec-json '<json>'``: run the sglang-router of one model.
+"""``python -m miles_sglang_plugin.serving.router_main --spec-json '<json>'``: run the router of one model.
 
 The spec is a :class:`~miles_sglang_plugin.rendering.router_specs.RouterLaunchSpec` as JSON (``RouterLaunchSpec.to_json``);
 the API key, when the spec says there is one, comes from the environment variable ``MSP_ROUTER_API_KEY``
 (never argv). Build the command with :func:`miles_sglang_plugin.serving.routers.router_command`.
 
-The router runs through the Python API (``Router.from_args(RouterArgs(...)).start()``), not the CLI, because
-sglang-router 0.3.2 accepts ``consistent_hashing`` only there. It starts with the workers of ``--workers-json``
-(a JSON list of ``{"url", "worker_type", "bootstrap_port"}``; none at the first start, when engines are added
-through ``POST /workers`` as they come up): a router restarted while serving starts with the engines that
-serve, so that it never answers 503 for want of workers.
+The router runs on the gateway the spec names (``settings.gateway``: ``sglang_router`` or ``smg``; ``auto`` is
+decided here as at rendering) through its Python API (``Router.from_args(RouterArgs(...)).start()`` of
+``sglang_router`` or ``smg``), not the CLI, because sglang-router 0.3.2 accepts ``consistent_hashing`` only
+there. It starts with the workers of ``--workers-json`` (a JSON list of ``{"url", "worker_type",
+"bootstrap_port"}``; none at the first start, when engines are added through ``POST /workers`` as they come
+up): a router restarted while serving starts with the engines that serve, so that it never answers 503 for
+want of workers. Both gateways handle SIGTERM the same way (below).
 
 Shutdown: the Rust router handles SIGTERM (and SIGINT) itself: it logs "Received terminate signal, starting
 graceful shutdown", stops accepting connections, waits for in-flight requests (at most
@@ -23,6 +25,9 @@ example a port already in use), 130 after SIGINT.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
+import importlib
 import json
 import os
 import sys
@@ -32,6 +37,8 @@ from typing import Any
 from miles_sglang_plugin.rendering.router_specs import (
     RouterLaunchSpec,
     WorkerRegistration,
+    gateway_info,
+    gateway_version,
     validate_router_settings,
 )
 from miles_sglang_plugin.serving.routers import API_KEY_ENV
@@ -78,7 +85,7 @@ class _StartError(Exception):
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m miles_sglang_plugin.serving.router_main",
-        description="Run one sglang-router (Python API) from a RouterLaunchSpec JSON. "
+        description="Run one model's router (sglang-router or SMG, Python API) from a RouterLaunchSpec JSON. "
         f"The API key, if any, is read from ${API_KEY_ENV}.",
     )
     parser.add_argument("--spec-json", required=True, help="RouterLaunchSpec.to_json() output")
@@ -117,20 +124,38 @@ def _spec_from_json(spec_json: str) -> RouterLaunchSpec:
     problems = validate_router_settings(spec.settings)
     if problems:
         raise _StartError(2, f"bad router settings for model {spec.model!r}:\n  - " + "\n  - ".join(problems))
-    return spec
+    return dataclasses.replace(spec, settings=spec.settings.resolved())
+
+
+def _smg_router(router_module: Any, router_args: Any, drain_settle_secs: int) -> Any:
+    """SMG's ``Router.from_args`` with the Rust router's ``drain_settle_secs`` (an argument of its constructor,
+    ``smg.router._Router``, that ``RouterArgs`` does not carry). Where this SMG's router takes no such
+    argument, its own default stays, which the router's log says."""
+    rust = getattr(router_module, "_Router", None)
+    if rust is None or "drain_settle_secs" not in (getattr(rust, "__text_signature__", None) or ""):
+        print(f"{_TAG} this SMG takes no drain_settle_secs: its own drain time stays", flush=True)
+        return router_module.Router.from_args(router_args)
+    router_module._Router = functools.partial(rust, drain_settle_secs=drain_settle_secs)
+    try:
+        return router_module.Router.from_args(router_args)
+    finally:
+        router_module._Router = rust
 
 
 def _build_router(spec: RouterLaunchSpec, workers: Sequence[WorkerRegistration] = ()) -> Any:
-    from sglang_router.router import Router
-    from sglang_router.router_args import RouterArgs
-
+    gateway = gateway_info(spec.settings.gateway)
+    router_module = importlib.import_module(f"{gateway.module}.router")
+    args_module = importlib.import_module(f"{gateway.module}.router_args")
     try:
-        router_args = RouterArgs(**build_router_args_kwargs(spec, workers))
+        router_args = args_module.RouterArgs(**build_router_args_kwargs(spec, workers))
         router_args._validate_router_args()
-        return Router.from_args(router_args)
+        if gateway.name == "smg":
+            return _smg_router(router_module, router_args, spec.settings.drain_settle_secs)
+        return router_module.Router.from_args(router_args)
     except Exception as e:
         raise _StartError(
-            2, f"sglang-router rejected the settings for model {spec.model!r}: {type(e).__name__}: {e}"
+            2,
+            f"{gateway.distribution} rejected the settings for model {spec.model!r}: {type(e).__name__}: {e}",
         ) from None
 
 
@@ -170,9 +195,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         router = _build_router(spec, workers)
     except _StartError as e:
         return _fail(e.code, str(e))
+    gateway = spec.settings.gateway
     print(
         f"{_TAG} router for model {spec.model!r} at {spec.url} policy={_policy_description(spec)} "
-        f"pd={spec.pd_disaggregation} metrics=:{spec.prometheus_port} pid={os.getpid()}",
+        f"pd={spec.pd_disaggregation} metrics=:{spec.prometheus_port} "
+        f"gateway={gateway_info(gateway).distribution} {gateway_version(gateway)} pid={os.getpid()}",
         flush=True,
     )
     return _serve(router, spec)

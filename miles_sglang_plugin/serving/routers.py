@@ -1,8 +1,8 @@
 """The HTTP side of a model's router: the command that starts it, worker registration, readiness, removal.
 
-Small synchronous helpers over sglang-router's control API; the router's settings and launch spec are
-:mod:`miles_sglang_plugin.rendering.router_specs`. What sglang-router 0.3.2 does on the wire (checked against
-the real router):
+Small synchronous helpers over the control API that sglang-router and SMG share; the router's settings and
+launch spec are :mod:`miles_sglang_plugin.rendering.router_specs`. What sglang-router 0.3.2 does on the wire
+(checked against the real router; SMG 1.13.0's differences after the list):
 
 * ``POST /workers {"url", "worker_type", "bootstrap_port"?, "api_key"?}`` answers **202** with
   ``{"status": "accepted", "worker_id", "url", "location", "message"}``; the worker is probed (``/health``,
@@ -16,6 +16,21 @@ the real router):
   *and* decode worker. It does not need the API key.
 * ``DELETE /workers/{id}`` answers 202 (removal queued).
 * With an API key, ``/workers`` and ``/generate`` answer 401 without ``Authorization: Bearer <key>``.
+* A second ``POST /workers`` of a registered URL answers 202 and changes nothing (its job fails in the log).
+* ``labels`` given to ``POST /workers`` are listed in the worker's ``metadata``.
+* dp-aware (``dp_aware``): a worker is listed once per data-parallel rank (``url@0``, ``url@1``, ...), and
+  ``DELETE /workers/{id}`` of such an entry answers 202 but removes nothing (its job looks for ``url@0@``).
+
+SMG 1.13.0, where it differs:
+
+* A ``POST /workers`` of a URL the router holds answers **409** ``{"code": "WORKER_ALREADY_EXISTS"}`` (also
+  while that URL's registration is still in progress), so a worker is re-registered by :func:`replace_worker`.
+* ``DELETE /workers/{id}`` takes the worker out of routing at once, but the entry stays listed (and a new
+  ``POST`` of its URL answers 409) for the Rust router's ``drain_settle_secs`` (SMG's default 5 s; the routers
+  here get ``sglang_deploy.router.drain_settle_secs``, 0 by default); dp-aware entries are removed too.
+* ``labels`` are listed under ``labels`` (with SMG's own, e.g. ``model_path``), and in ``/v1/rl/workers``.
+* SIGTERM: the router keeps listening for 5 s (its load-balancer propagation window, whatever
+  ``drain_settle_secs``) before it drains and exits.
 """
 
 from __future__ import annotations
@@ -40,6 +55,7 @@ __all__ = [
     "deregister_workers",
     "register_workers",
     "remove_worker",
+    "replace_worker",
     "router_command",
     "router_ready",
     "router_workers",
@@ -151,6 +167,20 @@ def _request(
     return resp
 
 
+def _post_worker(
+    base: str, worker: WorkerRegistration, api_key: str | None, worker_api_key: str | None, timeout_s: float
+) -> dict[str, Any]:
+    """One ``POST /workers``; the router's answer (RouterRequestError for a non-2xx one, 409 included)."""
+    if not isinstance(worker, WorkerRegistration):
+        raise TypeError(f"expected WorkerRegistration, got {type(worker).__name__}")
+    body = worker.payload(worker_api_key if worker_api_key is not None else api_key)
+    resp = _request("POST", f"{base}/workers", api_key=api_key, timeout_s=timeout_s, json_body=body)
+    try:
+        return resp.json()
+    except ValueError:
+        return {"status": resp.status_code, "body": resp.text}
+
+
 def register_workers(
     router_url: str,
     workers: Iterable[WorkerRegistration],
@@ -158,26 +188,112 @@ def register_workers(
     timeout_s: float = _HTTP_TIMEOUT_S,
     *,
     worker_api_key: str | None = None,
+    replace: bool = False,
 ) -> list[dict[str, Any]]:
     """``POST {router_url}/workers`` for each worker; returns the router's answers (``worker_id`` etc.).
 
     ``api_key`` authenticates to the router (``Authorization: Bearer``) and is also sent as the worker's
     ``api_key`` unless ``worker_api_key`` is given. The router adds workers in the background (202): use
-    :func:`router_ready` / :func:`wait_router_ready` to know when they are in. Raises RouterRequestError.
+    :func:`router_ready` / :func:`wait_router_ready` to know when they are in.
+
+    A URL the router holds already: SMG answers 409 ``WORKER_ALREADY_EXISTS``, and the worker is then
+    registered afresh by :func:`replace_worker` (so that re-registering a restarted engine works with either
+    gateway); sglang-router 0.3.2 accepts the POST and keeps its entry as it was. ``replace=True`` goes
+    through :func:`replace_worker` for every worker, so that either gateway ends with exactly the given
+    registrations. Raises RouterRequestError.
     """
+    base = _base(router_url)
     answers = []
     for worker in workers:
-        if not isinstance(worker, WorkerRegistration):
-            raise TypeError(f"expected WorkerRegistration, got {type(worker).__name__}")
-        body = worker.payload(worker_api_key if worker_api_key is not None else api_key)
-        resp = _request(
-            "POST", f"{_base(router_url)}/workers", api_key=api_key, timeout_s=timeout_s, json_body=body
-        )
+        kwargs: dict[str, Any] = dict(api_key=api_key, worker_api_key=worker_api_key)
+        if replace:
+            answers.append(replace_worker(base, worker, timeout_s=max(timeout_s, 30.0), **kwargs))
+            continue
         try:
-            answers.append(resp.json())
-        except ValueError:
-            answers.append({"status": resp.status_code, "body": resp.text})
+            answers.append(_post_worker(base, worker, api_key, worker_api_key, timeout_s))
+        except RouterRequestError as exc:
+            if not _already_registered(exc):
+                raise
+            answers.append(replace_worker(base, worker, timeout_s=max(timeout_s, 30.0), **kwargs))
     return answers
+
+
+def _already_registered(exc: RouterRequestError) -> bool:
+    """SMG's answer to a POST of a URL it holds: 409 with ``"code": "WORKER_ALREADY_EXISTS"``."""
+    if exc.status_code != 409:
+        return False
+    try:
+        data = json.loads(exc.body or "")
+    except ValueError:
+        return False
+    return isinstance(data, dict) and data.get("code") == "WORKER_ALREADY_EXISTS"
+
+
+def _entries_of(base: str, url: str, api_key: str | None, timeout_s: float) -> list[dict]:
+    """The router's entries of the worker at ``url`` that have an id (dp-aware: one per rank)."""
+    return [
+        entry
+        for entry in router_workers(base, api_key=api_key, timeout_s=timeout_s)
+        if same_worker(entry.get("url"), url) and entry.get("id")
+    ]
+
+
+def _delete_entries(base: str, entries: list[dict], api_key: str | None, timeout_s: float) -> None:
+    for entry in entries:
+        _request(
+            "DELETE",
+            f"{base}/workers/{entry['id']}",
+            api_key=api_key,
+            timeout_s=timeout_s,
+            ok=lambda status: 200 <= status < 300 or status == 404,  # already gone is fine
+        )
+
+
+def replace_worker(
+    router_url: str,
+    worker: WorkerRegistration,
+    api_key: str | None = None,
+    timeout_s: float = 30.0,
+    *,
+    worker_api_key: str | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> dict[str, Any]:
+    """Register ``worker`` afresh, whether or not the router holds its URL already (an engine restarted on
+    its URL, an external engine that came back, a router being re-populated): the router's entries of that
+    URL are removed (``DELETE /workers/{id}``), and once it lists none the worker is POSTed; a 409 (SMG: the
+    removal is still draining, or another registration of the URL raced this one) removes what is listed and
+    tries again, until ``timeout_s``. Returns the router's answer to the POST that was accepted.
+
+    With both gateways this leaves one entry with this registration's type, bootstrap port and labels (a
+    second POST alone would be refused by SMG and ignored by sglang-router). Raises RouterRequestError (the
+    last 409 when the URL never became free, naming the entries left) or what the router answered otherwise.
+    sglang-router 0.3.2 cannot remove the entries of a dp-aware worker (see the module's notes): its old
+    entries then stay listed and this raises after ``timeout_s``.
+    """
+    base = _base(router_url)
+    deadline = clock() + timeout_s
+    call_s = min(_HTTP_TIMEOUT_S, timeout_s)
+    while True:
+        entries = _entries_of(base, worker.url, api_key, call_s)
+        _delete_entries(base, entries, api_key, call_s)
+        while entries and clock() < deadline:
+            sleep(0.05)
+            entries = _entries_of(base, worker.url, api_key, call_s)
+        if not entries:
+            try:
+                return _post_worker(base, worker, api_key, worker_api_key, call_s)
+            except RouterRequestError as exc:
+                if exc.status_code != 409 or clock() >= deadline:
+                    raise
+                sleep(0.05)
+                continue
+        listed = ", ".join(f"{entry.get('url')} (id {entry.get('id')})" for entry in entries)
+        raise RouterRequestError(
+            f"router at {base} still lists {listed} {timeout_s:g}s after DELETE: cannot register "
+            f"{worker.describe()} again",
+            status_code=409,
+        )
 
 
 def router_workers(
@@ -370,19 +486,10 @@ def remove_worker(
     router_url: str, url: str, api_key: str | None = None, timeout_s: float = _HTTP_TIMEOUT_S
 ) -> int:
     """Take the worker at ``url`` out of the router (every entry of it: dp-aware routers list one per rank);
-    returns how many entries were removed (0: it was not listed). Removal is queued by the router (202)."""
+    returns how many entries were removed (0: it was not listed). Removal is queued by the router (202): SMG
+    stops routing to it at once and lists it for its drain settle time more; :func:`replace_worker` waits for
+    that before it registers the URL again."""
     base = _base(router_url)
-    entries = [
-        worker
-        for worker in router_workers(base, api_key=api_key, timeout_s=timeout_s)
-        if same_worker(worker.get("url"), url) and worker.get("id")
-    ]
-    for worker in entries:
-        _request(
-            "DELETE",
-            f"{base}/workers/{worker['id']}",
-            api_key=api_key,
-            timeout_s=timeout_s,
-            ok=lambda status: 200 <= status < 300 or status == 404,
-        )
+    entries = _entries_of(base, url, api_key, timeout_s)
+    _delete_entries(base, entries, api_key, timeout_s)
     return len(entries)

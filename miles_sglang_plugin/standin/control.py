@@ -1,25 +1,38 @@
 """The stand-in engine's control routes, with the state a real engine keeps (NOT a real SGLang engine).
 
-What a trainer calls on its engines between rollouts (SGLang 0.5.23's routes, ``http_server.py``):
+What a trainer calls on its engines between rollouts (SGLang 0.5.23's routes, ``http_server.py``), answered as
+SGLang's own server answers them (held to it by ``tests/test_engine_contract.py``, run against both):
 
+* every control route takes a JSON object body, also on GET: none is a 400 (SGLang's FastAPI validation,
+  ``{"object": "error", "message": ..., "type": "Bad Request", "param": null, "code": 400}``), and so is a body
+  that SGLang's request class of the route does not take (checked against it, read from its ``io_struct.py``
+  where SGLang is installed, the shipped 0.5.23 description otherwise). Stricter than SGLang in two places, on
+  purpose: a field the class does not have and an unknown memory tag are refused (SGLang ignores the one and
+  records the other).
 * ``/release_memory_occupation`` / ``/resume_memory_occupation`` (``tags``: ``weights``, ``kv_cache``,
-  ``cuda_graph``; none: all). While any memory is released, ``/generate`` and the OpenAI routes answer 503:
-  an engine without its weights or KV cache cannot serve.
-* ``/update_weights_from_disk`` (refused while the weights are released), ``/init_weights_update_group``
-  (the engine's ranks ``rank_offset .. rank_offset + tp*pp - 1`` must lie in ``1 .. world_size - 1``: rank 0 is
-  the trainer), ``/update_weights_from_distributed`` (needs that group), ``/destroy_weights_update_group``,
-  ``/update_weight_version``. The weight version they set is what ``/get_server_info``, ``/model_info``,
-  ``/get_weight_version`` and each response's ``meta_info`` report.
+  ``cuda_graph``; none: all) answer 200 ``null``. With ``--enable-memory-saver`` a released engine cannot
+  serve: ``/generate`` and the OpenAI routes answer 503 and ``/update_weights_from_disk`` is refused while the
+  weights are released (a GPU engine's memory is gone; not checked against a real GPU engine). Without it,
+  as SGLang on a machine without the memory saver, nothing is released and the engine keeps serving. Resuming
+  memory that was not released kills SGLang's scheduler (``KeyError`` on its set of released tags): the
+  stand-in exits too (code 5), without answering.
+* ``/update_weights_from_disk``, ``/init_weights_update_group`` (the engine's ranks ``rank_offset .. rank_offset
+  + tp*pp - 1`` must lie in ``1 .. world_size - 1``: rank 0 is the trainer), ``/update_weights_from_distributed``
+  (needs that group), ``/destroy_weights_update_group`` (400 ``{"success": false, ...}`` for a group that does
+  not exist, as SGLang), ``/update_weight_version``. The weight version they set is what ``/model_info``
+  and each response's ``meta_info`` report (``/server_info`` keeps the start-up ``--weight-version``, as
+  SGLang's; SGLang 0.5.23 has no ``/get_weight_version``).
 * ``/pause_generation`` (``abort``, ``retract``, ``in_place``) and ``/continue_generation``: generation requests
-  that arrive while paused wait for ``continue``; ``/abort_request`` with ``abort_all`` (and a pause in ``abort``
-  mode, and ``abort_all_requests`` of a weight update) ends the waiting ones with finish reason ``abort``.
-* ``/load_lora_adapter`` / ``/unload_lora_adapter`` (only with ``--enable-lora``); loaded adapters are listed
-  by ``/v1/models`` (as SGLang lists them) and ``/stand_in/stats``.
+  that arrive while paused wait for ``continue`` (in SGLang's tokenizer manager), whatever the mode; an abort of
+  all requests (``/abort_request`` with ``abort_all``, a pause in ``abort`` mode, ``abort_all_requests`` of a
+  weight update) does not reach them: they run after ``continue``, as SGLang's do. (The stand-in answers a
+  request at once, or paced by its speed model: none is in flight for an abort to end.)
+* ``/load_lora_adapter`` / ``/unload_lora_adapter`` (only with ``--enable-lora``, else 400 with SGLang's
+  ``{"success": false, "error_message": "LoRA is not enabled. ..."}``); loaded adapters are listed by
+  ``/v1/models`` (as SGLang lists them) and ``/stand_in/stats``.
 
-Every body is checked against SGLang's own request class of its route where SGLang is installed (read from
-its ``io_struct.py``; the shipped 0.5.23 description otherwise): a missing or mistyped field, or one the class
-does not have, is answered 422 naming the class. ``MSP_STANDIN_CONTROL_LATENCY_S`` makes each control call
-take that long (a real engine's take from a fraction of a second to minutes).
+``MSP_STANDIN_CONTROL_LATENCY_S`` makes each control call take that long (a real engine's take from a fraction
+of a second to minutes).
 """
 
 from __future__ import annotations
@@ -33,10 +46,19 @@ from typing import Any
 
 from aiohttp import web
 
-from miles_sglang_plugin.standin.common import RequestError, json_object
+from miles_sglang_plugin.standin.common import BodyError, Refusal, RequestError, control_body
 
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 CONTROL_LATENCY_ENV = "MSP_STANDIN_CONTROL_LATENCY_S"
+#: Exit code of a stand-in whose (emulated) scheduler crashed as SGLang's does.
+EXIT_CRASHED = 5
+LORA_DISABLED = "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."
+#: What a handler returns for an empty 200 answer (``None`` is JSON ``null``).
+EMPTY = object()
+
+
+class SchedulerCrash(Exception):
+    """A call that makes SGLang's scheduler raise and the engine exit: the stand-in exits without answering."""
 
 
 @functools.cache
@@ -52,6 +74,8 @@ class ControlState:
     """What the control routes change, and what generation and the info routes read."""
 
     enable_lora: bool = False
+    #: ``--enable-memory-saver``: released memory is gone (no serving until resumed); without it nothing is.
+    memory_saver: bool = False
     tp_size: int = 1
     pp_size: int = 1
     latency_s: float = 0.0
@@ -67,14 +91,17 @@ class ControlState:
     weight_groups: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: Control calls received, in order: ``[route, body]`` (the last 500).
     calls: deque[list[Any]] = field(default_factory=lambda: deque(maxlen=500))
-    #: Bumped by every abort of all requests: a request waiting for ``continue`` sees it and ends as aborted.
-    abort_epoch: int = 0
+    #: Aborts of all requests received (none reaches a request waiting for ``continue``, as in SGLang).
+    aborts: int = 0
+    #: The checkpoint of the last ``/update_weights_from_disk`` (None: the one it started with).
+    disk_model_path: str | None = None
     _resumed: asyncio.Event | None = None
 
     # -------------------------------------------------------------------------------------------- generation
     def generation_refusal(self) -> str | None:
-        """Why a generation request cannot be served now (None: it can)."""
-        if self.released_tags:
+        """Why a generation request cannot be served now (None: it can): memory released with the memory
+        saver on."""
+        if self.released_tags and self.memory_saver:
             return (
                 f"stand-in engine: memory released ({', '.join(sorted(self.released_tags))}); "
                 "call /resume_memory_occupation before generating"
@@ -88,21 +115,13 @@ class ControlState:
                 self._resumed.set()
         return self._resumed
 
-    async def wait_until_running(self) -> bool:
-        """Wait while generation is paused; False if all requests were aborted meanwhile."""
-        epoch = self.abort_epoch
+    async def wait_until_running(self) -> None:
+        """Wait while generation is paused (an abort of all requests does not end the wait, as in SGLang)."""
         while self.paused is not None:
             await self.resumed().wait()
-            if self.abort_epoch != epoch:
-                return False
-        return self.abort_epoch == epoch
 
     def abort_all(self) -> None:
-        self.abort_epoch += 1
-        if self.paused is not None:  # wake the waiting requests so that they end as aborted
-            event = self.resumed()
-            event.set()
-            event.clear()
+        self.aborts += 1
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -119,12 +138,12 @@ class ControlState:
 
 CONTROL: web.AppKey[ControlState] = web.AppKey("standin_control", ControlState)
 
-Handler = Callable[[ControlState, dict[str, Any]], dict[str, Any] | None]
+Handler = Callable[[ControlState, dict[str, Any]], Any]
 
 
 def _tags(body: dict[str, Any]) -> set[str]:
     tags = body.get("tags")
-    if tags is None:
+    if not tags:  # SGLang: None or [] is all of them
         return set(MEMORY_TAGS)
     unknown = sorted(set(tags) - set(MEMORY_TAGS))
     if unknown:
@@ -133,21 +152,28 @@ def _tags(body: dict[str, Any]) -> set[str]:
 
 
 def _require_weights(state: ControlState, what: str) -> None:
-    if "weights" in state.released_tags:
+    if "weights" in state.released_tags and state.memory_saver:
         raise RequestError(
             400,
             f"stand-in engine: {what} while the weights are released; resume them first (tags=['weights'])",
         )
 
 
-def release_memory(state: ControlState, body: dict[str, Any]) -> dict[str, Any]:
+def release_memory(state: ControlState, body: dict[str, Any]) -> None:
     state.released_tags |= _tags(body)
-    return {"success": True, "released_tags": sorted(state.released_tags)}
+    return None  # SGLang answers 200 null
 
 
-def resume_memory(state: ControlState, body: dict[str, Any]) -> dict[str, Any]:
-    state.released_tags -= _tags(body)
-    return {"success": True, "released_tags": sorted(state.released_tags)}
+def resume_memory(state: ControlState, body: dict[str, Any]) -> None:
+    tags = _tags(body)
+    not_released = sorted(tags - state.released_tags)
+    if not_released:  # SGLang's scheduler: self.offload_tags.remove(tag) -> KeyError, the engine exits
+        raise SchedulerCrash(
+            f"KeyError: {not_released[0]!r} (resume_memory_occupation of memory that was not released: "
+            f"{', '.join(not_released)})"
+        )
+    state.released_tags -= tags
+    return None
 
 
 def _set_version(state: ControlState, version: Any) -> None:
@@ -159,14 +185,14 @@ def update_weights_from_disk(state: ControlState, body: dict[str, Any]) -> dict[
     _require_weights(state, "cannot load weights from disk")
     if body.get("abort_all_requests"):
         state.abort_all()
-    state.model_path = body["model_path"]
+    state.model_path = state.disk_model_path = body["model_path"]
     state.weight_updates += 1
     _set_version(state, body.get("weight_version"))
-    return {
-        "success": True,
-        "message": f"stand-in engine: weights of {state.model_path} 'loaded' (none are)",
-        "num_paused_requests": 0,
-    }
+    version = body.get("weight_version")
+    message = "Succeeded to update model weights." + (
+        f" Weight version updated to {version}." if version is not None else ""
+    )
+    return {"success": True, "message": message, "num_paused_requests": 0}
 
 
 def init_weights_update_group(state: ControlState, body: dict[str, Any]) -> dict[str, Any]:
@@ -201,11 +227,9 @@ def update_weights_from_distributed(state: ControlState, body: dict[str, Any]) -
 
 def destroy_weights_update_group(state: ControlState, body: dict[str, Any]) -> dict[str, Any]:
     name = body.get("group_name", "weight_update_group")
-    existed = state.weight_groups.pop(name, None) is not None
-    return {
-        "success": True,
-        "message": f"stand-in engine: {name!r} {'destroyed' if existed else 'did not exist'}",
-    }
+    if state.weight_groups.pop(name, None) is None:
+        raise Refusal(400, {"success": False, "message": "The group to be destroyed does not exist."})
+    return {"success": True, "message": f"stand-in engine: {name!r} destroyed"}
 
 
 def update_weight_version(state: ControlState, body: dict[str, Any]) -> dict[str, Any]:
@@ -233,28 +257,34 @@ def continue_generation(state: ControlState, body: dict[str, Any]) -> dict[str, 
     return {"message": "Generation continued successfully.", "status": "ok"}
 
 
-def abort_request(state: ControlState, body: dict[str, Any]) -> None:
+def abort_request(state: ControlState, body: dict[str, Any]) -> object:
     if body.get("abort_all"):
         state.abort_all()
-    return None  # SGLang answers an empty 200
+    return EMPTY  # SGLang answers an empty 200
+
+
+def _lora_refusal(message: str) -> Refusal:
+    """SGLang's LoRA failure answer (``LoadLoRAAdapterReqOutput`` as JSON)."""
+    body = {"rid": None, "http_worker_ipc": None, "success": False, "error_message": message}
+    return Refusal(400, {**body, "loaded_adapters": None})
 
 
 def load_lora_adapter(state: ControlState, body: dict[str, Any]) -> dict[str, Any]:
     if not state.enable_lora:
-        raise RequestError(400, "stand-in engine: LoRA is not enabled (start it with --enable-lora)")
+        raise _lora_refusal(LORA_DISABLED)
     name = body["lora_name"]
     if name in state.lora_adapters:
-        raise RequestError(400, f"stand-in engine: a LoRA adapter named {name!r} is already loaded")
+        raise _lora_refusal(f"stand-in engine: a LoRA adapter named {name!r} is already loaded")
     state.lora_adapters[name] = body["lora_path"]
     return {"success": True, "error_message": None, "loaded_adapters": dict(state.lora_adapters)}
 
 
 def unload_lora_adapter(state: ControlState, body: dict[str, Any]) -> dict[str, Any]:
     if not state.enable_lora:
-        raise RequestError(400, "stand-in engine: LoRA is not enabled (start it with --enable-lora)")
+        raise _lora_refusal(LORA_DISABLED)
     name = body["lora_name"]
     if state.lora_adapters.pop(name, None) is None:
-        raise RequestError(400, f"stand-in engine: no LoRA adapter named {name!r} is loaded")
+        raise _lora_refusal(f"stand-in engine: no LoRA adapter named {name!r} is loaded")
     return {"success": True, "error_message": None, "loaded_adapters": dict(state.lora_adapters)}
 
 
@@ -273,26 +303,25 @@ HANDLERS: dict[str, Handler] = {
     "/load_lora_adapter": load_lora_adapter,
     "/unload_lora_adapter": unload_lora_adapter,
 }
-#: Routes SGLang also serves on GET (no body).
+#: Routes SGLang also serves on GET (with a body all the same).
 GET_TOO = ("/release_memory_occupation", "/resume_memory_occupation")
 
 
 def _route(handler: Handler) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
     async def serve(request: web.Request) -> web.StreamResponse:
         state = request.app[CONTROL]
-        body = await json_object(request, required=False)
+        body = await control_body(request)
         schemas = request_schemas()
         problems = schemas.problems(request.path, body)
         if problems:
-            raise RequestError(
-                422,
-                f"stand-in engine: not a valid body (checked against {schemas.source}): {'; '.join(problems)}",
+            raise BodyError(
+                f"stand-in engine: not a valid body (checked against {schemas.source}): {'; '.join(problems)}"
             )
         state.calls.append([request.path, body])
         if state.latency_s:
             await asyncio.sleep(state.latency_s)
         answer = handler(state, body)
-        return web.Response(status=200) if answer is None else web.json_response(answer)
+        return web.Response(status=200) if answer is EMPTY else web.json_response(answer)
 
     return serve
 
@@ -301,7 +330,3 @@ def control_routes() -> list[web.RouteDef]:
     routes = [web.post(path, _route(handler)) for path, handler in HANDLERS.items()]
     routes += [web.get(path, _route(HANDLERS[path])) for path in GET_TOO]
     return routes
-
-
-async def get_weight_version(request: web.Request) -> web.Response:
-    return web.json_response({"weight_version": request.app[CONTROL].weight_version})

@@ -31,19 +31,27 @@ Fault injection, read from the environment at start:
 ``/stand_in/stats`` and each response's stand-in metadata, next to the ``CUDA_VISIBLE_DEVICES`` it got.
 
 Exit codes: 0 on SIGTERM/SIGINT, 1 when the port cannot be bound, 2 for a bad argv or a bad fault variable,
-3 for ``MSP_STANDIN_FAIL_AT_START``, 4 for ``MSP_STANDIN_DIE_AFTER_S``.
+3 for ``MSP_STANDIN_FAIL_AT_START``, 4 for ``MSP_STANDIN_DIE_AFTER_S``, 5 for a call that crashes SGLang's
+scheduler (resuming memory that was not released: :mod:`.control`).
 
 With ``--node-rank`` > 0 it behaves as the follower process of a multi-node engine: it binds nothing and
 waits to be terminated (the fault variables still apply).
 
-Endpoints: ``/health``, ``/health_generate``, ``/liveness``, ``/readiness``, ``/server_info``,
-``/get_server_info``, ``/model_info``, ``/get_model_info``, ``POST /generate`` (optionally SSE),
-``POST /v1/chat/completions``, ``POST /v1/completions``, ``/v1/models``, ``/flush_cache``, ``/get_load``,
+Endpoints, answered as SGLang 0.5.23's server answers them (statuses and the shape of each answer: held to it
+by ``tests/test_engine_contract.py``, run against both): ``/health`` and ``/health_generate`` (200 with an
+empty body; ``/health_generate`` 503 while generation is paused or, with the memory saver, memory is released:
+SGLang's never answers then, and says 503 after 20 s; the stand-in does not wait), ``/ready`` (503 while
+paused), ``/server_info``, ``/get_server_info``, ``/model_info``, ``/get_model_info``, ``POST /generate``
+(optionally SSE; input logprobs only from ``logprob_start_len`` on, as SGLang: none by default),
+``POST /v1/chat/completions``, ``POST /v1/completions``, ``/v1/models``, ``/flush_cache`` (its text answer),
 ``/metrics`` (served whether or not ``--enable-metrics`` is given), the control routes with their state
 (:mod:`miles_sglang_plugin.standin.control`: memory release/resume, weight updates and version, pause/continue,
-abort, LoRA adapters; bodies checked against SGLang's request classes), ``/get_weight_version``, Miles'
-weight-update bracket (no-ops), and ``/stand_in/stats`` (request counters, the last PD bootstrap fields seen,
-the control state and the control calls received). In PD mode the answers are a disaggregated server's: a
+abort, LoRA adapters; bodies checked against SGLang's request classes), Miles' weight-update bracket (no-ops),
+and ``/stand_in/stats`` (request counters, the last PD bootstrap fields seen, the control state and the
+control calls received). Any other path is 404 ``{"detail": "Not Found"}`` (FastAPI's): SGLang 0.5.23 serves
+no ``/liveness``, ``/readiness``, ``/get_load`` or ``/get_weight_version``. Not emulated: how long SGLang
+takes (``/health_generate`` waits a second before it answers; ``/health`` does too unless
+``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false``, which Miles' engine environment sets). In PD mode the answers are a disaggregated server's: a
 prefill engine generates one token and returns the prompt's logprobs; a decode engine returns no input
 logprobs. With ``--disaggregation-mode prefill|decode``,
 ``/generate`` and ``/v1/chat/completions`` answer 400 unless the body has ``bootstrap_host``,
@@ -53,7 +61,8 @@ the same body would look for it: ``bootstrap_host`` an address it serves on (its
 this machine for ``0.0.0.0`` / ``::``) and ``bootstrap_port`` its ``--disaggregation-bootstrap-port``. A null
 ``bootstrap_port`` is accepted only if that is SGLang's default, 8998: SGLang replaces null with the decode
 engine's own ``--disaggregation-bootstrap-port``, 8998 unless set.
-With ``--api-key K`` every endpoint except the health ones and ``/metrics`` needs ``Authorization: Bearer K``.
+With ``--api-key K`` every endpoint except those starting with ``/health``, ``/ready`` and ``/metrics`` (as
+SGLang's) needs ``Authorization: Bearer K``.
 """
 
 from __future__ import annotations
@@ -85,13 +94,14 @@ from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage
 
 from miles_sglang_plugin.engine_env import NODE_ID_ENV
-from miles_sglang_plugin.standin.common import RequestError, error_response, json_object
+from miles_sglang_plugin.standin.common import BodyError, Refusal, RequestError, error_response, json_object
 from miles_sglang_plugin.standin.control import (
     CONTROL,
     CONTROL_LATENCY_ENV,
+    EXIT_CRASHED,
     ControlState,
+    SchedulerCrash,
     control_routes,
-    get_weight_version,
 )
 from miles_sglang_plugin.standin.flags import (
     SECRET_FIELDS,
@@ -121,7 +131,12 @@ FIRST_WORD_ID = 256
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 BOOTSTRAP_KEYS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
-OPEN_PATHS = frozenset({"/health", "/health_generate", "/liveness", "/readiness", "/metrics"})
+#: SGLang answers these without an API key (by prefix: ``/health_generate`` too).
+OPEN_PREFIXES = ("/health", "/ready", "/metrics")
+FLUSHED = (
+    "Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, "
+    "the operation will not be performed.)\n"
+)
 VOCAB = (
     "the", "model", "is", "a", "stand", "in", "for", "sglang", "on", "cpu", "tokens", "flow", "through",
     "router", "engine", "rollout", "reward", "policy", "gradient", "batch", "and", "then", "we", "sample",
@@ -300,16 +315,20 @@ class EngineState:
     last_bootstrap: dict[str, Any] | None = None
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
+    #: Generation requests being answered now (what /metrics reports as running, as SGLang does).
+    in_flight: int = 0
     #: What the control routes change (memory, weights, pause, LoRA adapters): :mod:`.control`.
     control: ControlState = field(init=False)
     max_total_num_tokens: int = field(init=False)
     max_running_requests: int = field(init=False)
     gpu_id_step: int = field(init=False)
+    start_weight_version: str = field(init=False)
 
     def __post_init__(self) -> None:
         extra = self.args.extra_dict()
         self.control = ControlState(
             enable_lora=bool(self.args.enable_lora),
+            memory_saver=bool(self.args.enable_memory_saver),
             tp_size=self.args.tp_size,
             pp_size=self.args.pp_size,
             latency_s=self.faults.control_latency_s,
@@ -317,6 +336,7 @@ class EngineState:
         )
         if len(extra.get("weight_version", ())) == 1:
             self.control.weight_version = extra["weight_version"][0]
+        self.start_weight_version = self.control.weight_version
         self.max_total_num_tokens = _int_extra(extra, "max_total_tokens", 65536)
         self.max_running_requests = _int_extra(extra, "max_running_requests", 128)
         self.gpu_id_step = _int_extra(extra, "gpu_id_step", 1)
@@ -423,7 +443,9 @@ class EngineState:
             max_total_num_tokens=self.max_total_num_tokens,
             max_running_requests=self.max_running_requests,
             version=VERSION,
-            weight_version=self.control.weight_version,
+            status="ready",
+            # As SGLang: the start-up --weight-version (its ServerArgs); the current one is /model_info's.
+            weight_version=self.start_weight_version,
             internal_states=[
                 {
                     "world_size": args.world_size,
@@ -445,10 +467,13 @@ class EngineState:
         return info
 
     def model_info(self) -> dict[str, Any]:
+        loaded = self.control.disk_model_path
         return {
-            "model_path": self.model_dir,
+            # As SGLang: the checkpoint last loaded from disk (a local directory, for the router).
+            "model_path": self.model_dir if loaded is None else local_model_dir(loaded),
             "tokenizer_path": self.model_dir,
             "requested_model_path": self.args.model_path,
+            "served_model_name": self.args.model_name,
             "is_generation": True,
             "preferred_sampling_params": None,
             "weight_version": self.control.weight_version,
@@ -533,13 +558,22 @@ def _stream_steps(max_new_tokens: int) -> list[int]:
 # Middlewares
 
 
+#: The routes that generate (their requests in flight are /metrics' running requests).
+GENERATION_PATHS = frozenset({"/generate", "/v1/chat/completions", "/v1/completions"})
+
+
 @web.middleware
 async def _count_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     state = request.app[STATE]
     routed = request.match_info.http_exception is None
+    generating = routed and request.path in GENERATION_PATHS
     if routed:
         state.received[request.path] += 1
-    response = await handler(request)
+    state.in_flight += generating
+    try:
+        response = await handler(request)
+    finally:
+        state.in_flight -= generating
     if routed and response.status < 400:
         state.served[request.path] += 1
     return response
@@ -548,7 +582,7 @@ async def _count_middleware(request: web.Request, handler: Handler) -> web.Strea
 @web.middleware
 async def _auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     key = request.app[STATE].args.api_key
-    if key and request.path not in OPEN_PATHS:
+    if key and not request.path.startswith(OPEN_PREFIXES):
         given = request.headers.get("Authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
             return error_response(401, "missing or wrong Authorization: Bearer <api key>")
@@ -559,8 +593,22 @@ async def _auth_middleware(request: web.Request, handler: Handler) -> web.Stream
 async def _error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
+    except BodyError as exc:
+        return exc.response()
     except RequestError as exc:
         return error_response(exc.status, exc.message)
+    except Refusal as exc:
+        return web.json_response(exc.body, status=exc.status)
+    except SchedulerCrash as exc:
+        # SGLang's scheduler raises, the engine exits, the request gets no answer (the connection drops).
+        print(
+            f"{TAG} scheduler crashed as SGLang 0.5.23's would: {exc}; exiting", file=sys.stderr, flush=True
+        )
+        os._exit(EXIT_CRASHED)
+    except web.HTTPNotFound:
+        return web.json_response({"detail": "Not Found"}, status=404)  # FastAPI's answer
+    except web.HTTPMethodNotAllowed:
+        return web.json_response({"detail": "Method Not Allowed"}, status=405)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -568,21 +616,24 @@ async def _error_middleware(request: web.Request, handler: Handler) -> web.Strea
 
 
 async def health(request: web.Request) -> web.Response:
+    """200 with an empty body, as SGLang's. ``/health_generate`` runs a one-token generation in SGLang: an
+    engine that cannot generate (paused; memory released with the memory saver) never answers it and says 503
+    after 20 s (the stand-in at once); ``/health`` answers without generating where
+    ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION`` is false, as in Miles' engine environment."""
     state = request.app[STATE]
     if state.faults.never_healthy:
-        return web.Response(status=503, text="stand-in engine: unhealthy (MSP_STANDIN_NEVER_HEALTHY)")
-    # /health_generate runs a one-token generation in SGLang: an engine that cannot generate (memory released,
-    # generation paused) fails it; /health answers without generating (SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION
-    # is false in Miles' engine environment).
-    if request.path == "/health_generate" and (state.control.released_tags or state.control.paused):
-        return web.Response(
-            status=503, text="stand-in engine: cannot generate now (memory released or paused)"
-        )
-    return web.Response(text="OK")
+        return web.Response(status=503)
+    cannot_generate = state.control.paused is not None or state.control.generation_refusal() is not None
+    if request.path == "/health_generate" and cannot_generate:
+        return web.Response(status=503)
+    return web.Response(status=200)
 
 
-async def liveness(request: web.Request) -> web.Response:
-    return web.Response(text="OK")
+async def ready(request: web.Request) -> web.Response:
+    """SGLang's readiness for new requests: 503 while generation is paused (or never healthy)."""
+    state = request.app[STATE]
+    unready = state.faults.never_healthy or state.control.paused is not None
+    return web.Response(status=503 if unready else 200)
 
 
 async def server_info(request: web.Request) -> web.Response:
@@ -611,6 +662,7 @@ def _generate_item(
         "completion_tokens": completion_tokens,
         "cached_tokens": 0,
         "weight_version": state.control.weight_version,
+        "weight_versions": [{"version": state.control.weight_version, "start": 0, "end": completion_tokens}],
         "e2e_latency": round(time.perf_counter() - started, 6),
         "stand_in": state.stand_in_meta(body),
     }
@@ -621,10 +673,15 @@ def _generate_item(
         # As SGLang's disaggregated servers: the prefill engine computes the prompt's logprobs, the decode
         # engine never sends input logprobs (output_streamer.py: "Decode server does not send input
         # logprobs"); a PD router puts the prefill's in front of the decode's.
+        # SGLang computes input logprobs from logprob_start_len on (-1, its default: none).
+        start = body.get("logprob_start_len")
+        start = start if isinstance(start, int) and not isinstance(start, bool) and start >= 0 else None
         meta["input_token_logprobs"] = (
             []
-            if state.args.disaggregation_mode == "decode"
-            else [[lp, t, w] for lp, t, w in zip(prompt.logprobs(), prompt.ids, in_words, strict=True)]
+            if state.args.disaggregation_mode == "decode" or start is None
+            else [[lp, t, w] for lp, t, w in zip(prompt.logprobs(), prompt.ids, in_words, strict=True)][
+                start:
+            ]
         )
         meta["output_token_logprobs"] = [
             [lp, t, w] for lp, t, w in zip(generated.logprobs, generated.ids, out_words, strict=True)
@@ -632,25 +689,22 @@ def _generate_item(
     return {"text": generated.text, "output_ids": list(generated.ids), "meta_info": meta}
 
 
-async def _admitted(state: EngineState) -> bool:
-    """A generation request may run: 503 while memory is released; waits while generation is paused; False
-    when all requests were aborted while it waited."""
+async def _admitted(state: EngineState) -> None:
+    """A generation request may run: 503 while memory is released (with the memory saver); waits while
+    generation is paused."""
     refusal = state.control.generation_refusal()
     if refusal is not None:
         raise RequestError(503, refusal)
-    return await state.control.wait_until_running()
+    await state.control.wait_until_running()
 
 
-def _aborted_item(state: EngineState, body: Mapping[str, Any], prompt: Prompt, rid: str) -> dict[str, Any]:
-    meta = {
-        "id": rid,
-        "finish_reason": {"type": "abort", "message": "Abort all requests (stand-in engine)"},
-        "prompt_tokens": len(prompt.ids),
-        "completion_tokens": 0,
-        "weight_version": state.control.weight_version,
-        "stand_in": state.stand_in_meta(body),
+def _metadata(state: EngineState, completion_tokens: int) -> dict[str, Any]:
+    """The OpenAI routes' ``metadata`` (SGLang's): the weight version of the tokens."""
+    version = state.control.weight_version
+    return {
+        "weight_version": version,
+        "weight_versions": [{"version": version, "start": 0, "end": completion_tokens}],
     }
-    return {"text": "", "output_ids": [], "meta_info": meta}
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
@@ -659,9 +713,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     body = await json_object(request)
     state.check_bootstrap(body)
     prompts, batch = _generate_prompts(body)
-    if not await _admitted(state):
-        items = [_aborted_item(state, body, p, _rid(body.get("rid"), i)) for i, p in enumerate(prompts)]
-        return web.json_response(items if batch else items[0])
+    await _admitted(state)
     sampling = body.get("sampling_params") or {}
     if isinstance(sampling, list):  # a batch may carry one dict per prompt; the stand-in uses the first
         sampling = sampling[0] if sampling else {}
@@ -742,7 +794,8 @@ def _chat_logprobs(body: Mapping[str, Any], generated: Generated) -> dict[str, A
 def _chat_chunks(
     chunk: dict[str, Any], body: Mapping[str, Any], prompt: Prompt, generated: Generated
 ) -> Iterable[dict[str, Any]]:
-    """The streamed answer: the role, one chunk per token, then the finish reason with the usage."""
+    """The streamed answer: the role, one chunk per token, then the finish reason (with the usage when the
+    request's ``stream_options.include_usage`` asks for it, as OpenAI's and SGLang's)."""
     yield {
         **chunk,
         "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
@@ -754,11 +807,11 @@ def _chat_chunks(
             **chunk,
             "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": None}],
         }
-    yield {
-        **chunk,
-        "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}],
-        "usage": _usage(prompt, generated),
-    }
+    last = {**chunk, "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}
+    options = body.get("stream_options")
+    if isinstance(options, dict) and options.get("include_usage"):
+        last["usage"] = _usage(prompt, generated)
+    yield last
 
 
 def _chat_choice(body: Mapping[str, Any], generated: Generated) -> dict[str, Any]:
@@ -768,7 +821,6 @@ def _chat_choice(body: Mapping[str, Any], generated: Generated) -> dict[str, Any
             "role": "assistant",
             "content": generated.text,
             "reasoning_content": None,
-            "tool_calls": None,
         },
         "logprobs": _chat_logprobs(body, generated),
         "finish_reason": "length",
@@ -781,10 +833,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await json_object(request)
     state.check_bootstrap(body)
     prompt = _chat_prompt(body.get("messages"))
-    if not await _admitted(state):
-        raise RequestError(
-            503, "stand-in engine: the request was aborted (abort_all) while generation was paused"
-        )
+    await _admitted(state)
     max_new = _openai_max_tokens(body)
     generated = state.complete(prompt, max_new)
     model = body.get("model") or state.args.model_name
@@ -799,7 +848,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             "object": "chat.completion",
             "choices": [_chat_choice(body, generated)],
             "usage": _usage(prompt, generated),
-            "metadata": {"weight_version": state.control.weight_version},
+            "metadata": _metadata(state, len(generated.ids)),
             "stand_in": stand_in,
         }
     )
@@ -815,10 +864,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         prompt = Prompt(tuple(raw))
     else:
         raise RequestError(400, "prompt must be a string or a list of token ids")
-    if not await _admitted(state):
-        raise RequestError(
-            503, "stand-in engine: the request was aborted (abort_all) while generation was paused"
-        )
+    await _admitted(state)
     generated = state.complete(prompt, _openai_max_tokens(body))
     common = {
         "id": f"cmpl-{uuid.uuid4().hex}",
@@ -837,8 +883,17 @@ async def completions(request: web.Request) -> web.StreamResponse:
             "top_logprobs": None,
             "text_offset": None,
         }
-    choice = {"index": 0, "text": generated.text, "logprobs": logprobs, "finish_reason": "length"}
-    return web.json_response({**common, "choices": [choice], "usage": _usage(prompt, generated)})
+    choice = {
+        "index": 0,
+        "text": generated.text,
+        "logprobs": logprobs,
+        "finish_reason": "length",
+        "matched_stop": None,
+    }
+    usage = _usage(prompt, generated)
+    return web.json_response(
+        {**common, "choices": [choice], "usage": usage, "metadata": _metadata(state, len(generated.ids))}
+    )
 
 
 async def models(request: web.Request) -> web.Response:
@@ -847,8 +902,9 @@ async def models(request: web.Request) -> web.Response:
         "id": state.args.model_name,
         "object": "model",
         "created": int(state.started_at),
-        "owned_by": "sglang-stand-in",
+        "owned_by": "sglang",
         "root": state.args.model_path,
+        "parent": None,
         "max_model_len": state.max_total_num_tokens,
     }
     adapters = [  # loaded LoRA adapters, as SGLang lists them
@@ -859,11 +915,7 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def flush_cache(request: web.Request) -> web.Response:
-    return web.Response(text="Cache flushed (stand-in engine).")
-
-
-async def get_load(request: web.Request) -> web.Response:
-    return web.json_response([{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}])
+    return web.Response(text=FLUSHED)
 
 
 def _prom_label(value: str) -> str:
@@ -882,7 +934,7 @@ async def metrics(request: web.Request) -> web.Response:
         ),
         ("sglang:prompt_tokens_total", "counter", "Prompt tokens processed.", state.prompt_tokens_total),
         ("sglang:generation_tokens_total", "counter", "Tokens generated.", state.generation_tokens_total),
-        ("sglang:num_running_reqs", "gauge", "Running requests.", 0),
+        ("sglang:num_running_reqs", "gauge", "Running requests.", state.in_flight),
         ("sglang:num_queue_reqs", "gauge", "Queued requests.", 0),
         ("sglang:token_usage", "gauge", "KV cache usage.", 0.0),
     ]
@@ -947,8 +999,8 @@ def build_app(
     )
     get, post = web.get, web.post
     routes = [
-        *(get(p, health) for p in ("/health", "/health_generate", "/readiness")),
-        get("/liveness", liveness),
+        *(get(p, health) for p in ("/health", "/health_generate")),
+        get("/ready", ready),
         *(get(p, server_info) for p in ("/server_info", "/get_server_info")),
         *(get(p, model_info) for p in ("/model_info", "/get_model_info")),
         post("/generate", generate),
@@ -957,10 +1009,8 @@ def build_app(
         get("/v1/models", models),
         get("/flush_cache", flush_cache),
         post("/flush_cache", flush_cache),
-        get("/get_load", get_load),
         get("/metrics", metrics),
         *control_routes(),
-        get("/get_weight_version", get_weight_version),
         *(post(p, weight_update_bracket) for p in BRACKET_PATHS),
         get("/stand_in/stats", stats),
     ]

@@ -1,0 +1,175 @@
+"""What changing a running deployment in place costs (``Deployment.apply``), against stopping it and starting the
+changed one, with stand-in engines that each take ``--start-delay`` s to start (a real engine loads its model
+for minutes) and the real sglang-router.
+
+(1) time: K engines of 1 GPU; the change adds c of them (a group resized from K - c to K... here: from K to
+    K + c, and back, removing c). Side by side in one run: the apply's wall time, and the full restart's
+    (stop the deployment, start the changed one until ready). Goal: apply <= (c / K + 0.1) x the restart.
+(2) requests under an apply: ``--requests`` (2,000) ``/generate`` at concurrency ``--concurrency`` (32) through
+    the router while the deployment shrinks by c engines and grows back. Goal: 0 failed.
+
+    python benchmarks/bench_elastic.py [--k 8] [--c 2] [--start-delay 2] [--requests 2000] [--json]
+    python benchmarks/bench_elastic.py --smoke    # one quick run at the smallest sizes (run by the tests)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from bench_launch import quiet  # beside this script (benchmarks/ is on sys.path when it runs)
+
+from miles_sglang_plugin.app.hydra_edge import launch_from_config
+from miles_sglang_plugin.config.compose import compose_config
+
+HOST = "127.0.0.1"
+GEN_BODY = {"text": "the quick brown fox jumps over", "sampling_params": {"max_new_tokens": 4}}
+
+
+def overrides(engines: int, start_delay_s: float, port_base: int) -> list[str]:
+    return [
+        "sglang=default",
+        "hf_checkpoint=/c",
+        "debug_rollout_only=true",
+        "sglang_deploy=simulated",
+        f"sglang.actor.regular.num_gpus={engines}",
+        "sglang.actor.num_gpus_per_engine=1",
+        f"num_gpus_per_node={max(8, engines)}",
+        f"sglang_deploy.standin.start_delay_s={start_delay_s}",
+        "sglang_deploy.router.policy=round_robin",
+        f"sglang_deploy.launch.host={HOST}",
+        f"sglang_deploy.launch.port_base={port_base}",
+        "sglang_deploy.launch.live=never",
+    ]
+
+
+def timing(k: int, c: int, start_delay_s: float, tmp: Path, verbose: bool) -> dict[str, Any]:
+    base = random.randrange(20000, 28000)
+    small, large = (
+        compose_config(overrides(k, start_delay_s, base)),
+        compose_config(overrides(k + c, start_delay_s, base)),
+    )
+    with quiet(verbose), launch_from_config(small, log_dir=Path(tempfile.mkdtemp(dir=tmp))) as d:
+        started = time.perf_counter()
+        grown = d.apply(large)
+        apply_s = time.perf_counter() - started
+        assert len(grown.started) == c and len(grown.kept) == k, grown.lines()
+        started = time.perf_counter()
+        shrunk = d.apply(small)
+        shrink_s = time.perf_counter() - started
+        assert len(shrunk.stopped) == c
+        started = time.perf_counter()
+    stop_s = time.perf_counter() - started
+    with quiet(verbose):
+        started = time.perf_counter()
+        with launch_from_config(large, log_dir=Path(tempfile.mkdtemp(dir=tmp))):
+            start_s = time.perf_counter() - started
+    restart_s = stop_s + start_s
+    return {
+        "k": k,
+        "c": c,
+        "start_delay_s": start_delay_s,
+        "apply_add_s": apply_s,
+        "apply_remove_s": shrink_s,
+        "restart_s": restart_s,
+        "ratio": apply_s / restart_s,
+        "goal": c / (k + c) + 0.1,
+    }
+
+
+def under_load(k: int, c: int, total: int, concurrency: int, tmp: Path, verbose: bool) -> dict[str, Any]:
+    base = random.randrange(20000, 28000)
+    full, less = compose_config(overrides(k, 0.0, base)), compose_config(overrides(k - c, 0.0, base))
+    failures: list[str] = []
+    answered = 0
+    with quiet(verbose), launch_from_config(full, log_dir=Path(tempfile.mkdtemp(dir=tmp))) as d:
+        url = d.registry.get_model_url("actor")
+        remaining = iter(range(total))
+
+        async def worker() -> None:
+            nonlocal answered
+            async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=1)) as http:
+                for _ in remaining:
+                    try:
+                        r = await http.post(url, json=GEN_BODY)
+                        if r.status_code != 200:
+                            failures.append(f"HTTP {r.status_code}: {r.text[:100]}")
+                    except httpx.HTTPError as exc:
+                        failures.append(type(exc).__name__)
+                    answered += 1
+
+        load = threading.Thread(target=lambda: asyncio.run(asyncio.wait_for(_all(worker, concurrency), 600)))
+        load.start()
+        while answered < total // 4:
+            time.sleep(0.01)
+        removed = d.apply(less)
+        added = d.apply(full)
+        load.join()
+    return {
+        "engines": k,
+        "changed": c,
+        "requests": total,
+        "concurrency": concurrency,
+        "failed": len(failures),
+        "failures": sorted(set(failures))[:5],
+        "removed": removed.stopped,
+        "added": added.started,
+    }
+
+
+async def _all(worker: Any, n: int) -> None:
+    await asyncio.gather(*(worker() for _ in range(n)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--k", type=int, default=8)
+    parser.add_argument("--c", type=int, default=2)
+    parser.add_argument("--start-delay", type=float, default=2.0)
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--smoke", action="store_true", help="one quick run at the smallest sizes")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--verbose", action="store_true")
+    args = parser.parse_args(argv)
+    k, c = (2, 1) if args.smoke else (args.k, args.c)
+    with tempfile.TemporaryDirectory(prefix="bench_elastic_") as tmp_dir:
+        tmp = Path(tmp_dir)
+        results = {
+            "timing": timing(k, c, 0.3 if args.smoke else args.start_delay, tmp, args.verbose),
+            "load": under_load(
+                k + c,
+                c,
+                100 if args.smoke else args.requests,
+                8 if args.smoke else args.concurrency,
+                tmp,
+                args.verbose,
+            ),
+        }
+    if args.json:
+        print(json.dumps(results, indent=2))
+        return 0
+    t, load = results["timing"], results["load"]
+    print(
+        f"(1) apply adding {t['c']} engines to {t['k']} (start {t['start_delay_s']:g} s each): {t['apply_add_s']:.2f} s; "
+        f"removing them: {t['apply_remove_s']:.2f} s; stopping and starting all {t['k'] + t['c']}: {t['restart_s']:.2f} s "
+        f"-> ratio {t['ratio']:.2f} (goal <= {t['goal']:.2f})"
+    )
+    print(
+        f"(2) {load['requests']} requests at concurrency {load['concurrency']} while {load['changed']} of "
+        f"{load['engines']} engines are removed and added back: failed {load['failed']} (goal 0) {load['failures']}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

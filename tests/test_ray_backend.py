@@ -312,7 +312,66 @@ def test_worker_node_lost_during_start_up(clean_cluster: FakeCluster, tmp_path: 
     assert f"its node {address} (Ray node " in msg and "left the Ray cluster" in msg, msg
 
 
-def test_worker_node_lost_while_serving(clean_cluster: FakeCluster, tmp_path: Path) -> None:  # noqa: F811
+def test_engines_of_a_node_removed_while_serving_are_placed_again_on_a_free_node(
+    clean_cluster: FakeCluster,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """Two 8-GPU engines on two of the four nodes; a worker node of one of them is removed while serving. Its
+    engine is placed again on one of the two free nodes (all 8 GPUs there, that node's address), takes the weight
+    version the deployment has, is registered there, and the deployment keeps serving; the other engine is not
+    touched."""
+    logs = tmp_path / "logs"
+    cfg = compose_config(
+        ray_overrides(
+            "debug_rollout_only=true",
+            "sglang.actor.regular.num_gpus=16",
+            "sglang.actor.num_gpus_per_engine=8",
+            "sglang_deploy.supervision.health_interval_s=0.3",
+            "sglang_deploy.supervision.restart_backoff_s=0.1",
+        )
+    )
+    with launch_from_config(cfg, log_dir=logs) as deployment:
+        assert deployment.control.update_weight_version("3").ok
+        nodes = {e.id: node_of_log(logs / f"{e.id}.log", clean_cluster) for e in deployment.engines()}
+        victim = max(nodes, key=lambda e: nodes[e])  # on a worker node (the head cannot be removed)
+        (other,) = set(nodes) - {victim}
+        assert nodes[victim] >= 1 and nodes[victim] != nodes[other]
+        kept = httpx.get(deployment.fleet.engine(other).url + "/server_info", timeout=10).json()
+        since = len(deployment.events())
+        clean_cluster.remove_worker(nodes[victim])
+
+        placed = deployment.wait_for_event("engine_placed_again", subject=victim, since=since, timeout_s=120)
+        deployment.wait_for_event("engine_recovered", subject=victim, since=since, timeout_s=120)
+        url = deployment.fleet.engine(victim).url
+        assert placed.details["url"] == url
+        free = {address_of(n) for n in range(4)} - {address_of(n) for n in nodes.values()}
+        assert httpx.URL(url).host in free, (url, free)
+        info = httpx.get(url + "/server_info", timeout=10).json()
+        assert info["cuda_visible_devices"] == "0,1,2,3,4,5,6,7"
+        assert info["node_id"] == clean_cluster.node_ids()[httpx.URL(url).host]
+        assert httpx.get(url + "/model_info", timeout=10).json()["weight_version"] == "3"
+        # the other engine: the same process, port and GPUs
+        still = httpx.get(deployment.fleet.engine(other).url + "/server_info", timeout=10).json()
+        assert (still["pid"], still["port"], still["cuda_visible_devices"]) == (
+            kept["pid"],
+            kept["port"],
+            kept["cuda_visible_devices"],
+        )
+        router = deployment.registry.get_model_url("actor")
+        for _ in range(4):
+            out = httpx.post(router, json=generate_body(), timeout=30)
+            assert out.status_code == 200 and out.json()["meta_info"]["weight_version"] == "3"
+        assert deployment.state().status == "serving" and deployment.failure is None
+    clean_cluster.assert_clean()
+
+
+def test_a_node_lost_with_no_room_left_fails_the_deployment_naming_the_engine(
+    clean_cluster: FakeCluster,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """Four 8-GPU engines fill the four nodes; a worker node is removed while serving. No node has 8 GPUs free:
+    the one restart supervision allows tries to place the engine again for placement_timeout_s and gives up;
+    the deployment fails, naming the engine, the lost node and why, and the CLI exits 1."""
     logs = tmp_path / "logs"
     argv = [
         sys.executable,
@@ -322,34 +381,40 @@ def test_worker_node_lost_while_serving(clean_cluster: FakeCluster, tmp_path: Pa
         f"--log-dir={logs}",
         *ray_overrides(
             "debug_rollout_only=true",
-            "sglang.actor.regular.num_gpus=16",
+            "sglang.actor.regular.num_gpus=32",
             "sglang.actor.num_gpus_per_engine=8",
+            "sglang_deploy.supervision.max_restarts=1",
+            "sglang_deploy.launch.ray.placement_timeout_s=5",
         ),
     ]
     out, err = tmp_path / "out", tmp_path / "err"
     with out.open("wb") as o, err.open("wb") as e:
         proc = subprocess.Popen(argv, cwd=tmp_path, env=subprocess_env(clean_cluster), stdout=o, stderr=e)
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 180
         while "serving" not in err.read_text(errors="replace"):
             assert proc.poll() is None and time.monotonic() < deadline, err.read_text()
             time.sleep(0.2)
-        node = node_of_log(logs / "actor.regular.1.log", clean_cluster)
+        node = node_of_log(logs / "actor.regular.3.log", clean_cluster)
+        victim = "actor.regular.3"
+        if node == 0:  # the head cannot be removed: take the engine of another node
+            node, victim = node_of_log(logs / "actor.regular.2.log", clean_cluster), "actor.regular.2"
         clean_cluster.remove_worker(node)
-        code = proc.wait(timeout=60)
+        code = proc.wait(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
     text = err.read_text()
     assert code == 1, text
-    # Supervision notices the loss and, once Ray reports the engine's node gone, fails the deployment (no restart
-    # can give it its GPUs on that node again), naming the node.
     flat = " ".join(text.split())
     assert re.search(
-        r"error: the deployment failed and was stopped: engine actor\.regular\.1 lost \(.*\) and "
-        rf"actor\.regular\.1 cannot be started again on node {re.escape(address_of(node))} \(Ray node "
-        r"[0-9a-f]{8}\): its node .* left the Ray cluster",
+        rf"error: the deployment failed and was stopped: engine {re.escape(victim)} could not be brought back "
+        r"after 1 restart\(s\) \(supervision\.max_restarts=1\); last problem: "
+        rf"{re.escape(victim)} cannot be started again on node {re.escape(address_of(node))} \(Ray node "
+        r"[0-9a-f]{8}\): its node .* left the Ray cluster.*; it could not be placed on another node: placing "
+        r".* did not finish within sglang_deploy\.launch\.ray\.placement_timeout_s=5 s; the cluster has 3 "
+        r"live node\(s\)",
         flat,
     ), text
 

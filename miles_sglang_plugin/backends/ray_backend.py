@@ -341,6 +341,12 @@ class RayBackend(Backend):
         self._actor_class: Any = None
         self._exits = _RayExits(self.ray)
         self._closed = False
+        self._server_arg_fields: Collection[str] | None = None
+        #: The trainer's group: the bundle of each GPU slot (to ask again which GPU a slot holds).
+        self._bundle_of: dict[int, int] = {}
+        #: Own group of pinned bundles (one actor per engine process): a lost node's bundles cannot move.
+        self._pinned_groups: list[Any] = []
+        self._placing = threading.Lock()
 
     @property
     def placement_groups(self) -> tuple[Any, ...]:
@@ -384,17 +390,25 @@ class RayBackend(Backend):
         problems_found = check_grants(self._placements, self._grants)
         if problems_found:
             raise grant_error(problems_found, self._mismatch_hint())
-        address = {p.node: self._grants[p.key].node.address for p in self._placements}
         self.claims = self.claims or PortClaims(default_lock_dir())
+        self._server_arg_fields = server_arg_fields
+        return self._render(plan, settings, fixed=None)
+
+    def _render(
+        self, plan: DeploymentPlan, settings: SGLangDeployConf, fixed: PortAssignment | None
+    ) -> PreparedDeployment:
+        """The launch specs of ``plan`` on the nodes its processes were granted (ports found on them)."""
+        address = {p.node: self._grants[p.key].node.address for p in self._placements}
         return prepare_deployment(
             plan,
             settings,
-            server_arg_fields=server_arg_fields,
+            server_arg_fields=self._server_arg_fields,
             probe=True,
             claims=self.claims,
             host_of_node=lambda node: address[node],
             router_host=self.ray.util.get_node_ip_address(),
             find_node_ports=self._find_node_ports,
+            fixed_ports=fixed,
         )
 
     def _mismatch_hint(self) -> str:
@@ -456,6 +470,7 @@ class RayBackend(Backend):
             group, index_of = self._spread_group(bundles, specs)
         else:
             group, index_of = self._pinned_group(bundles, specs), list(range(len(bundles)))
+            self._pinned_groups.append(group)
         by_key = {p.key: p for p in self._placements}
         for position, b in enumerate(bundles):
             if not b.processes:
@@ -537,7 +552,7 @@ class RayBackend(Backend):
         self._wait_group(pg, "the placement group handed over")
         specs = list(pg.bundle_specs)
         slots = sorted({s for p in self._placements for s in p.gpu_slots})
-        bundle_of = slot_bundles(len(specs), self.bundle_indices, slots)
+        bundle_of = self._bundle_of = slot_bundles(len(specs), self.bundle_indices, slots)
         wide = [
             f"bundle {bundle_of[s]} ({specs[bundle_of[s]]})"
             for s in slots
@@ -695,12 +710,93 @@ class RayBackend(Backend):
             super().watch_exit(process, watcher, on_exit)
 
     def cannot_restart(self, launch: EngineProcessLaunch) -> str | None:
-        earlier = self._latest.get((launch.engine_id, launch.node_rank))
+        key = (launch.engine_id, launch.node_rank)
+        earlier = self._latest.get(key)
         if earlier is None or not earlier.actor_lost or self._node_alive(earlier.node.node_id):
             return None  # an actor that died on a live node is made again there
+        grant = self._grants.get(key)
+        if grant is not None and grant.node.node_id != earlier.node.node_id:
+            return None  # placed again on another node (place_again)
         return (
             f"{launch.name} cannot be started again on node {earlier.node.short}: {earlier.exit_reason()}; "
             "its GPUs there are gone with it"
+        )
+
+    def place_again(
+        self, prepared: PreparedDeployment, engines: Collection[str]
+    ) -> PreparedDeployment | None:
+        """The actors of ``engines`` whose node left the cluster are made again where Ray can place their
+        bundles now: their own group's bundle, which Ray places again on a node with the room (one actor per
+        node, and the trainer's group), or a new group of one bundle (one actor per engine process, whose
+        bundles are pinned to their nodes). Every process of those actors (the other engines of a lost node
+        too) gets its new node and GPUs, ports found there; everything else keeps its own. PlacementError when
+        no node has the room within ``sglang_deploy.launch.ray.placement_timeout_s``."""
+        if self._closed or self._settings is None:
+            return None
+        with self._placing:
+            names = {self._host_of[p.key] for p in self._placements if p.key[0] in set(engines)}
+            for name in sorted(names):
+                host = self._hosts[name]
+                if not self._node_alive(self._grants[host.plan.processes[0]].node.node_id):
+                    self._place_host_again(host)
+            hosts = {(p.engine_id, p.node_rank): p.host for p in prepared.launch.engines}
+            assert prepared.ports is not None
+            fixed = PortAssignment(
+                engines={
+                    key: ports
+                    for key, ports in prepared.ports.engines.items()
+                    if key in self._grants and self._grants[key].node.address == hosts.get(key)
+                },
+                routers=dict(prepared.ports.routers),
+            )
+            return self._render(prepared.plan, prepared.settings, fixed)
+
+    def _place_host_again(self, host: _Host) -> None:
+        """Make ``host``'s actor again off its lost node and take the grants of its processes from it."""
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        gone = self._grants[host.plan.processes[0]].node
+        by_key = {p.key: p for p in self._placements}
+        what = f"{', '.join(by_key[key].name for key in host.plan.processes)} again (off {gone.short})"
+        fresh_group = any(host.group is g for g in self._pinned_groups)
+        if fresh_group:  # pinned to the lost node: a group of one bundle, wherever it fits
+            spec = {"GPU": host.num_gpus, **({"CPU": host.num_cpus} if host.num_cpus else {})}
+            group = placement_group([spec], strategy="PACK")
+            try:
+                self._wait_group(
+                    group, f"{host.plan.name} again ({host.num_gpus:g} GPU(s), off {gone.short})"
+                )
+            except LaunchError:
+                remove_placement_group(group)
+                raise
+            self._own_groups.append(group)
+            host.group, host.bundle = group, 0
+        actor = self._new_actor(host)
+        try:
+            (where,) = self._wait([actor.where.remote()], f"placing {what}")
+        except LaunchError:
+            with contextlib.suppress(Exception):
+                self.ray.kill(actor, no_restart=True)  # pending: it must not take the room once it appears
+            raise
+        host.actor = actor
+        node = RayNodeInfo(where["node_id"], where["address"])
+        if self.placement_group is not None:  # the trainer's bundles: ask which GPU each slot holds now
+            probe = self.ray.remote(gpu_probe)
+            slots = [s for key in host.plan.processes for s in by_key[key].gpu_slots]
+            refs = [probe.options(**self._in_bundle(host.group, self._bundle_of[s], PROBE_GPU_SHARE)).remote()
+                    for s in slots]  # fmt: skip
+            probed = dict(zip(slots, self._wait(refs, "asking Ray which GPU each bundle holds"), strict=True))
+            for key in host.plan.processes:
+                gpus = tuple(probed[s]["gpu_ids"][0] for s in by_key[key].gpu_slots)
+                self._grants[key] = ProcessGrant(node, gpus)
+        else:
+            for key in host.plan.processes:
+                local = by_key[key].local_gpu_ids
+                self._grants[key] = ProcessGrant(
+                    node, bundle_gpu_ids(host.bundle_gpus, where["gpu_ids"], local)
+                )
+        log.warning(
+            "%s placed again on %s (its node %s left the cluster)", host.plan.name, node.short, gone.short
         )
 
     def stop(self, processes: Sequence[EngineProcess], *, grace_s: float) -> None:

@@ -14,6 +14,8 @@ import json
 import os
 import shlex
 import stat
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -282,6 +284,45 @@ def test_the_gpu_limit_itself_still_plans() -> None:
             spec(model("actor", group("regular", MAX_DEPLOYMENT_GPUS, gpe=8), group("placeholder", 1))),
             TrainerInputs(hf_checkpoint="/c", debug_rollout_only=True),
         )
+
+
+#: The peak memory a plan at the cap may take: 65,536 engines of one GPU each (the most GPUs a deployment may
+#: have, in the most engines), planned and printed in a process of its own. Measured: about 165 MB, tables or
+#: JSON (it was 760 MB and 1.6 GB). Memory, not time: the machine's load does not move it.
+CAP_PLAN_MAX_RSS_MB = 400
+CAP_PLAN = ("sglang=default", "hf_checkpoint=/c", "debug_rollout_only=true",
+            f"sglang.actor.regular.num_gpus={MAX_DEPLOYMENT_GPUS}", "sglang.actor.num_gpus_per_engine=1")  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("form", ["tables", "json"])
+def test_a_plan_at_the_gpu_cap_stays_within_its_memory_bound(form: str, tmp_path: Path) -> None:
+    """Issue 23, item 4: ``plan`` of the largest deployment allowed is bounded work: every engine planned,
+    rendered, checked and printed (8,192 node tables, or 65,536 engine entries), within CAP_PLAN_MAX_RSS_MB of
+    peak RSS (the child's own, from wait4)."""
+    out, err = tmp_path / "plan.out", tmp_path / "plan.err"
+    argv = [
+        sys.executable,
+        "-m",
+        "miles_sglang_plugin",
+        "plan",
+        *(["--json"] if form == "json" else []),
+        *CAP_PLAN,
+    ]
+    with out.open("w") as stdout, err.open("w") as stderr:
+        child = subprocess.Popen(argv, stdout=stdout, stderr=stderr, cwd=tmp_path)
+        _pid, status, usage = os.wait4(child.pid, 0)
+        child.returncode = os.waitstatus_to_exitcode(status)
+    assert child.returncode == 0, err.read_text()
+    peak_mb = usage.ru_maxrss / 1024  # kilobytes on Linux
+    assert peak_mb <= CAP_PLAN_MAX_RSS_MB, f"peak RSS {peak_mb:.0f} MB"
+    with out.open() as text:
+        if form == "json":
+            entries = sum(1 for line in text if line.lstrip().startswith('{"id": "actor.regular.'))
+            assert entries == MAX_DEPLOYMENT_GPUS
+        else:
+            tables = sum(1 for line in text if line.startswith("Node "))
+            assert tables == MAX_DEPLOYMENT_GPUS // 8
 
 
 def test_log_tail_reads_a_bounded_amount(tmp_path: Path) -> None:

@@ -50,6 +50,10 @@ def _field(flag: str) -> str:
     return flag.lstrip("-").replace("-", "_").lower()
 
 
+#: The lengths of the secret fields' names: a flag of another length is none of them (a quick test first).
+_SECRET_NAME_LENGTHS = frozenset(len(name) for name in SECRET_FIELDS)
+
+
 def mask_argv(argv: Sequence[str]) -> list[str]:
     """``argv`` with the values of ``--api-key`` / ``--admin-api-key`` (any spelling, ``=`` form too) masked:
     the token after such a flag is its value, whatever its shape."""
@@ -62,7 +66,7 @@ def mask_argv(argv: Sequence[str]) -> list[str]:
             continue
         if token.startswith("--"):
             name, eq, _ = token.partition("=")
-            if _field(name) in SECRET_FIELDS:
+            if len(name.lstrip("-")) in _SECRET_NAME_LENGTHS and _field(name) in SECRET_FIELDS:
                 if eq:
                     out.append(f"{name}={MASK}")
                     continue

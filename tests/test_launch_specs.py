@@ -316,3 +316,30 @@ def test_worker_registrations_carry_the_plans_labels():
     }
     router = launch.routers[0]
     assert router.registration("http://10.0.0.5:30000").label_map["engine_id"] == "actor.external.0"
+
+
+@pytest.mark.parametrize("engine", ["sglang_deploy=default", "sglang_deploy=simulated"])
+def test_a_printed_process_shows_its_command_line_and_environment_masked(engine: str) -> None:
+    """Each process's printed argv and environment, made from its group's template masked once, are
+    ``mask_argv`` and ``mask_env`` of its own: the API key and the values of ``sglang_deploy.env`` masked, its
+    GPUs and the package's variables shown."""
+    from miles_sglang_plugin.engine_env import PACKAGE_ENV_NAMES
+    from miles_sglang_plugin.masking import mask_argv, mask_env
+
+    cfg = compose_config(
+        ["hf_checkpoint=/c", "debug_rollout_only=true", "sglang.actor.regular.num_gpus=4", engine,
+         "sglang_deploy.api_key=sk-SECRET", "+sglang_deploy.env.HF_TOKEN=hf-SECRET",
+         "sglang_deploy.standin.fail_at_start=[actor.regular.1]"]
+    )  # fmt: skip
+    launches = prepare_from_config(cfg).launch.engines
+    assert len(launches) == 4
+    for launch in launches:
+        shown = launch.to_dict()
+        assert shown["argv"] == mask_argv(launch.argv) and "sk-SECRET" not in str(shown)
+        assert shown["env"] == mask_env(launch.env, shown=PACKAGE_ENV_NAMES)
+        assert (
+            shown["env"]["HF_TOKEN"] == "***"
+            and shown["env"]["CUDA_VISIBLE_DEVICES"] == launch.visible_devices
+        )
+    faulty = [launch.to_dict()["env"].get("MSP_STANDIN_FAIL_AT_START") for launch in launches]
+    assert faulty == ([None, "1", None, None] if engine.endswith("simulated") else [None] * 4)

@@ -3,7 +3,11 @@ was, so that a printed command or environment still says what was run."""
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from miles_sglang_plugin.masking import mask_argv, mask_env
+from miles_sglang_plugin.rendering.launch_specs import ProcessTemplate
 
 
 def test_only_the_value_of_a_secret_flag_is_masked_not_the_program_or_the_words_after_it() -> None:
@@ -198,3 +202,33 @@ def test_what_is_wrong_with_a_secret_is_said_exactly() -> None:
         None,
         "must be a string, got float (its value is not shown)",
     ]
+
+
+# ---------------------------------------------------------------- command lines masked from their template
+_VALUE = st.one_of(
+    st.booleans(), st.none(), st.integers(-3, 3), st.sampled_from(["sk-1", "-x", "a b", "--api-key", ""]),
+    st.lists(st.sampled_from(["sk", "-y", "z"]), max_size=2),
+)  # fmt: skip
+_KEY = st.sampled_from(["api_key", "admin_api_key", "API-KEY", "model_path", "tp_size", "port", "host"])
+_PREFIX = st.lists(
+    st.sampled_from(["python", "-m", "sglang", "--admin-api-key", "--api-key=s", "k"]), max_size=4
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    prefix=_PREFIX,
+    values=st.dictionaries(_KEY, _VALUE, max_size=6),
+    own=st.sets(st.sampled_from(["port", "host"])),
+    own_values=st.tuples(st.integers(-2, 20000), st.sampled_from(["127.0.0.1", "-h", "<node 1 address>"])),
+)
+def test_a_command_line_masked_from_its_template_is_mask_argv_of_it(
+    prefix: list[str], values: dict, own: set[str], own_values: tuple
+) -> None:
+    """The masked command line of every engine process is made from its group's chunks masked once; where a
+    chunk leaves a bare secret flag (its value the next chunk's first token) the whole line is masked instead:
+    always what ``mask_argv`` makes of the whole command line."""
+    own_keys = tuple(k for k in values if k in own)
+    template = ProcessTemplate.of(tuple(prefix), values, own_keys, {}, {}, None)
+    given_own = tuple(own_values[0] if k == "port" else own_values[1] for k in own_keys)
+    assert template.masked_argv(given_own) == mask_argv(template.argv(given_own))

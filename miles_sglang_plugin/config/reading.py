@@ -87,15 +87,25 @@ def _value(
     """The resolved value of ``node.field``, or None when it is the untouched default interpolation."""
     if field not in node:
         return None
-    if OmegaConf.is_interpolation(node, field):
-        raw = OmegaConf.to_container(node, resolve=False)[field]  # the "${...}" text itself
-        if raw == default_interpolation:
-            return None
+    if OmegaConf.is_interpolation(node, field) and _raw_value(node, field) == default_interpolation:
+        return None
     try:
         return node[field]
     except OmegaConfBaseException as exc:
         problems.add(f"{key}.{field}", first_line(exc))
         return None
+
+
+def _raw_value(node: DictConfig, field: str) -> Any:
+    """The value of ``node.field`` as written (an interpolation's ``"${...}"`` text), without resolving it:
+    from the field's own node (OmegaConf's ``_get_node``, as Hydra reads it; the whole node as a container
+    where that is missing took 0.2 ms a field, 44 times for a plan of four models)."""
+    get_node = getattr(node, "_get_node", None)
+    if get_node is not None:
+        child = get_node(field)
+        if child is not None:
+            return child._value()
+    return OmegaConf.to_container(node, resolve=False)[field]
 
 
 #: What :func:`_child` gives for a value whose interpolation does not resolve (reported already).
@@ -418,6 +428,9 @@ def _deploy_settings(
     if node is not None and not isinstance(node, DictConfig):
         problems.add(DEPLOY_KEY, f"must be a mapping (SGLangDeployConf), got {node!r}")
         node = None
+    settings = _typed_settings(node) if not problems.problems else None
+    if settings is not None:
+        return _finished(settings, problems)
     values = _resolved(node, DEPLOY_KEY, problems) if node is not None else {}
     if mapping is not None and mapping.server_defaults and isinstance(values, dict):
         given = values.get("server_defaults")
@@ -425,13 +438,31 @@ def _deploy_settings(
         values["server_defaults"] = {**mapping.server_defaults, **given}
     try:
         merged = OmegaConf.merge(OmegaConf.structured(SGLangDeployConf), values or {})
-        settings: SGLangDeployConf = OmegaConf.to_object(merged)  # type: ignore[assignment]
+        settings = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as exc:
         where = getattr(exc, "full_key", None)
         key = f"{DEPLOY_KEY}.{where}" if where else DEPLOY_KEY
         if key not in {problem.key for problem in problems.problems}:  # an unknown key, reported already
             problems.add(key, first_line(exc))
         settings = SGLangDeployConf()
+    return _finished(settings, problems)
+
+
+def _typed_settings(node: Any) -> SGLangDeployConf | None:
+    """``node`` as a :class:`SGLangDeployConf` where it is one already (composed from the schema: typed and
+    checked by Hydra) and reads whole: ``OmegaConf.to_object`` of it, 0.5 ms against the 15 ms of building the
+    schema anew and merging the node's values into it. None where it is not, or does not read (the full path
+    then says what is wrong, as before)."""
+    if not isinstance(node, DictConfig) or OmegaConf.get_type(node) is not SGLangDeployConf:
+        return None
+    try:
+        settings = OmegaConf.to_object(node)
+    except (OmegaConfBaseException, TypeError, ValueError):
+        return None
+    return settings if isinstance(settings, SGLangDeployConf) else None
+
+
+def _finished(settings: SGLangDeployConf, problems: ProblemCollector) -> SGLangDeployConf:
     if settings.api_key is None:
         settings.api_key = _api_key_from_env(problems)
     settings.launch.host = str(settings.launch.host).strip().strip("[]")

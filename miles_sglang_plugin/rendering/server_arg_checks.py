@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from importlib import metadata, resources
 from typing import Any
 
@@ -159,6 +159,28 @@ def _where(field: str, process: EngineProcessLaunch, plan: DeploymentPlan, setti
     return f"engine {process.name} --{field.replace('_', '-')}"
 
 
+def _values_to_check(
+    processes: Iterable[EngineProcessLaunch], table: Mapping[str, Mapping[str, Any]]
+) -> Iterator[tuple[EngineProcessLaunch, str, Any]]:
+    """Each process's ServerArgs values: all of them for the first process of a group; for the others, whose
+    other values are the first one's (their template's), their own ones (seed, addresses, ports, rank), but
+    for a number >= 0 of a field whose flag takes any such number (decided once per template)."""
+    numbers_pass: dict[int, frozenset[str]] = {}
+    for process in processes:
+        template = process.template
+        passing = numbers_pass.get(id(template))
+        if passing is not None:
+            for field, value in zip(template.own_keys, process.own, strict=True):
+                if not (type(value) is int and value >= 0 and field in passing):
+                    yield process, field, value
+            continue
+        numbers_pass[id(template)] = frozenset(
+            k for k in template.own_keys if (spec := table.get(k)) is None or _plainly_fine(0, spec)
+        )
+        for field, value in process.server_args.items():
+            yield process, field, value
+
+
 def type_table_problems(
     plan: DeploymentPlan, settings: SGLangDeployConf, processes: Iterable[EngineProcessLaunch]
 ) -> list[Problem]:
@@ -166,18 +188,15 @@ def type_table_problems(
     table = shipped_server_arg_types()["fields"]
     found: dict[tuple[str, str], Problem] = {}
     seen: dict[tuple[str, type, Any], str | None] = {}
-    for process in processes:
-        for field, value in process.server_args.items():
-            spec = table.get(field)
-            problem = _problem_of(field, value, spec, seen) if spec is not None else None
-            if problem is None:
-                continue
-            if field in SECRET_FIELDS:
-                problem = f"is not a value SGLang takes ({MASK})"
-            key = _where(field, process, plan, settings)
-            found.setdefault(
-                (key, problem), Problem(key, f"{problem} (SGLang's --{field.replace('_', '-')})")
-            )
+    for process, field, value in _values_to_check(processes, table):
+        spec = table.get(field)
+        problem = _problem_of(field, value, spec, seen) if spec is not None else None
+        if problem is None:
+            continue
+        if field in SECRET_FIELDS:
+            problem = f"is not a value SGLang takes ({MASK})"
+        key = _where(field, process, plan, settings)
+        found.setdefault((key, problem), Problem(key, f"{problem} (SGLang's --{field.replace('_', '-')})"))
     return list(found.values())
 
 

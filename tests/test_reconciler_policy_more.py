@@ -1562,3 +1562,24 @@ def test_next_wake_at_start_up_counts_the_launch_deadline() -> None:
         wake(engine("e", state=S.STARTING, probed_at=10.0), now=10.0, phase="starting", deadline=10.125)
         == 0.125
     )
+
+
+def test_next_wake_for_a_draining_engine_is_its_next_drain_query_or_its_drain_deadline() -> None:
+    """A removed engine is asked for its requests every 100 ms and stopped at drain_until (the rules of
+    _advance_retired): the loop must wake for them, not only within its 1 s."""
+
+    def draining(**kw: Any) -> Any:
+        values = {"state": S.DRAINING, "retired": True, "registered": False, "probed_at": 10.0, **kw}
+        return engine("e", **values)
+
+    assert wake(draining(drain_until=70.0), now=10.0625) == pytest.approx(0.0375)
+    assert wake(draining(drain_until=10.03125), now=10.0) == pytest.approx(0.03125)
+    # While its deregistration, drain query or cleanup is out, the outcome wakes the loop.
+    assert wake(draining(registered=True, drain_until=10.03125), now=10.0) == 1.0
+    for kind in ("drain", "cleanup", "deregister"):
+        assert wake(draining(drain_until=10.03125, pending=pending(kind)), now=10.0) == 1.0, kind
+    # The decision is due then: at 10.1 the next drain query goes out.
+    fleet, ledger = world(draining(drain_until=70.0), routers=[busy_router()])
+    due = 10.0625 + next_wake(fleet, P, 10.0625, phase="serving") + 1e-9  # (10.1 - 10.0 < 0.1 in floats)
+    assert decide(fleet, ledger, now=due - 0.0078125, policy=P) == []
+    assert [a.kind for a in decide(fleet, ledger, now=due, policy=P)] == ["update", "update", "drain"]

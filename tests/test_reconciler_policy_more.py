@@ -1218,7 +1218,7 @@ def test_a_router_back_serves_what_it_was_started_with_lists_them_and_is_reporte
         RU(pending=pending("probe")),
         RW("probe"),
     ]
-    assert decide(fleet, ledger, now=8.03125) == []  # its probe is out
+    assert decide(fleet, ledger, now=8.0625) == []  # its probe is out (50 ms have passed: no second one)
     assert decide(
         fleet, ledger, [router_done("router_probe", "actor", "refused", generation=1)], now=8.03125
     ) == [RU(pending=NONE)]  # polled every 50 ms while it starts again
@@ -1481,9 +1481,8 @@ def wake(
 @pytest.mark.parametrize(
     ("rows", "now", "phase", "expected"),
     [
-        # starting: polled every poll_interval_s (0.25) from its last poll; never polled: one interval from now
+        # starting: polled every poll_interval_s (0.25) from its last poll
         ([engine("e", state=S.STARTING, probed_at=10.0)], 10.125, "starting", 0.125),
-        ([engine("e", state=S.STARTING, probed_at=None)], 10.0, "starting", 0.25),
         # at start-up its row's deadline does not count (the launch's deadline does)
         ([engine("e", state=S.STARTING, started_at=9.0, pending=pending("probe"))], 10.0, "starting", 1.0),
         # restarted: every 50 ms at most, and the deadline startup_timeout_s (0.5) after its start
@@ -1498,7 +1497,6 @@ def wake(
         ([engine("e", state=S.LOST, cleaned_up=True, restart_at=None)], 10.25, "serving", 1.0),
         # up, or an external engine away: its next health poll
         ([engine("e", probed_at=10.0)], 10.25, "serving", 0.25),
-        ([engine("e", probed_at=None)], 10.25, "serving", 0.5),
         ([engine("e", state=S.PENDING_WEIGHTS, probed_at=10.0)], 10.125, "serving", 0.375),
         ([engine("x", state=S.LOST, external=True, probed_at=10.0)], 10.25, "serving", 0.25),
         ([engine("e", probed_at=10.0, pending=pending("probe"))], 10.25, "serving", 1.0),
@@ -1533,12 +1531,9 @@ def test_next_wake_without_supervision_waits_for_restarts_only() -> None:
     ("routers", "now", "phase", "expected"),
     [
         ([router(state=R.STARTING, probed_at=10.0)], 10.125, "serving", 0.125),
-        ([router(state=R.STARTING, probed_at=None)], 10.0, "starting", 0.25),
         ([router(state=R.STARTING, probed_at=10.0, lost_at=9.0)], 10.0, "serving", 0.05),
         ([router(state=R.LIVE, probed_at=10.0)], 10.0, "starting", 0.05),
-        ([router(state=R.LIVE, probed_at=None)], 10.0, "starting", 0.05),
         ([router(state=R.READY, probed_at=10.0)], 10.25, "serving", 0.25),
-        ([router(state=R.READY, probed_at=None)], 10.25, "serving", 0.5),
         ([router(state=R.READY, probed_at=10.0)], 10.25, "starting", 1.0),
         ([router(state=R.STARTING, probed_at=10.0, pending=pending("probe"))], 10.0, "serving", 1.0),
         ([router(state=R.LIVE, probed_at=10.0, pending=pending("list"))], 10.0, "serving", 1.0),
@@ -1574,6 +1569,7 @@ def test_next_wake_for_a_draining_engine_is_its_next_drain_query_or_its_drain_de
 
     assert wake(draining(drain_until=70.0), now=10.0625) == pytest.approx(0.0375)
     assert wake(draining(drain_until=10.03125), now=10.0) == pytest.approx(0.03125)
+    assert wake(draining(drain_until=None), now=10.0625) == pytest.approx(0.0375)  # no deadline: queries only
     # While its deregistration, drain query or cleanup is out, the outcome wakes the loop.
     assert wake(draining(registered=True, drain_until=10.03125), now=10.0) == 1.0
     for kind in ("drain", "cleanup", "deregister"):
@@ -1583,3 +1579,121 @@ def test_next_wake_for_a_draining_engine_is_its_next_drain_query_or_its_drain_de
     due = 10.0625 + next_wake(fleet, P, 10.0625, phase="serving") + 1e-9  # (10.1 - 10.0 < 0.1 in floats)
     assert decide(fleet, ledger, now=due - 0.0078125, policy=P) == []
     assert [a.kind for a in decide(fleet, ledger, now=due, policy=P)] == ["update", "update", "drain"]
+
+
+# ------------------------------------------------------------------------ corners of the rules above
+def test_an_added_engine_its_router_refuses_is_lost_and_started_again() -> None:
+    row = engine("n", state=S.CATCHING_UP, catch_up="new", registered=False, pending=pending("register"))
+    fleet, ledger = world(row, routers=[busy_router()])
+    why = "its router refused it: 409 WORKER_ALREADY_EXISTS"
+    assert decide(fleet, ledger, [done("register", "n", 0, "409 WORKER_ALREADY_EXISTS")], now=4.0) == [
+        U("n", pending=NONE),
+        T("n", S.LOST, lost_at=4.0, lost_reason=why, cleaned_up=False, health_failures=0, probed_at=4.0),
+        E("engine_lost", "n", f"engine n ({url('n')}) lost: {why}", reason=why),
+        U("n", pending=pending("cleanup")),
+        W("cleanup", "n"),
+        U("n", restarts_in_budget=0, restart_at=4.0, recovered_at=None),
+        E(
+            "engine_restarting",
+            "n",
+            f"restarting engine n (restart 1 of 3) {RESTARTING_TEXT} (0)",
+            attempt=1,
+            delay_s=0.0,
+        ),
+    ]
+
+
+def test_an_engine_waiting_for_weights_while_its_router_restarts_with_it_serves_once_it_has_them() -> None:
+    """The router was lost while e served, so it is being restarted with e; meanwhile e lacks the weights of a
+    group. It is not taken out of a router that is away (no deregistration), and once it has the weights it
+    serves again at once: its router was started with it."""
+    row = engine(
+        "e",
+        state=S.PENDING_WEIGHTS,
+        catch_up="pending",
+        registered=True,
+        probed_at=2.0,
+        started_at=0.5,
+        healthy_at=1.0,
+    )
+    away = router(state=R.RESTARTING, restarts=1, lost_at=1.5, pending=pending("restart"))
+    fleet, ledger = world(row, engine("f", pending=pending("probe")), routers=[away])
+    gens = {"e": 0, "f": 0}
+    ledger.record(
+        ledger.distributed_effect(None), sent={"f": 0}, accepted=["f"], deferred=["e"], generations=gens
+    )
+    assert decide(fleet, ledger, now=2.5) == []
+    ledger.record(
+        ledger.distributed_effect(None), sent=gens, accepted=["e", "f"], deferred=[], generations=gens
+    )
+    assert decide(fleet, ledger, now=2.75) == [
+        T("e", S.CATCHING_UP, catch_up="pending"),
+        T("e", S.SERVING, catch_up="", health_failures=0, probed_at=2.75, divergence=""),
+        U("e", recovered_at=2.75, lost_at=None),
+        E(
+            "engine_admitted",
+            "e",
+            "engine e got weights and serves again",
+            downtime_s=0.0,
+            start_s=0.5,
+            restarts=0,
+        ),
+    ]
+
+
+def test_a_divergence_of_several_calls_is_reported_as_one_list() -> None:
+    fleet, ledger = world(engine("e", probed_at=1.0), engine("f", probed_at=1.0), routers=[busy_router()])
+    gens = {"e": 0, "f": 0}
+    for effect in (memory_effect(["kv_cache"], released=True), pause_effect("abort")):
+        ledger.record(effect, sent=gens, accepted=["f"], deferred=[], generations=gens)
+    what = '/release_memory_occupation {"tags": ["kv_cache"]}; /pause_generation {"mode": "abort"}'
+    assert decide(fleet, ledger, now=1.5) == [
+        E(
+            "engine_diverged",
+            "e",
+            f"engine e does not have the control state the ledger says it should: {what}; bringing it there",
+            missing=what,
+        ),
+        T("e", S.CATCHING_UP, catch_up="divergence", divergence=what),
+        U("e", pending=pending("replay")),
+        W(
+            "replay",
+            "e",
+            calls=(
+                call("/release_memory_occupation", {"tags": ["kv_cache"]}),
+                call("/pause_generation", {"mode": "abort"}),
+            ),
+        ),
+    ]
+
+
+def test_a_removed_engine_waits_for_its_deregistration_even_once_its_router_has_let_go() -> None:
+    """Its router was restarted without it (so it is not registered any more) while its deregistration was
+    out: nothing more starts for it until that outcome is in."""
+    row = engine(
+        "e", state=S.DRAINING, retired=True, registered=False, drain_until=70.0, pending=pending("deregister")
+    )
+    fleet, ledger = world(row, routers=[busy_router()])
+    assert decide(fleet, ledger, now=5.0) == []
+    assert decide(
+        fleet, ledger, [done("deregister", "e", 0, "deregister failed (ConnectError)")], now=5.25
+    ) == [
+        U("e", pending=NONE),
+        U("e", registered=False),
+        U("e", probed_at=5.25),
+        U("e", pending=pending("drain")),
+        W("drain", "e"),
+    ]
+
+
+def test_a_router_started_again_without_workers_has_none_of_its_engines() -> None:
+    away = router(state=R.RESTARTING, restarts=1, lost_at=7.0, pending=pending("restart"))
+    fleet, ledger = world(engine("e", pending=pending("probe")), routers=[away])
+    assert decide(fleet, ledger, [router_done("router_restart", "actor", generation=1)], now=8.0) == [
+        RU(pending=NONE),
+        RT(R.STARTING, probed_at=None, health_failures=0, started_with=()),
+        U("e", registered=False),
+        RU(probed_at=8.0),
+        RU(pending=pending("probe")),
+        RW("probe"),
+    ]

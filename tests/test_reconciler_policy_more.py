@@ -1532,7 +1532,7 @@ def test_next_wake_without_supervision_waits_for_restarts_only() -> None:
     [
         ([router(state=R.STARTING, probed_at=10.0)], 10.125, "serving", 0.125),
         ([router(state=R.STARTING, probed_at=10.0, lost_at=9.0)], 10.0, "serving", 0.05),
-        ([router(state=R.LIVE, probed_at=10.0)], 10.0, "starting", 0.05),
+        ([router(state=R.LIVE, probed_at=10.0)], 10.03125, "starting", 0.01875),
         ([router(state=R.READY, probed_at=10.0)], 10.25, "serving", 0.25),
         ([router(state=R.READY, probed_at=10.0)], 10.25, "starting", 1.0),
         ([router(state=R.STARTING, probed_at=10.0, pending=pending("probe"))], 10.0, "serving", 1.0),

@@ -1190,9 +1190,10 @@ def test_an_added_engine_starts_in_the_pass_the_removed_engine_holding_its_gpus_
     actions = decide(fleet, ledger, [done("cleanup", "r", 0)], now=6.0)
     assert [a.kind for a in actions][-2:] == ["update", "spawn"] and actions[-1] == W("spawn", "n")
     assert E("engine_removed", "r", f"engine r ({url('r')}) is out of the deployment") in actions
-    assert actions.index(E("engine_removed", "r", f"engine r ({url('r')}) is out of the deployment")) < len(
-        actions
-    ) - 2
+    assert (
+        actions.index(E("engine_removed", "r", f"engine r ({url('r')}) is out of the deployment"))
+        < len(actions) - 2
+    )
 
 
 def test_an_added_engine_whose_first_start_fails_is_started_again_and_then_reported_added() -> None:

@@ -247,7 +247,9 @@ def plan_actions(
         _observe(scratch, observation, ledger, policy, now, phase)
     if any(a.kind in ("fail", "startup_failed") for a in scratch.actions):
         return scratch.actions
-    for row in scratch.engines():
+    # Retired engines first: one that stops in this pass frees its GPUs for an added engine in the same pass.
+    rows = scratch.engines()
+    for row in sorted(rows, key=lambda r: not r.retired):
         _advance_engine(scratch, row, ledger, policy, now, phase)
     for router in scratch.routers():
         _advance_router(scratch, router, policy, now, phase)
@@ -459,11 +461,12 @@ def _schedule_restart(s: _Scratch, row: EngineRow, used: int, policy: Policy, no
 def _restart_failed(s: _Scratch, row: EngineRow, problem: str, policy: Policy, now: float) -> None:
     """A restart did not bring ``row`` back: stop what it started, then try again after the backoff, or fail
     once the budget is used up."""
-    s.emit(
-        "engine_restart_failed",
-        row.id,
-        f"restart {row.restarts_in_budget} of engine {row.id} failed: {problem}",
+    attempt = (
+        f"the start of added engine {row.id}"  # never served yet: its first start is no restart
+        if row.catch_up == "new" and not row.restarts
+        else f"restart {row.restarts_in_budget} of engine {row.id}"
     )
+    s.emit("engine_restart_failed", row.id, f"{attempt} failed: {problem}")
     s.move(row, EngineState.LOST, lost_reason=problem, cleaned_up=False, health_failures=0)
     s.start(row, "cleanup")
     used = budget_used(row, policy, now)
@@ -703,7 +706,7 @@ def _advance_lost(s: _Scratch, row: EngineRow, policy: Policy, now: float, phase
         restarts=row.restarts + 1,
         restarts_in_budget=row.restarts_in_budget + 1,
         restart_at=None,
-        catch_up="restart",
+        catch_up="new" if row.catch_up == "new" else "restart",  # an added engine serves as added
         registered=False,
         pending=frozenset({"spawn"}),
     )
@@ -858,6 +861,8 @@ def _end_of_startup(s: _Scratch, now: float, deadline: float | None) -> None:
 
 def _engine_due(row: EngineRow, policy: Policy, now: float, phase: str) -> float | None:
     """When ``row`` needs a decision without an observation (a poll, a restart, a deadline), or None."""
+    if row.state is EngineState.DRAINING:
+        return _draining_due(row, now)
     if row.state is EngineState.STARTING:
         interval = (
             policy.poll_interval_s if phase == "starting" else min(policy.poll_interval_s, RESTART_POLL_S)
@@ -874,6 +879,14 @@ def _engine_due(row: EngineRow, policy: Policy, now: float, phase: str) -> float
     if row.state.up or row.state is EngineState.LOST:
         return (row.probed_at or now) + policy.health_interval_s
     return None
+
+
+def _draining_due(row: EngineRow, now: float) -> float | None:
+    """A removed engine's next drain query, or its drain deadline (see :func:`_advance_retired`)."""
+    if row.registered or row.pending & {"drain", "cleanup", "deregister"}:
+        return None  # the outcome under way wakes the loop
+    query = (row.probed_at or now) + RESTART_POLL_S * 2
+    return query if row.drain_until is None else min(query, row.drain_until)
 
 
 def _router_due(row: RouterRow, policy: Policy, now: float, phase: str) -> float | None:

@@ -241,19 +241,15 @@ def assign_ports(
     cursors: dict[str, _Cursor] = {}
     fixed = fixed or PortAssignment(engines={}, routers={})
 
+    reserved = _fixed_by_host(plan, fixed, host_of_node, router_host)
+
     def cursor(host: str) -> _Cursor:
         if host not in cursors:
             cursors[host] = _Cursor(port_base, port_max, host, claims, probe)
-            cursors[host].reserved = _fixed_on(host, plan, fixed, host_of_node, router_host)
+            cursors[host].reserved = reserved.get(host, set())
         return cursors[host]
 
-    routers = {}
-    for model in plan.models:
-        if model.name in fixed.routers and model.has_router:
-            routers[model.name] = fixed.routers[model.name]
-        elif model.has_router:
-            host_cursor = cursor(router_host)
-            routers[model.name] = RouterPorts(http=host_cursor.take(), prometheus=host_cursor.take())
+    routers = _router_ports(plan, fixed, lambda: cursor(router_host))
     requests = [r for r in _engine_port_requests(plan) if (r.engine_id, r.node_rank) not in fixed.engines]
     if find_node_ports is None:
         of_node: dict[int, _Cursor] = {}  # each node's cursor, its host asked once
@@ -276,6 +272,20 @@ def assign_ports(
     return PortAssignment(engines=engines, routers=routers)
 
 
+def _router_ports(
+    plan: DeploymentPlan, fixed: PortAssignment, router_cursor: Callable[[], _Cursor]
+) -> dict[str, RouterPorts]:
+    """Each model's router ports: those it keeps, or two new ones from the router host's cursor."""
+    routers = {}
+    for model in plan.models:
+        if model.name in fixed.routers and model.has_router:
+            routers[model.name] = fixed.routers[model.name]
+        elif model.has_router:
+            host_cursor = router_cursor()
+            routers[model.name] = RouterPorts(http=host_cursor.take(), prometheus=host_cursor.take())
+    return routers
+
+
 def _process_keys(plan: DeploymentPlan) -> set[tuple[str, int]]:
     return {(e.id, p.node_rank) for e in plan.engines for p in e.processes}
 
@@ -288,21 +298,25 @@ def _ports_of(ports: EnginePorts, dp_size: int) -> set[int]:
     return taken
 
 
-def _fixed_on(
-    host: str,
+def _fixed_by_host(
     plan: DeploymentPlan,
     fixed: PortAssignment,
     host_of_node: Callable[[int], str],
     router_host: str,
-) -> set[int]:
-    """The fixed ports on ``host`` (those of kept processes and routers), which no other process may get."""
-    taken: set[int] = set()
-    for _model, group in plan.groups():
-        for engine in group.engines:
-            for process in engine.processes:
-                ports = fixed.engines.get((engine.id, process.node_rank))
-                if ports is not None and host_of_node(process.node) == host:
-                    taken |= _ports_of(ports, group.dp_size)
-    if host == router_host:
-        taken |= {p for r in fixed.routers.values() for p in (r.http, r.prometheus)}
+) -> dict[str, set[int]]:
+    """The fixed ports of each host (those of kept processes and routers), which no other process may get:
+    one pass over the plan, and none where nothing is kept (a plan at the GPU cap has 8,192 hosts)."""
+    taken: dict[str, set[int]] = {}
+    if fixed.engines:
+        for _model, group in plan.groups():
+            for engine in group.engines:
+                for process in engine.processes:
+                    ports = fixed.engines.get((engine.id, process.node_rank))
+                    if ports is not None:
+                        host = host_of_node(process.node)
+                        taken.setdefault(host, set()).update(_ports_of(ports, group.dp_size))
+    if fixed.routers:
+        taken.setdefault(router_host, set()).update(
+            p for r in fixed.routers.values() for p in (r.http, r.prometheus)
+        )
     return taken

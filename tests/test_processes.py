@@ -130,13 +130,23 @@ def test_a_child_is_killed_when_the_thread_that_started_it_exits(tmp_path: Path,
     proc = ManagedProcess(name="orphan", argv=[sys.executable, "-c", SLEEPER, MARKER], env={},
                           log_path=tmp_path / "orphan.log")  # fmt: skip
     tracker = LeakTracker()
-    starter = threading.Thread(target=proc.start)
+
+    def start_and_wait_for_exec() -> None:
+        # With setpriv the signal is armed after Popen returns, by setpriv itself: the thread ends only once
+        # the child runs the program (its command line has the marker), so that setpriv has armed it.
+        proc.start()
+        assert proc.popen is not None
+        cmdline = Path(f"/proc/{proc.popen.pid}/cmdline")
+        while proc.popen.poll() is None and MARKER.encode() not in cmdline.read_bytes():
+            time.sleep(0.01)
+
+    starter = threading.Thread(target=start_and_wait_for_exec)
     starter.start()
     starter.join()
     try:
         assert proc.popen is not None
         tracker.add_process(proc.popen.pid, "orphaned child", MARKER)
-        assert proc.popen.wait(timeout=10) == -9  # SIGKILL, from the kernel
+        assert proc.popen.wait(timeout=60) == -9  # SIGKILL, from the kernel
     finally:
         stop_processes([proc], grace_s=0.5)
         tracker.assert_nothing_left(wait_s=2.0)

@@ -198,6 +198,25 @@ def test_the_report_has_a_row_per_job_and_model_and_keeps_failed_jobs(sweep: Pat
     assert "2/32: 2x HTTP 503: busy" in md and "![throughput and p99 latency](sweep_report.png)" in md
 
 
+def test_a_completed_job_that_benchmarked_no_model_is_a_row_saying_so(sweep: Path) -> None:
+    # Found by the fuzzer: metrics whose "models" is empty (nothing was benchmarked) ended in a KeyError.
+    _job(
+        sweep,
+        11,
+        ["sglang=pd_actor_ref", "sglang_deploy=simulated", f"{KEY}=1"],
+        {"simulated": False, "models": {}},
+        {"status": "COMPLETED"},
+    )
+    files = build_report(sweep)
+    with files.csv.open() as f:
+        (row,) = [r for r in csv.DictReader(f) if r["job"] == "11"]
+    assert (row["model"], row["status"], row["error"]) == ("", "ok", "no model was benchmarked")
+    assert (
+        "| 11 | 1 | - | ok | - | - | - | - | - | - | - | - | no model was benchmarked |"
+        in files.markdown.read_text()
+    )
+
+
 def test_the_plot_is_a_png(sweep: Path) -> None:
     import matplotlib.image
 

@@ -257,7 +257,8 @@ def report_rows(jobs: Sequence[JobResult]) -> list[Row]:
     for job in jobs:
         models = list((job.metrics or {}).get("models", {})) if job.status == "ok" else []
         if not models:
-            rows.append(Row(job, None, {"error": job.error}))
+            error = job.error if job.status != "ok" else "no model was benchmarked"  # an empty "models"
+            rows.append(Row(job, None, {"error": error}))
         rows += [Row(job, model, _model_values(job.metrics or {}, model)) for model in models]
     return rows
 
@@ -299,7 +300,7 @@ def _cell(row: Row, key: str) -> Any:
     if key == "status":
         return row.job.status
     if key == "errors":
-        if row.job.status != "ok":
+        if row.job.status != "ok" or row.model is None:
             return row.values.get("error")
         return f"{row.values['failed']}/{row.values['requests']}" + (
             f": {row.values['error']}" if row.values.get("error") else ""

@@ -133,11 +133,12 @@ def test_a_child_is_killed_when_the_thread_that_started_it_exits(tmp_path: Path,
 
     def start_and_wait_for_exec() -> None:
         # With setpriv the signal is armed after Popen returns, by setpriv itself: the thread ends only once
-        # the child runs the program (its command line has the marker), so that setpriv has armed it.
+        # the child runs the program (setpriv and the guard's shell have made way for it), so that setpriv
+        # has armed it.
         proc.start()
         assert proc.popen is not None
         cmdline = Path(f"/proc/{proc.popen.pid}/cmdline")
-        while proc.popen.poll() is None and MARKER.encode() not in cmdline.read_bytes():
+        while proc.popen.poll() is None and cmdline.read_bytes().split(b"\0")[0] != sys.executable.encode():
             time.sleep(0.01)
 
     starter = threading.Thread(target=start_and_wait_for_exec)

@@ -2,8 +2,7 @@
 
 Each field of a schema dataclass has a docstring: the string literal written under it (what it is and its
 unit). This module reads those docstrings from the classes' source, and the types and defaults from the
-dataclasses, so that what is printed cannot drift from what Hydra composes. Fields copied from another
-dataclass (``fields_of``: ``MilesTrainerArgs`` from ``TrainerInputs``) keep the docstrings of their source.
+dataclasses, so that what is printed cannot drift from what Hydra composes.
 """
 
 from __future__ import annotations
@@ -65,16 +64,11 @@ def _docstrings_in_source(cls: type) -> dict[str, str]:
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """Every dataclass field of ``cls`` -> its docstring ("" where it has none): its own, its bases', and
-    those of the classes its fields were copied from."""
+    """Every dataclass field of ``cls`` -> its docstring ("" where it has none): its own and its bases'."""
     docs: dict[str, str] = {}
     for klass in reversed(cls.__mro__):
-        if not dataclasses.is_dataclass(klass):
-            continue
-        copied_from = klass.__dict__.get("__fields_copied_from__")
-        if copied_from is not None:
-            docs.update(field_docs(copied_from))
-        docs.update(_docstrings_in_source(klass))
+        if dataclasses.is_dataclass(klass):
+            docs.update(_docstrings_in_source(klass))
     return {f.name: docs.get(f.name, "") for f in dataclasses.fields(cls)}
 
 

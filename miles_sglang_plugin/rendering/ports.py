@@ -262,18 +262,23 @@ def assign_ports(
                 of_node[request.node] = cursor(host_of_node(request.node))
         starts = [[of_node[request.node].take(n) for n in request.runs] for request in requests]
     else:
-        by_node: dict[int, list[_PortRequest]] = {}
-        for request in requests:
-            by_node.setdefault(request.node, []).append(request)
-        found = find_node_ports({node: [request.runs for request in rs] for node, rs in by_node.items()})
-        position = {id(request): (node, i) for node, rs in by_node.items() for i, request in enumerate(rs)}
-        starts = [list(found[position[id(request)][0]][position[id(request)][1]]) for request in requests]
+        starts = _found_on_nodes(requests, find_node_ports)
     engines = {
         (request.engine_id, request.node_rank): _engine_ports(start)
         for request, start in zip(requests, starts, strict=True)
     }
     engines.update({key: ports for key, ports in fixed.engines.items() if key in _process_keys(plan)})
     return PortAssignment(engines=engines, routers=routers)
+
+
+def _found_on_nodes(requests: Sequence[_PortRequest], find_node_ports: NodePortFinder) -> list[list[int]]:
+    """The first ports of each request's runs, found on the requests' nodes (one call for all nodes)."""
+    by_node: dict[int, list[_PortRequest]] = {}
+    for request in requests:
+        by_node.setdefault(request.node, []).append(request)
+    found = find_node_ports({node: [request.runs for request in rs] for node, rs in by_node.items()})
+    position = {id(request): (node, i) for node, rs in by_node.items() for i, request in enumerate(rs)}
+    return [list(found[position[id(request)][0]][position[id(request)][1]]) for request in requests]
 
 
 def _process_keys(plan: DeploymentPlan) -> set[tuple[str, int]]:

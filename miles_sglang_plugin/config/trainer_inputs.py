@@ -272,7 +272,9 @@ class _Rules:
 
     @property
     def actor_gpus(self) -> int:
-        return self.values["actor_num_nodes"] * self.values["actor_num_gpus_per_node"]
+        nodes: int = self.values["actor_num_nodes"]
+        per_node: int = self.values["actor_num_gpus_per_node"]
+        return nodes * per_node
 
     def set(self, name: str, value: Any, why: str, *, derived: bool = True) -> None:
         """Set ``name``; noted unless it only fills a value that was not given (None). ``derived=False``: a

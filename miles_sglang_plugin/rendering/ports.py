@@ -240,11 +240,12 @@ def assign_ports(
         port_max = EPHEMERAL_START - 1
     cursors: dict[str, _Cursor] = {}
     fixed = fixed or PortAssignment(engines={}, routers={})
+    fixed_on = _fixed_by_host(plan, fixed, host_of_node, router_host)
 
     def cursor(host: str) -> _Cursor:
         if host not in cursors:
             cursors[host] = _Cursor(port_base, port_max, host, claims, probe)
-            cursors[host].reserved = _fixed_on(host, plan, fixed, host_of_node, router_host)
+            cursors[host].reserved = fixed_on.get(host, set())
         return cursors[host]
 
     routers = {}
@@ -293,21 +294,25 @@ def _ports_of(ports: EnginePorts, dp_size: int) -> set[int]:
     return taken
 
 
-def _fixed_on(
-    host: str,
+def _fixed_by_host(
     plan: DeploymentPlan,
     fixed: PortAssignment,
     host_of_node: Callable[[int], str],
     router_host: str,
-) -> set[int]:
-    """The fixed ports on ``host`` (those of kept processes and routers), which no other process may get."""
-    taken: set[int] = set()
-    for _model, group in plan.groups():
-        for engine in group.engines:
-            for process in engine.processes:
-                ports = fixed.engines.get((engine.id, process.node_rank))
-                if ports is not None and host_of_node(process.node) == host:
-                    taken |= _ports_of(ports, group.dp_size)
-    if host == router_host:
-        taken |= {p for r in fixed.routers.values() for p in (r.http, r.prometheus)}
+) -> dict[str, set[int]]:
+    """The fixed ports on each host (those of kept processes and routers), which no other process may get:
+    one pass over the plan (per host, it made a plan at the cap quadratic: 8,192 nodes x 65,536 engines)."""
+    taken: dict[str, set[int]] = {}
+    if fixed.engines:
+        for _model, group in plan.groups():
+            for engine in group.engines:
+                for process in engine.processes:
+                    ports = fixed.engines.get((engine.id, process.node_rank))
+                    if ports is not None:
+                        on_host = taken.setdefault(host_of_node(process.node), set())
+                        on_host |= _ports_of(ports, group.dp_size)
+    if fixed.routers:
+        taken.setdefault(router_host, set()).update(
+            p for r in fixed.routers.values() for p in (r.http, r.prometheus)
+        )
     return taken

@@ -16,7 +16,7 @@ RAY_FLOOR_VENV ?= .venv-ray-floor
 RAY_FLOOR_BIN := $(RAY_FLOOR_VENV)/bin
 REAL_VENV ?= .venv-real
 
-.PHONY: demo test test-smg test-ray test-ray-floor test-trainers test-real-engine lint bench mutation clean
+.PHONY: demo test test-smg test-ray test-ray-floor test-trainers test-real-engine lint typecheck bench mutation clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -106,8 +106,14 @@ test-real-engine: $(REAL_VENV)/.installed
 	$(REAL_VENV)/bin/python -m pytest -m "real_engine or engine_contract" -p no:cacheprovider \
 		tests/test_real_engine.py tests/test_engine_contract.py
 
+# Format and lint (ruff), the stages' import contracts (import-linter), then the types (make typecheck).
 lint: $(VENV)/.base-installed
-	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/lint-imports
+	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/lint-imports && $(BIN)/mypy
+
+# mypy, strict on the whole package and the Hydra plugins (pyproject.toml's [tool.mypy]: what it checks, and
+# the optional extras it does not follow).
+typecheck: $(VENV)/.base-installed
+	$(BIN)/mypy
 
 bench: $(VENV)/.sglang-installed $(VENV)/.ray-installed
 	$(BIN)/python benchmarks/bench_resolve.py --subprocess-runs 3

@@ -1,9 +1,11 @@
-"""The Hydra schemas and the plain dataclasses past the Hydra edge share one field list (``fields_of``): a
-value set in a config reaches resolution and the routers unchanged."""
+"""The Hydra schemas and their frozen twins past the Hydra edge declare the same fields (``MilesTrainerArgs`` and
+``TrainerInputs``, ``RouterConf`` and ``RouterSettings``): names, order, types (``dict`` there, ``Mapping``
+here), defaults, options and docstrings. A value set in a config reaches resolution and the routers unchanged."""
 
 from __future__ import annotations
 
 import dataclasses
+import typing
 from collections.abc import Mapping
 from typing import Any
 
@@ -12,51 +14,94 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
 from miles_sglang_plugin.config.compose import CompositionError, compose_config
+from miles_sglang_plugin.config.field_docs import field_docs
 from miles_sglang_plugin.config.reading import trainer_from_config
 from miles_sglang_plugin.config.schema import MilesTrainerArgs, RouterConf, SGLangDeployConf
-from miles_sglang_plugin.config.shared_fields import dict_as_mapping, fields_of, mapping_as_dict
+from miles_sglang_plugin.config.trainer_inputs import TrainerInputs
 from miles_sglang_plugin.rendering.router_specs import RouterSettings
 
 
-@dataclasses.dataclass(frozen=True)
-class _Source:
+# ------------------------------------------------------------------------------- twins held to each other
+def _as_mapping(hint: Any) -> Any:
+    """A schema's ``dict[K, V]`` as the frozen twin's ``Mapping[K, V]`` (OmegaConf types mappings as dict)."""
+    if typing.get_origin(hint) is dict:
+        return Mapping[typing.get_args(hint)]  # type: ignore[misc]  # a subscript built at run time
+    return hint
+
+
+def _default(one: dataclasses.Field[Any]) -> tuple[str, Any]:
+    if one.default_factory is not dataclasses.MISSING:
+        return ("factory", one.default_factory())
+    return ("value", one.default)
+
+
+def _differences(schema: type, frozen: type, names: list[str]) -> list[str]:
+    """How the fields ``names`` of the Hydra schema and of its frozen twin differ: type (modulo dict as
+    Mapping), default, field options, docstring."""
+    schema_fields = {f.name: f for f in dataclasses.fields(schema)}
+    frozen_fields = {f.name: f for f in dataclasses.fields(frozen)}
+    schema_hints, frozen_hints = typing.get_type_hints(schema), typing.get_type_hints(frozen)
+    schema_docs, frozen_docs = field_docs(schema), field_docs(frozen)
+    out = []
+    for name in names:
+        one, two = schema_fields[name], frozen_fields[name]
+        wanted = _as_mapping(schema_hints[name])
+        if wanted != frozen_hints[name]:
+            out.append(f"{name}: type {frozen_hints[name]} in the frozen twin, {wanted} wanted")
+        if _default(one) != _default(two):
+            out.append(f"{name}: default {_default(one)} vs {_default(two)}")
+        options = ("init", "repr", "hash", "compare", "kw_only", "metadata")
+        if [getattr(one, o) for o in options] != [getattr(two, o) for o in options]:
+            out.append(f"{name}: field options differ")
+        if schema_docs[name] != frozen_docs[name]:
+            out.append(f"{name}: docstring {schema_docs[name]!r} vs {frozen_docs[name]!r}")
+    return out
+
+
+@dataclasses.dataclass
+class _Conf:
     count: int = 3
-    name: str | None = None
-    table: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    hidden: str = dataclasses.field(default="s", repr=False)
+    """How many."""
+    table: dict[str, int] = dataclasses.field(default_factory=dict)
+    """A table."""
 
 
-def test_fields_of_copies_order_types_defaults_and_options_before_the_own_fields():
-    @dataclasses.dataclass
-    @fields_of(_Source, retype=mapping_as_dict)
-    class Conf:
-        own: list[int] = dataclasses.field(default_factory=lambda: [1, 2])
-
-    assert [f.name for f in dataclasses.fields(Conf)] == ["count", "name", "table", "hidden", "own"]
-    conf = Conf()
-    assert (conf.count, conf.name, conf.table, conf.hidden, conf.own) == (3, None, {}, "s", [1, 2])
-    assert Conf().table is not conf.table  # the default factory is copied, not one shared dict
-    assert "hidden" not in repr(conf)
-    node = OmegaConf.structured(Conf)  # typed: dict, not Mapping, for OmegaConf
-    with pytest.raises(ValidationError, match="could not be converted to Integer"):
-        node.count = "three"
-    node.table = {"k": 1}
-    assert OmegaConf.to_object(node) == Conf(table={"k": 1})
+@dataclasses.dataclass(frozen=True)
+class _Drifted:
+    count: int = 4
+    """How many."""
+    table: dict[str, int] = dataclasses.field(default_factory=dict, repr=False)
+    """The table."""
 
 
-def test_fields_of_refuses_a_field_declared_twice():
-    with pytest.raises(TypeError, match=r"Twice\.count is already a field of _Source"):
+def test_the_twins_check_sees_each_kind_of_drift():
+    assert _differences(_Conf, _Drifted, ["count", "table"]) == [
+        "count: default ('value', 3) vs ('value', 4)",
+        "table: type dict[str, int] in the frozen twin, collections.abc.Mapping[str, int] wanted",
+        "table: field options differ",
+        "table: docstring 'A table.' vs 'The table.'",
+    ]
 
-        @fields_of(_Source)
-        class Twice:
-            count: int = 4
+
+def test_the_root_schema_declares_the_trainer_inputs_one_to_one_then_the_groups_nodes():
+    trainer = [f.name for f in dataclasses.fields(TrainerInputs)]
+    names = [f.name for f in dataclasses.fields(MilesTrainerArgs)]
+    assert names == [*trainer, "sglang", "sglang_deploy", "sglang_bench"]
+    assert len(trainer) == 23
+    assert _differences(MilesTrainerArgs, TrainerInputs, trainer) == []
+    hints = typing.get_type_hints(MilesTrainerArgs)
+    assert hints["eval_sglang_overrides"] == dict[str, Any]  # OmegaConf types a mapping node as dict
+    assert typing.get_type_hints(TrainerInputs)["eval_sglang_overrides"] == Mapping[str, Any]
+    assert (MilesTrainerArgs().seed, MilesTrainerArgs().rollout_num_gpus_per_engine) == (1234, 1)
 
 
-def test_type_mappings_between_dict_and_mapping():
-    assert mapping_as_dict(Mapping[str, int]) == dict[str, int]
-    assert dict_as_mapping(dict[str, int]) == Mapping[str, int]
-    assert mapping_as_dict(int | None) == int | None
-    assert dict_as_mapping(list[str]) == list[str]
+def test_router_settings_declare_the_router_schemas_fields_one_to_one():
+    names = [f.name for f in dataclasses.fields(RouterConf)]
+    assert names == [f.name for f in dataclasses.fields(RouterSettings)]
+    assert (names[0], names[-2:]) == ("gateway", ["drain_settle_secs", "extra"])
+    assert _differences(RouterConf, RouterSettings, names) == []
+    assert typing.get_type_hints(RouterSettings)["extra"] == Mapping[str, Any]
+    assert (RouterSettings().policy, RouterSettings().request_timeout_secs) == ("cache_aware", 14400)
 
 
 def test_trainer_arguments_in_the_root_schema_are_typed_and_reach_trainer_inputs():

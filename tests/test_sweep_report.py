@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import yaml
+from omegaconf import OmegaConf
 
 from miles_sglang_plugin.cli import main as cli_main
 from miles_sglang_plugin.errors import DeploymentConfigError
@@ -22,6 +23,7 @@ from miles_sglang_plugin.sweeps.bench import (
     prompt_ids,
     summarize_model,
 )
+from miles_sglang_plugin.sweeps.jobs import bench_settings_from_config
 from miles_sglang_plugin.sweeps.report import (
     SweepReportError,
     build_report,
@@ -86,6 +88,16 @@ def test_bad_bench_settings_are_all_reported_at_once() -> None:
     assert "sglang_bench.timeout_s: -1 must be a number of seconds > 0" in message
     with pytest.raises(DeploymentConfigError, match=r"sglang_bench\.num_promts: is not a setting"):
         BenchSettings.from_mapping({"num_promts": 8})
+
+
+def test_a_bench_key_that_is_not_a_string_is_an_unknown_setting_next_to_the_others() -> None:
+    # An integer key of the node (YAML ``1: x``) besides a misspelt one: both reported, not a failed sort.
+    cfg = OmegaConf.create({"sglang_bench": {1: "x", "num_promts": 8}})
+    with pytest.raises(DeploymentConfigError) as info:
+        bench_settings_from_config(cfg)
+    message = str(info.value)
+    assert "sglang_bench.1: is not a setting of the benchmark" in message
+    assert "sglang_bench.num_promts: is not a setting of the benchmark" in message
 
 
 # --------------------------------------------------------------------------------------------------------

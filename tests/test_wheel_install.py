@@ -56,6 +56,7 @@ _TOP_LEVEL_SKIP = {
     ".hypothesis",
     ".pytest_cache",
     ".ruff_cache",
+    ".mypy_cache",
     "build",
     "dist",
     "outputs",
@@ -67,6 +68,8 @@ _TOP_LEVEL_SKIP = {
 #: Files the wheel must contain (besides every preset of the repository's conf/sglang/).
 REQUIRED_IN_WHEEL = (
     "miles_sglang_plugin/__init__.py",
+    # PEP 561: type checkers of the package's users read its annotations.
+    "miles_sglang_plugin/py.typed",
     "miles_sglang_plugin/conf/__init__.py",
     "miles_sglang_plugin/conf/miles_sglang.yaml",
     "miles_sglang_plugin/conf/sglang/pd_actor_ref.yaml",

@@ -41,7 +41,8 @@ def get_backend(name: str, **options: Any) -> Backend:
             f"the {name} backend takes no option {', '.join(unknown)}"
             + (f" (it takes: {', '.join(accepted)})" if accepted else "")
         )
-    return backend_class(**options)
+    backend: Backend = backend_class(**options)
+    return backend
 
 
 def __getattr__(name: str) -> Any:

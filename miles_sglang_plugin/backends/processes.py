@@ -226,9 +226,15 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
+def _leader_pid(process: ManagedProcess) -> int:
+    """The pid of a started process, which is also its process group's id (it leads a new session)."""
+    assert process.popen is not None, f"{process.name} was never started"
+    return process.popen.pid
+
+
 def _still_running(process: ManagedProcess) -> bool:
     """The process, or any member of its process group, is still there."""
-    return process.running or _group_alive(process.popen.pid)  # type: ignore[union-attr]
+    return process.running or _group_alive(_leader_pid(process))
 
 
 def stop_processes(processes: Iterable[ManagedProcess], grace_s: float = 10.0) -> dict[str, int | None]:
@@ -242,7 +248,7 @@ def stop_processes(processes: Iterable[ManagedProcess], grace_s: float = 10.0) -
     while (left := deadline - time.monotonic()) > 0 and any(_still_running(process) for process in started):
         leaderless = False
         for process in started:
-            if not process.running and _group_alive(process.popen.pid):  # type: ignore[union-attr]
+            if not process.running and _group_alive(_leader_pid(process)):
                 # The leader is gone but members of its group are not: keep asking them to stop.
                 process.signal_group(signal.SIGTERM)
                 leaderless = True
@@ -259,7 +265,7 @@ def stop_processes(processes: Iterable[ManagedProcess], grace_s: float = 10.0) -
     # SIGKILL is delivered at once but a loaded machine takes a moment to end a group's other members: return
     # when they are gone too (bounded), so that nothing of a stopped process outlives the call.
     deadline = time.monotonic() + 2.0
-    while any(_group_has_live_members(p.popen.pid) for p in killed) and time.monotonic() < deadline:  # type: ignore[union-attr]
+    while any(_group_has_live_members(_leader_pid(p)) for p in killed) and time.monotonic() < deadline:
         time.sleep(0.01)
     return codes
 
@@ -275,7 +281,7 @@ def _await_an_exit(leaders: Sequence[ManagedProcess], timeout_s: float) -> None:
     fds: list[int] = []
     try:
         for process in leaders:
-            fds.append(os.pidfd_open(process.popen.pid))  # type: ignore[union-attr]
+            fds.append(os.pidfd_open(_leader_pid(process)))
     except (AttributeError, OSError):  # no pidfds here, or one is gone already: look again soon
         timeout_s = min(timeout_s, MEMBER_POLL_S)
     try:
@@ -351,7 +357,7 @@ class ExitWatcher:
     def watch(self, process: ManagedProcess, on_exit: Callable[[], None]) -> None:
         if process.popen is None:
             return
-        self.watch_pid(process.popen.pid, lambda: process.popen.poll() is not None, on_exit)  # type: ignore[union-attr]
+        self.watch_pid(process.popen.pid, lambda: process.exit_code() is not None, on_exit)
 
     def watch_polled(self, exited: Callable[[], bool], on_exit: Callable[[], None]) -> None:
         """Watch something that can only be asked (``exited()``), every :data:`EXIT_POLL_S`."""

@@ -134,7 +134,8 @@ def _resolve_address(ray: Any, conf: RayConf) -> str | None:
     try:
         from ray._private.services import canonicalize_bootstrap_address
 
-        return canonicalize_bootstrap_address("auto")
+        address: str | None = canonicalize_bootstrap_address("auto")
+        return address
     except (ConnectionError, ImportError, AttributeError):
         return None
 
@@ -428,7 +429,8 @@ class RayBackend(Backend):
 
     def _wait(self, refs: Sequence[Any], what: str) -> list[Any]:
         try:
-            return self.ray.get(list(refs), timeout=self.conf.placement_timeout_s)
+            values: list[Any] = self.ray.get(list(refs), timeout=self.conf.placement_timeout_s)
+            return values
         except self.ray.exceptions.RayTaskError as exc:  # what the actor raised, without Ray's traceback text
             cause = getattr(exc, "cause", None)
             if isinstance(cause, Exception):
@@ -482,13 +484,13 @@ class RayBackend(Backend):
                 host, group, index_of[position], spec["GPU"], spec.get("CPU", 0.0), b.local_gpu_ids
             )
         wheres = self._wheres()
-        for name, host in self._hosts.items():
+        for name, started in self._hosts.items():
             node, given = (
                 RayNodeInfo(wheres[name]["node_id"], wheres[name]["address"]),
                 wheres[name]["gpu_ids"],
             )
-            for key in host.plan.processes:
-                gpus = bundle_gpu_ids(host.bundle_gpus, given, by_key[key].local_gpu_ids)
+            for key in started.plan.processes:
+                gpus = bundle_gpu_ids(started.bundle_gpus, given, by_key[key].local_gpu_ids)
                 self._grants[key] = ProcessGrant(node=node, gpu_ids=gpus)
 
     def _spread_group(

@@ -134,8 +134,8 @@ def own_bundles(plan: DeploymentPlan, *, per_node: bool = True) -> list[BundlePl
         for p in placements:
             slots.setdefault(p.node, []).extend(p.gpu_slots)
             processes.setdefault(p.node, []).append(p.key)
-        for slot in placeholder_slots(plan):
-            slots.setdefault(slot // gpn, []).append(slot)
+        for placeholder in placeholder_slots(plan):
+            slots.setdefault(placeholder // gpn, []).append(placeholder)
         return [
             BundlePlan(node, tuple(sorted(s % gpn for s in slots[node])), tuple(processes.get(node, ())))
             for node in sorted(slots)

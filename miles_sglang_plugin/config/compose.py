@@ -8,6 +8,7 @@ of ``miles-sglang plan``), the group's presets on the search path as in every Hy
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -73,6 +74,7 @@ def compose_config(
     location = f"file://{Path(config_dir).resolve()}" if config_dir is not None else config_search_path()
     GlobalHydra.instance().clear()
     try:
+        ctx: AbstractContextManager[None]
         if location.startswith("pkg://"):
             ctx = initialize_config_module(config_module=location[len("pkg://") :], version_base=None)
         else:

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypeGuard
 
 
 class WorkerType(StrEnum):
@@ -37,7 +37,7 @@ WORKER_TYPES: tuple[str, ...] = tuple(t.value for t in WorkerType)
 NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
 
 
-def is_int(value: Any) -> bool:
+def is_int(value: object) -> TypeGuard[int]:
     """An integer that is not a bool (YAML's ``true`` must not count as 1 GPU)."""
     return isinstance(value, int) and not isinstance(value, bool)
 

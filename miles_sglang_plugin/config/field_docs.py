@@ -2,8 +2,7 @@
 
 Each field of a schema dataclass has a docstring: the string literal written under it (what it is and its
 unit). This module reads those docstrings from the classes' source, and the types and defaults from the
-dataclasses, so that what is printed cannot drift from what Hydra composes. Fields copied from another
-dataclass (``fields_of``: ``MilesTrainerArgs`` from ``TrainerInputs``) keep the docstrings of their source.
+dataclasses, so that what is printed cannot drift from what Hydra composes.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ import textwrap
 import types
 import typing
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 #: Mapping fields whose values follow a schema although their declared value type is ``Any`` (so that a plain
 #: mapping is accepted and checked when read): (class name, field) -> (value schema's name, key placeholder).
@@ -65,16 +64,11 @@ def _docstrings_in_source(cls: type) -> dict[str, str]:
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """Every dataclass field of ``cls`` -> its docstring ("" where it has none): its own, its bases', and
-    those of the classes its fields were copied from."""
+    """Every dataclass field of ``cls`` -> its docstring ("" where it has none): its own and its bases'."""
     docs: dict[str, str] = {}
     for klass in reversed(cls.__mro__):
-        if not dataclasses.is_dataclass(klass):
-            continue
-        copied_from = klass.__dict__.get("__fields_copied_from__")
-        if copied_from is not None:
-            docs.update(field_docs(copied_from))
-        docs.update(_docstrings_in_source(klass))
+        if dataclasses.is_dataclass(klass):
+            docs.update(_docstrings_in_source(klass))
     return {f.name: docs.get(f.name, "") for f in dataclasses.fields(cls)}
 
 
@@ -92,7 +86,7 @@ def _type_text(hint: Any) -> str:
     return f"{typing.get_origin(hint).__name__}[{', '.join(_type_text(arg) for arg in args)}]"
 
 
-def _default_text(schema_field: dataclasses.Field) -> str:
+def _default_text(schema_field: dataclasses.Field[Any]) -> str:
     if schema_field.default is not dataclasses.MISSING:
         value = schema_field.default
     elif schema_field.default_factory is not dataclasses.MISSING:
@@ -108,15 +102,20 @@ def _default_text(schema_field: dataclasses.Field) -> str:
     return json.dumps(value)
 
 
+def _is_schema(obj: object) -> TypeGuard[type]:
+    """A dataclass (the class, not an instance of one)."""
+    return isinstance(obj, type) and dataclasses.is_dataclass(obj)
+
+
 def _nested_schema(cls: type, name: str, hint: Any, schemas: dict[str, type]) -> tuple[type, str] | None:
     """(schema, key placeholder or "") of a field that holds a schema node or a mapping of them."""
-    if dataclasses.is_dataclass(hint):
-        return hint, ""  # type: ignore[return-value]
+    if _is_schema(hint):
+        return hint, ""
     mapped = _MAPPING_VALUE_SCHEMAS.get((cls.__name__, name))
     if mapped is not None:
         return schemas[mapped[0]], mapped[1]
     args = typing.get_args(hint)
-    if typing.get_origin(hint) is dict and len(args) == 2 and dataclasses.is_dataclass(args[1]):
+    if typing.get_origin(hint) is dict and len(args) == 2 and _is_schema(args[1]):
         return args[1], _PLACEHOLDERS.get(args[1].__name__, "<name>")
     return None
 
@@ -125,7 +124,7 @@ def schema_fields(cls: type, prefix: str = "") -> list[FieldDoc]:
     """Every key under ``cls`` (nested schemas included), in declaration order."""
     from miles_sglang_plugin.config import schema
 
-    schemas = {name: obj for name, obj in vars(schema).items() if dataclasses.is_dataclass(obj)}
+    schemas = {name: obj for name, obj in vars(schema).items() if _is_schema(obj)}
     hints = typing.get_type_hints(cls)
     docs = field_docs(cls)
     rows: list[FieldDoc] = []

@@ -30,7 +30,8 @@ ROLLOUT_GPUS_RESOLVER = "msp.rollout_num_gpus"
 
 
 def _parent(node: Container) -> Container | None:
-    return node._get_parent()  # OmegaConf keeps no public accessor for a node's parent
+    # OmegaConf keeps no public accessor for a node's parent; a container's parent is a container.
+    return node._get_parent_container()
 
 
 def _ancestors(node: Container | None) -> Iterator[Container]:
@@ -74,8 +75,9 @@ def trainer_value(nodes: list[Container], name: str) -> tuple[bool, Any]:
     return found, value
 
 
-def _group_node_of(node: Container) -> Container:
-    """The group's node around ``node`` (a model's or a group's field): the parent of its model."""
+def _group_node_of(node: Container) -> Container | None:
+    """The group's node around ``node`` (a model's or a group's field): the parent of its model (None: a model
+    node at the root)."""
     model = next((ancestor for ancestor in _ancestors(node) if _is_model_node(ancestor)), None)
     return _parent(model) if model is not None else node
 
@@ -131,7 +133,7 @@ def register_resolvers() -> None:
         if OmegaConf.has_resolver(name):
             continue
         if modern:
-            register(name, resolver, use_cache=False)  # type: ignore[call-arg]
+            register(name, resolver, use_cache=False)  # type: ignore[call-arg]  # OmegaConf 2.4's signature
         else:
             OmegaConf.register_new_resolver(name, resolver, use_cache=False)
 
@@ -174,7 +176,7 @@ def nodes_holding_models(node: DictConfig, key: str = "", depth: int = 0) -> lis
         for child_key, child in children:
             if isinstance(child, DictConfig) and not child._is_none() and not child._is_interpolation():
                 found += nodes_holding_models(
-                    child, f"{key}.{child_key}" if key else str(child_key), depth + 1
+                    child, f"{key}.{child_key!s}" if key else str(child_key), depth + 1
                 )
     return found
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable, Sequence
+from types import FrameType
 from typing import Any
 
 from miles_sglang_plugin.errors import Problem
@@ -151,7 +152,7 @@ def render(problems: Sequence[Problem]) -> str:
 def _running_app_arguments() -> Any:
     """The parsed command line of the ``@hydra.main`` app being started (Hydra's ``_run_hydra`` holds it),
     or None outside one (the compose API, this package's own command)."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         if (
             frame.f_code.co_name == "_run_hydra"

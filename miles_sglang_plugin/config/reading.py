@@ -22,7 +22,7 @@ import dataclasses
 import difflib
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -105,7 +105,8 @@ def _raw_value(node: DictConfig, field: str) -> Any:
         child = get_node(field)
         if child is not None:
             return child._value()
-    return OmegaConf.to_container(node, resolve=False)[field]
+    # A DictConfig's container is a dict (OmegaConf's return type also names its other nodes').
+    return cast("dict[str, Any]", OmegaConf.to_container(node, resolve=False))[field]
 
 
 #: What :func:`_child` gives for a value whose interpolation does not resolve (reported already).
@@ -149,7 +150,8 @@ def _typed(node: Any, schema: type, key: str, problems: ProblemCollector) -> Dic
     if values is None:
         return None
     try:
-        return OmegaConf.merge(OmegaConf.structured(schema), values)
+        # Merged into a structured config: a DictConfig (OmegaConf's return type also names ListConfig).
+        return cast(DictConfig, OmegaConf.merge(OmegaConf.structured(schema), values))
     except OmegaConfBaseException as exc:
         hint = "+sglang_model@{key}=base" if schema is ModelConf else f"+sglang_group@{key}=<worker type>"
         problems.add(key, f"{first_line(exc)} (add it with {hint.format(key=key)})")
@@ -179,11 +181,11 @@ def unknown_keys(node: DictConfig, key: str, problems: ProblemCollector, *, recu
     declare. Untyped maps (``overrides``, ``server_defaults``, ``env``, ...) hold any key; typed nodes inside
     them are still checked."""
     schema = _dataclass_of(node)
-    names = {f.name for f in dataclasses.fields(schema)} if schema is not None else None
+    names = {f.name for f in dataclasses.fields(schema)} if schema is not None else set()
     for child_key in node:
-        child_path = f"{key}.{child_key}" if key else str(child_key)
-        if names is not None and child_key not in names and child_key != "hydra":
-            problems.add(child_path, _unknown_key_message(str(child_key), schema))  # type: ignore[arg-type]
+        child_path = f"{key}.{child_key!s}" if key else str(child_key)
+        if schema is not None and child_key not in names and child_key != "hydra":
+            problems.add(child_path, _unknown_key_message(str(child_key), schema))
             continue
         child = node._get_node(child_key)
         if (
@@ -254,9 +256,10 @@ def _extra_groups(
     """The enabled groups under ``extra_groups`` by name; appends every extra group's name to ``known``."""
     enabled: dict[str, GroupSpec] = {}
     extras = _child(node, "extra_groups", f"{key}.extra_groups", problems)
-    extras = extras if isinstance(extras, DictConfig) else {}
+    if not isinstance(extras, DictConfig):
+        return enabled
     for extra_name in extras:
-        group_key = f"{key}.extra_groups.{extra_name}"
+        group_key = f"{key}.extra_groups.{extra_name!s}"
         if extra_name in GROUP_SLOTS:
             problems.add(
                 group_key,
@@ -383,7 +386,7 @@ def _spec(node: Any, key: str, problems: ProblemCollector) -> DeploymentSpec | N
         return None
     models = []
     for name in node:
-        model_key = f"{key}.{name}"
+        model_key = f"{key}.{name!s}"
         if not _name_ok(str(name), key, "model", problems):
             continue
         typed = _typed(_child(node, name, model_key, problems), ModelConf, model_key, problems)
@@ -428,9 +431,9 @@ def _deploy_settings(
     if node is not None and not isinstance(node, DictConfig):
         problems.add(DEPLOY_KEY, f"must be a mapping (SGLangDeployConf), got {node!r}")
         node = None
-    settings = _typed_settings(node) if not problems.problems else None
-    if settings is not None:
-        return _finished(settings, problems)
+    typed = _typed_settings(node) if not problems.problems else None
+    if typed is not None:
+        return _finished(typed, problems)
     values = _resolved(node, DEPLOY_KEY, problems) if node is not None else {}
     if mapping is not None and mapping.server_defaults and isinstance(values, dict):
         given = values.get("server_defaults")
@@ -438,7 +441,8 @@ def _deploy_settings(
         values["server_defaults"] = {**mapping.server_defaults, **given}
     try:
         merged = OmegaConf.merge(OmegaConf.structured(SGLangDeployConf), values or {})
-        settings = OmegaConf.to_object(merged)  # type: ignore[assignment]
+        # The object of a node merged into SGLangDeployConf's structured config is an SGLangDeployConf.
+        settings = cast(SGLangDeployConf, OmegaConf.to_object(merged))
     except OmegaConfBaseException as exc:
         where = getattr(exc, "full_key", None)
         key = f"{DEPLOY_KEY}.{where}" if where else DEPLOY_KEY

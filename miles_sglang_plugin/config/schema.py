@@ -33,8 +33,6 @@ from omegaconf import II
 
 from miles_sglang_plugin.config.deployment_spec import WorkerType
 from miles_sglang_plugin.config.locating import register_resolvers
-from miles_sglang_plugin.config.shared_fields import fields_of, mapping_as_dict
-from miles_sglang_plugin.config.trainer_inputs import TrainerInputs
 from miles_sglang_plugin.config.trainer_mappings import TrainerKind
 
 # The defaults below interpolate ``msp.trainer`` / ``msp.rollout_num_gpus``: registered wherever these classes
@@ -364,12 +362,60 @@ class SGLangDeployConf:
 
 
 @dataclass
-@fields_of(TrainerInputs, retype=mapping_as_dict)
 class MilesTrainerArgs:
     """Trainer inputs under Miles' argument names, as a typed root schema a Hydra trainer can extend.
 
-    Its first fields are those of :class:`TrainerInputs` (names, types, defaults and docstrings), copied from
-    it, followed by the group's own nodes."""
+    Its first fields are those of :class:`~miles_sglang_plugin.config.trainer_inputs.TrainerInputs`, one to one (names, order, defaults and docstrings;
+    ``dict`` where that has ``Mapping``, which OmegaConf does not type): tests/test_schema.py holds the two to
+    each other. The group's own nodes follow."""
+
+    hf_checkpoint: str | None = None
+    """The trained model's checkpoint (Miles' --hf-checkpoint); the default model path of every model."""
+    rollout_num_gpus: int | None = None
+    """GPUs for rollout, eval excluded; null: whatever the server groups hold (set: must match them)."""
+    rollout_num_gpus_per_engine: int = 1
+    """GPUs per engine (TP x PP) of groups that pin none, in GPUs."""
+    num_gpus_per_node: int = 8
+    """GPUs of each node of the cluster."""
+    actor_num_nodes: int = 1
+    """Nodes the actor trains on (placement: rollout GPUs come after the actor's unless colocated)."""
+    actor_num_gpus_per_node: int = 8
+    """GPUs per node the actor trains on."""
+    colocate: bool = False
+    """Rollout shares the training GPUs (from slot 0; Miles sizes rollout to the actor's GPUs and offloads)."""
+    offload_rollout: bool | None = None
+    """Engines on training GPUs release their memory during training; null: on with colocate, else off."""
+    eval_num_gpus: int = 0
+    """GPUs of the separate eval fleet (a model named eval); 0: none."""
+    eval_num_gpus_per_engine: int = 1
+    """GPUs per engine of the eval fleet (Miles' default 1, whatever rollout_num_gpus_per_engine is)."""
+    prefill_num_servers: int | None = None
+    """Miles' legacy PD split without a deployment: prefill engines of the one model; null: none."""
+    debug_rollout_only: bool = False
+    """Rollout without training (no Megatron GPUs; rollout starts at slot 0)."""
+    debug_train_only: bool = False
+    """Training without rollout: no rollout engines (Miles sets rollout_num_gpus to 0); an eval fleet
+    (eval_num_gpus > 0) still starts, alone, after the actor's GPUs."""
+    use_critic: bool = False
+    """A critic trains next to the actor (Miles gives it the actor's size, on the actor's GPUs)."""
+    critic_train_only: bool = False
+    """Only the critic trains (its GPUs come before rollout's)."""
+    critic_num_nodes: int | None = None
+    """Nodes the critic trains on; null: actor_num_nodes; 0: no critic (with use_critic: the actor's)."""
+    critic_num_gpus_per_node: int | None = None
+    """GPUs per node the critic trains on; null: actor_num_gpus_per_node; 0: no critic."""
+    seed: int = 1234
+    """Base of each engine's --random-seed (Miles: seed + the engine's rank)."""
+    use_rollout_routing_replay: bool = False
+    """Engines record MoE routing for replay in training (Miles' --use-rollout-routing-replay)."""
+    use_rollout_indexer_replay: bool = False
+    """Engines record the indexer's choices for replay in training (Miles' --use-rollout-indexer-replay)."""
+    fp16: bool = False
+    """Train in fp16 (engines then serve in float16)."""
+    eval_sglang_overrides: dict[str, Any] = field(default_factory=dict)
+    """Miles' --eval-sglang-* values for the eval fleet (ServerArgs field -> value)."""
+    num_nodes: int | None = None
+    """Nodes of the cluster, for the capacity check (not a Miles argument); null: unknown, not checked."""
 
     sglang: dict[str, ModelConf] = field(default_factory=dict)
     """The deployment's models by name, in GPU order (one router each); filled by the ``sglang`` group."""

@@ -70,7 +70,7 @@ def store_lazily(
     file_name = f"{name}.yaml"
     where[file_name] = ConfigNode(
         name=file_name,
-        node=LazyNode(make),  # type: ignore[arg-type]
+        node=LazyNode(make),  # type: ignore[arg-type]  # a DictConfig once ConfigStore.load deep-copies it
         group=group,
         package=package,
         provider=PROVIDER,

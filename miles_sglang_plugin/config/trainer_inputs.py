@@ -27,8 +27,9 @@ EVAL_SGLANG_PREFIX = "eval_sglang_"
 class TrainerInputs:
     """Trainer-side inputs of resolution, named exactly as Miles' command-line arguments.
 
-    The one definition of these fields: the Hydra root schema ``MilesTrainerArgs`` copies them, so a field
-    added here is a typed config key as well."""
+    The Hydra root schema :class:`~miles_sglang_plugin.config.schema.MilesTrainerArgs` declares the same
+    fields (``dict`` for ``Mapping``), so each is a typed config key as well; tests/test_schema.py holds the
+    two to each other (a field added here without it there fails)."""
 
     hf_checkpoint: str | None = None
     """The trained model's checkpoint (Miles' --hf-checkpoint); the default model path of every model."""
@@ -271,7 +272,9 @@ class _Rules:
 
     @property
     def actor_gpus(self) -> int:
-        return self.values["actor_num_nodes"] * self.values["actor_num_gpus_per_node"]
+        nodes: int = self.values["actor_num_nodes"]
+        per_node: int = self.values["actor_num_gpus_per_node"]
+        return nodes * per_node
 
     def set(self, name: str, value: Any, why: str, *, derived: bool = True) -> None:
         """Set ``name``; noted unless it only fills a value that was not given (None). ``derived=False``: a

@@ -385,8 +385,9 @@ _MAPPINGS: dict[str, Callable[[_Keys], str | None]] = {"verl": _verl, "skyrl": _
 
 
 def _root(node: Container) -> Container:
-    while node._get_parent() is not None:  # OmegaConf keeps no public accessor for a node's parent
-        node = node._get_parent()
+    # OmegaConf keeps no public accessor for a node's parent; a container's parent is a container.
+    while (parent := node._get_parent_container()) is not None:
+        node = parent
     return node
 
 

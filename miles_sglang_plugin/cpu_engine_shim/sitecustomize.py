@@ -11,8 +11,9 @@ import importlib.machinery
 import importlib.util
 import os
 import sys
+from collections.abc import Sequence
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -25,17 +26,19 @@ def patch_device_module(torch: Any) -> None:
 
     def get_device_module(device: Any = None) -> ModuleType:
         if device is None and not torch.cuda.is_available():
-            return torch.cpu
-        return original(device)
+            return cast(ModuleType, torch.cpu)
+        return cast(ModuleType, original(device))
 
-    get_device_module._cpu_shim = True  # type: ignore[attr-defined]
+    get_device_module._cpu_shim = True  # type: ignore[attr-defined]  # a marker attribute on the function
     torch.get_device_module = get_device_module
 
 
 class _PatchTorchOnImport(importlib.abc.MetaPathFinder):
     """Finds ``torch`` as the other finders do and patches it right after its module has run."""
 
-    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+    def find_spec(
+        self, name: str, path: Sequence[str] | None = None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
         if name != "torch":
             return None
         sys.meta_path.remove(self)  # one use: let the normal finders find torch
@@ -48,7 +51,7 @@ class _PatchTorchOnImport(importlib.abc.MetaPathFinder):
             run_module(module)
             patch_device_module(module)
 
-        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]  # this one loader instance only
         return spec
 
 

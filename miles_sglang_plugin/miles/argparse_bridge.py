@@ -123,12 +123,12 @@ def resolve_namespace(ns: Any, *, server_arg_fields: Collection[str] | None = No
             ExternalEngineSpec(url=address, key=f"rollout_external_engine_addrs[{i}]")
             for i, address in enumerate(addresses)
         )
-        spec = DeploymentSpec(
+        external_spec = DeploymentSpec(
             models=(ModelSpec("default", (), update_weights=True, key="sglang.default", external=external),),
             source="trainer arguments (--rollout-external-engine-addrs)",
         )
         trainer = dataclasses.replace(trainer, rollout_num_gpus=None)
-        return resolve_deployment(spec, trainer, server_arg_fields=server_arg_fields)
+        return resolve_deployment(external_spec, trainer, server_arg_fields=server_arg_fields)
     spec = load_miles_config(config) if config else None
     fields = server_arg_fields if server_arg_fields is not None else known_server_arg_fields().fields
     return resolve_deployment(

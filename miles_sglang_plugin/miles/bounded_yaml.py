@@ -109,6 +109,13 @@ def _expanded_size(node: yaml.Node, sizes: dict[int, int]) -> int:
     return sizes[key]
 
 
+def _start_mark(event: yaml.Event) -> yaml.Mark | None:
+    """Where ``event`` starts: a ``yaml.Mark`` from this pure-Python loader (types-PyYAML's type of an event's
+    mark also allows the C parser's)."""
+    mark = event.start_mark
+    return mark if isinstance(mark, yaml.Mark) else None
+
+
 class StrictSafeLoader(yaml.SafeLoader):
     """``yaml.SafeLoader`` within this module's bounds, which also records duplicate mapping keys (PyYAML
     silently keeps the last one)."""
@@ -121,7 +128,7 @@ class StrictSafeLoader(yaml.SafeLoader):
         self._open_anchors: list[str | None] = []
         self._sizes: dict[int, int] = {}
 
-    def _count(self, nodes: int, mark: Any) -> None:
+    def _count(self, nodes: int, mark: yaml.Mark | None) -> None:
         self._nodes += nodes
         if self._nodes > MAX_YAML_NODES:
             raise _LimitError(
@@ -130,23 +137,24 @@ class StrictSafeLoader(yaml.SafeLoader):
                 problem_mark=mark,
             )
 
-    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
-        event = self.peek_event()
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
+        event: yaml.Event = self.peek_event()  # type: ignore[no-untyped-call]  # unannotated in types-PyYAML
         if isinstance(event, yaml.AliasEvent):
             if event.anchor in self._open_anchors:
                 raise _LimitError(
                     problem=f"alias *{event.anchor} refers to a node that contains it",
-                    problem_mark=event.start_mark,
+                    problem_mark=_start_mark(event),
                 )
             node = super().compose_node(parent, index)
-            self._count(_expanded_size(node, self._sizes), event.start_mark)
+            if node is not None:  # PyYAML returns the anchored node (types-PyYAML allows None)
+                self._count(_expanded_size(node, self._sizes), _start_mark(event))
             return node
         if self._depth >= MAX_YAML_DEPTH:
             raise _LimitError(
                 problem=f"nested deeper than {MAX_YAML_DEPTH} levels, the most a --sglang-config file may nest",
-                problem_mark=event.start_mark,
+                problem_mark=_start_mark(event),
             )
-        self._count(1, event.start_mark)
+        self._count(1, _start_mark(event))
         self._depth += 1
         self._open_anchors.append(getattr(event, "anchor", None))
         try:

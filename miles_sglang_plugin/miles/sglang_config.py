@@ -412,16 +412,16 @@ def _load_models(
     models: list[ModelSpec | None] = []
     first_index: dict[str, int] = {}
     for i, raw_model in enumerate(raw_models):
-        name = raw_model.get("name") if isinstance(raw_model, Mapping) else None
-        named = isinstance(name, str) and bool(name)
-        model_key = f"{label}: {top}[{i}]" + (f" ({name})" if named else "")
-        if named and name in first_index:
+        written = raw_model.get("name") if isinstance(raw_model, Mapping) else None
+        name = written if isinstance(written, str) and written else None
+        model_key = f"{label}: {top}[{i}]" + (f" ({name})" if name is not None else "")
+        if name is not None and name in first_index:
             problems.add(
                 f"{model_key}.name",
                 f"model name {name!r} is already used by {top}[{first_index[name]}]; model names must be "
                 "unique (each model gets its own router)",
             )
-        elif named:
+        elif name is not None:
             first_index[name] = i
         models.append(_load_model(raw_model, model_key, problems))
     return models
@@ -458,7 +458,8 @@ def _yaml_implicit_tag(value: str) -> str:
 
     loader = get_yaml_loader()("")
     try:
-        return loader.resolve(yaml.ScalarNode, value, (True, False))
+        tag: str = loader.resolve(yaml.ScalarNode, value, (True, False))
+        return tag
     finally:
         loader.dispose()
 

@@ -180,8 +180,9 @@ class _Placing:
     fresh: DeploymentPlan
     slots: _Slots
     changes: list[EngineChange] = dataclasses.field(default_factory=list)
-    #: Engines to place once the kept ones hold their slots: (model, group, fresh engine, old engine or None).
-    to_place: list[tuple[str, str, EnginePlan, EnginePlan | None, str]] = dataclasses.field(
+    #: Engines to place once the kept ones hold their slots: (model, group, fresh engine, old engine or None,
+    #: why it moves); a placeholder block as (model, group, None, None, "").
+    to_place: list[tuple[str, str, EnginePlan | None, EnginePlan | None, str]] = dataclasses.field(
         default_factory=list
     )
     placed: dict[str, EnginePlan] = dataclasses.field(default_factory=dict)

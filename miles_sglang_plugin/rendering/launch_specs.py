@@ -187,11 +187,11 @@ class ProcessTemplate:
         stand-in faults, the same for every process but its GPUs) masked once."""
         if self.standin is not None:
             return mask_env(self.env(engine_id, visible_devices), shown=PACKAGE_ENV_NAMES)
-        if self._masked_env is None:
-            object.__setattr__(
-                self, "_masked_env", mask_env(self.env(engine_id, ""), shown=PACKAGE_ENV_NAMES)
-            )
-        masked = dict(self._masked_env)  # type: ignore[arg-type]
+        masked_once = self._masked_env
+        if masked_once is None:
+            masked_once = mask_env(self.env(engine_id, ""), shown=PACKAGE_ENV_NAMES)
+            object.__setattr__(self, "_masked_env", masked_once)
+        masked = dict(masked_once)
         masked["CUDA_VISIBLE_DEVICES"] = visible_devices  # never masked (a package variable), in its place
         return masked
 
@@ -393,6 +393,7 @@ def _process_values(
     engine_id = engine.id
     own = ports.engines[(engine_id, process.node_rank)]
     first = own if process.node_rank == 0 else ports.engines[(engine_id, 0)]
+    assert first.dist_init is not None, "node rank 0 of every engine gets a dist_init port (assign_ports)"
     return {
         "random_seed": plan.trainer.seed + process.rank,
         "host": host,

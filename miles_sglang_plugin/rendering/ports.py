@@ -240,13 +240,12 @@ def assign_ports(
         port_max = EPHEMERAL_START - 1
     cursors: dict[str, _Cursor] = {}
     fixed = fixed or PortAssignment(engines={}, routers={})
-
-    reserved = _fixed_by_host(plan, fixed, host_of_node, router_host)
+    fixed_on = _fixed_by_host(plan, fixed, host_of_node, router_host)
 
     def cursor(host: str) -> _Cursor:
         if host not in cursors:
             cursors[host] = _Cursor(port_base, port_max, host, claims, probe)
-            cursors[host].reserved = reserved.get(host, set())
+            cursors[host].reserved = fixed_on.get(host, set())
         return cursors[host]
 
     routers = _router_ports(plan, fixed, lambda: cursor(router_host))
@@ -258,17 +257,14 @@ def assign_ports(
                 of_node[request.node] = cursor(host_of_node(request.node))
         starts = [[of_node[request.node].take(n) for n in request.runs] for request in requests]
     else:
-        by_node: dict[int, list[_PortRequest]] = {}
-        for request in requests:
-            by_node.setdefault(request.node, []).append(request)
-        found = find_node_ports({node: [request.runs for request in rs] for node, rs in by_node.items()})
-        position = {id(request): (node, i) for node, rs in by_node.items() for i, request in enumerate(rs)}
-        starts = [list(found[position[id(request)][0]][position[id(request)][1]]) for request in requests]
+        starts = _found_on_nodes(requests, find_node_ports)
     engines = {
         (request.engine_id, request.node_rank): _engine_ports(start)
         for request, start in zip(requests, starts, strict=True)
     }
-    engines.update({key: ports for key, ports in fixed.engines.items() if key in _process_keys(plan)})
+    if fixed.engines:
+        kept = _process_keys(plan)
+        engines.update({key: ports for key, ports in fixed.engines.items() if key in kept})
     return PortAssignment(engines=engines, routers=routers)
 
 
@@ -284,6 +280,16 @@ def _router_ports(
             host_cursor = router_cursor()
             routers[model.name] = RouterPorts(http=host_cursor.take(), prometheus=host_cursor.take())
     return routers
+
+
+def _found_on_nodes(requests: Sequence[_PortRequest], find_node_ports: NodePortFinder) -> list[list[int]]:
+    """The first ports of each request's runs, found on the requests' nodes (one call for all nodes)."""
+    by_node: dict[int, list[_PortRequest]] = {}
+    for request in requests:
+        by_node.setdefault(request.node, []).append(request)
+    found = find_node_ports({node: [request.runs for request in rs] for node, rs in by_node.items()})
+    position = {id(request): (node, i) for node, rs in by_node.items() for i, request in enumerate(rs)}
+    return [list(found[position[id(request)][0]][position[id(request)][1]]) for request in requests]
 
 
 def _process_keys(plan: DeploymentPlan) -> set[tuple[str, int]]:
@@ -304,8 +310,8 @@ def _fixed_by_host(
     host_of_node: Callable[[int], str],
     router_host: str,
 ) -> dict[str, set[int]]:
-    """The fixed ports of each host (those of kept processes and routers), which no other process may get:
-    one pass over the plan, and none where nothing is kept (a plan at the GPU cap has 8,192 hosts)."""
+    """The fixed ports on each host (those of kept processes and routers), which no other process may get:
+    one pass over the plan (per host, it made a plan at the cap quadratic: 8,192 nodes x 65,536 engines)."""
     taken: dict[str, set[int]] = {}
     if fixed.engines:
         for _model, group in plan.groups():
@@ -313,8 +319,8 @@ def _fixed_by_host(
                 for process in engine.processes:
                     ports = fixed.engines.get((engine.id, process.node_rank))
                     if ports is not None:
-                        host = host_of_node(process.node)
-                        taken.setdefault(host, set()).update(_ports_of(ports, group.dp_size))
+                        on_host = taken.setdefault(host_of_node(process.node), set())
+                        on_host |= _ports_of(ports, group.dp_size)
     if fixed.routers:
         taken.setdefault(router_host, set()).update(
             p for r in fixed.routers.values() for p in (r.http, r.prometheus)

@@ -152,7 +152,7 @@ class AsyncDeploymentControl:
         serving_loop = self._serving.serving_loop
         if serving_loop.in_loop():
             return await coro
-        name = coro.__name__
+        name = _name_of(coro)
         try:
             future = serving_loop.submit(coro)
         except RuntimeError:
@@ -817,7 +817,7 @@ class DeploymentControl:
         """Run ``coro`` on the serving loop; its future, whose cancellation at the deployment's stop becomes
         the refusal (:class:`~.errors.DeploymentStoppedError`, or ``DeploymentFailedError``)."""
         aio = self.aio
-        name = coro.__name__
+        name = _name_of(coro)
         refusal = aio._serving.refusal(f"before {name} was sent")
         if refusal is not None:
             _refuse(coro, refusal)  # its arguments are still checked first (a ValueError before the refusal)
@@ -856,6 +856,11 @@ class DeploymentControl:
     abort_all = _blocking(AsyncDeploymentControl.abort_all)
     load_lora_adapter = _blocking(AsyncDeploymentControl.load_lora_adapter)
     unload_lora_adapter = _blocking(AsyncDeploymentControl.unload_lora_adapter)
+
+
+def _name_of(coro: Coroutine[Any, Any, Any]) -> str:
+    """The operation's name: a native coroutine's ``__name__`` (which ``typing.Coroutine`` does not declare)."""
+    return str(getattr(coro, "__name__", type(coro).__name__))
 
 
 def _refuse(coro: Coroutine[Any, Any, Any], refusal: Exception) -> None:

@@ -137,8 +137,8 @@ class Deployment:
         #: Where a change's config is resolved (``apply(config)``, ``resize``): the app's, when it launched it.
         self.source = source
         self._apply_lock = threading.Lock()
-        #: Processes of engines a change removed (stopped): still among :meth:`processes`.
-        self._removed_processes: list[EngineProcess] = []
+        #: Engine processes and routers a change removed (stopped), still reported by :meth:`processes`.
+        self._removed_processes: list[EngineProcess | ManagedProcess] = []
         self.backend = backend
         self.settings = prepared.settings
         self.log_dir = Path(log_dir)
@@ -625,7 +625,7 @@ class Deployment:
         )
         self.fleet.transition_router(router.model, RouterState.STOPPED)
         self.fleet.drop_router(router.model)
-        self._removed_processes.append(router.process)  # type: ignore[arg-type]
+        self._removed_processes.append(router.process)
 
     def _forget_ports(self, change: elastic.Change) -> None:
         """Give back the port claims of the engines and routers the change removed."""

@@ -37,9 +37,14 @@ class IllegalTransitionError(RuntimeError):
 
 
 class _Failure(Protocol):
-    engine: str
-    url: str
-    error: str | None
+    """What :class:`ControlError` reads of a failed reply (read-only: a reply is frozen)."""
+
+    @property
+    def engine(self) -> str: ...
+    @property
+    def url(self) -> str: ...
+    @property
+    def error(self) -> str | None: ...
 
 
 class _FailedOperation(Protocol):

@@ -94,6 +94,15 @@ class ControlState:
 Effect = Callable[[ControlState], ControlState]
 
 
+def _replaced(**changes: Any) -> Effect:
+    """The effect that sets ``changes`` (values bound now, not when it runs)."""
+
+    def effect(state: ControlState) -> ControlState:
+        return replace(state, **changes)
+
+    return effect
+
+
 def initial_state(lora_at_start: Iterable[tuple[str, str]] = ()) -> ControlState:
     """The state of a freshly started engine process: its command line's adapters, its checkpoint, nothing
     released or paused."""
@@ -128,7 +137,11 @@ def _lora_calls(has: ControlState, should: ControlState) -> list[ReplayCall]:
     for name, path, pinned in has.lora:
         if wanted.get(name) != (name, path, pinned):
             calls.append(
-                ReplayCall("/unload_lora_adapter", {"lora_name": name}, lambda s, n=name: s.without_lora(n))
+                ReplayCall(
+                    "/unload_lora_adapter",
+                    {"lora_name": name},
+                    functools.partial(ControlState.without_lora, name=name),
+                )
             )
     held = set(has.lora)
     for name, path, pinned in should.lora:
@@ -137,7 +150,7 @@ def _lora_calls(has: ControlState, should: ControlState) -> list[ReplayCall]:
                 ReplayCall(
                     "/load_lora_adapter",
                     {"lora_name": name, "lora_path": path, "pinned": pinned},
-                    lambda s, n=name, p=path, f=pinned: s.with_lora(n, p, f),
+                    functools.partial(ControlState.with_lora, name=name, path=path, pinned=pinned),
                 )
             )
     return calls
@@ -160,7 +173,7 @@ def _weight_calls(has: ControlState, should: ControlState) -> list[ReplayCall]:
             ReplayCall(
                 "/update_weight_version",
                 {"new_version": version, "abort_all_requests": False},
-                lambda s, v=version: replace(s, weight_version=v),
+                _replaced(weight_version=version),
             )
         )
     return calls
@@ -170,9 +183,9 @@ def _pause_calls(has: ControlState, should: ControlState) -> list[ReplayCall]:
     if has.paused == should.paused:
         return []
     if should.paused is None:
-        return [ReplayCall("/continue_generation", {}, lambda s: replace(s, paused=None))]
+        return [ReplayCall("/continue_generation", {}, _replaced(paused=None))]
     mode = should.paused
-    return [ReplayCall("/pause_generation", {"mode": mode}, lambda s, m=mode: replace(s, paused=m))]
+    return [ReplayCall("/pause_generation", {"mode": mode}, _replaced(paused=mode))]
 
 
 def replay_calls(has: ControlState, should: ControlState) -> list[ReplayCall]:

@@ -80,7 +80,7 @@ class Policy:
         ``restart_backoff_s`` doubling from the second, at most ``restart_backoff_max_s``."""
         if attempt <= 1:
             return 0.0
-        return min(self.restart_backoff_s * 2 ** (attempt - 2), self.restart_backoff_max_s)
+        return min(self.restart_backoff_s * 2.0 ** (attempt - 2), self.restart_backoff_max_s)
 
 
 # ------------------------------------------------------------------------------------------- observations

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from types import FrameType
 
 PACKAGE_PREFIX = "miles_sglang_plugin."
 
@@ -25,7 +26,7 @@ class OwnRequestsFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno > logging.INFO:
             return True
-        frame = sys._getframe(1)
+        frame: FrameType | None = sys._getframe(1)
         while frame is not None:
             if str(frame.f_globals.get("__name__", "")).startswith(PACKAGE_PREFIX):
                 return False

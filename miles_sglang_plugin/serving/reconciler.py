@@ -30,7 +30,14 @@ from miles_sglang_plugin.errors import DeploymentConfigError, first_line
 from miles_sglang_plugin.rendering.prepared import PreparedDeployment
 from miles_sglang_plugin.serving import router_client
 from miles_sglang_plugin.serving.events import EventLog
-from miles_sglang_plugin.serving.fleet import EngineRow, EngineState, Fleet, RouterRow, engine_rows
+from miles_sglang_plugin.serving.fleet import (
+    EngineRow,
+    EngineState,
+    Fleet,
+    RouterRow,
+    RouterState,
+    engine_rows,
+)
 from miles_sglang_plugin.serving.ledger import Ledger
 from miles_sglang_plugin.serving.policy import (
     Action,
@@ -271,8 +278,8 @@ class Reconciler:
         self.fleet.update(a.engine, **a.changes)
 
     def _router_transition(self, a: Action) -> None:
-        assert a.router is not None
-        row = self.fleet.transition_router(a.router, a.state, **a.changes)  # type: ignore[arg-type]
+        assert a.router is not None and isinstance(a.state, RouterState)
+        row = self.fleet.transition_router(a.router, a.state, **a.changes)
         if self.phase == "starting":
             self.status.update(row.name, row.state.value)
 
@@ -501,7 +508,7 @@ class Reconciler:
     async def _do_learn(self, a: Action) -> None:
         row = self.fleet.engine(a.engine or "")
         generation = row.restarts
-        problem = "it answers neither /server_info nor /get_server_info"
+        problem: str | None = "it answers neither /server_info nor /get_server_info"
         for path in ("/server_info", "/get_server_info"):
             answer = await self.pool.call(
                 row.url, "GET", path, deadline_s=self.policy.health_timeout_s + 3, max_bytes=SERVER_INFO_BYTES

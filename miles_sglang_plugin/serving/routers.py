@@ -156,13 +156,13 @@ def _request(
     except httpx.HTTPError as e:
         raise RouterRequestError(f"{method} {url} failed: {type(e).__name__}: {e}") from e
     if not ok(resp.status_code):
-        body = resp.text
-        shown = body if len(body) <= 2000 else body[:2000] + "…"
+        text = resp.text
+        shown = text if len(text) <= 2000 else text[:2000] + "…"
         hint = " (the router has an API key: pass api_key)" if resp.status_code == 401 and not api_key else ""
         raise RouterRequestError(
             f"{method} {url} answered {resp.status_code}{hint}: {shown or '<empty body>'}",
             status_code=resp.status_code,
-            body=body,
+            body=text,
         )
     return resp
 
@@ -176,9 +176,10 @@ def _post_worker(
     body = worker.payload(worker_api_key if worker_api_key is not None else api_key)
     resp = _request("POST", f"{base}/workers", api_key=api_key, timeout_s=timeout_s, json_body=body)
     try:
-        return resp.json()
+        answer: dict[str, Any] = resp.json()
     except ValueError:
         return {"status": resp.status_code, "body": resp.text}
+    return answer
 
 
 def register_workers(
@@ -229,7 +230,7 @@ def _already_registered(exc: RouterRequestError) -> bool:
     return isinstance(data, dict) and data.get("code") == "WORKER_ALREADY_EXISTS"
 
 
-def _entries_of(base: str, url: str, api_key: str | None, timeout_s: float) -> list[dict]:
+def _entries_of(base: str, url: str, api_key: str | None, timeout_s: float) -> list[dict[str, Any]]:
     """The router's entries of the worker at ``url`` that have an id (dp-aware: one per rank)."""
     return [
         entry
@@ -238,7 +239,7 @@ def _entries_of(base: str, url: str, api_key: str | None, timeout_s: float) -> l
     ]
 
 
-def _delete_entries(base: str, entries: list[dict], api_key: str | None, timeout_s: float) -> None:
+def _delete_entries(base: str, entries: list[dict[str, Any]], api_key: str | None, timeout_s: float) -> None:
     for entry in entries:
         _request(
             "DELETE",
@@ -298,7 +299,7 @@ def replace_worker(
 
 def router_workers(
     router_url: str, api_key: str | None = None, timeout_s: float = _HTTP_TIMEOUT_S
-) -> list[dict]:
+) -> list[dict[str, Any]]:
     """The ``workers`` list of ``GET {router_url}/workers`` (only workers whose registration completed)."""
     resp = _request("GET", f"{_base(router_url)}/workers", api_key=api_key, timeout_s=timeout_s)
     try:
@@ -317,7 +318,7 @@ def same_worker(listed_url: Any, url: str) -> bool:
     return listed == url or listed.startswith(url + "@")
 
 
-def _entry_problem(entry: dict, expected: WorkerRegistration) -> str | None:
+def _entry_problem(entry: dict[str, Any], expected: WorkerRegistration) -> str | None:
     """What is wrong with a router's entry for an expected worker (None: registered as expected, healthy)."""
     label = entry.get("url", expected.url)
     worker_type = entry.get("worker_type")
@@ -332,7 +333,7 @@ def _entry_problem(entry: dict, expected: WorkerRegistration) -> str | None:
 
 
 def registration_problems(
-    workers: list[dict], expected: Collection[WorkerRegistration]
+    workers: list[dict[str, Any]], expected: Collection[WorkerRegistration]
 ) -> dict[str, list[str]]:
     """Expected worker URL -> what is missing or wrong about it (only workers with problems)."""
     problems: dict[str, list[str]] = {}
@@ -369,7 +370,7 @@ def _readiness(base: str, api_key: str | None, timeout_s: float) -> tuple[bool, 
     return ready, readiness
 
 
-def others_note(workers: list[dict], expected: Collection[WorkerRegistration]) -> str:
+def others_note(workers: list[dict[str, Any]], expected: Collection[WorkerRegistration]) -> str:
     """The workers the router lists that were not expected, as a note (empty when none)."""
     others = sorted(
         str(listed.get("url"))

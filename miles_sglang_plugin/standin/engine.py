@@ -88,12 +88,13 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage
 
 from miles_sglang_plugin.engine_env import NODE_ID_ENV
+from miles_sglang_plugin.masking import SECRET_FIELDS
 from miles_sglang_plugin.standin.common import BodyError, Refusal, RequestError, error_response, json_object
 from miles_sglang_plugin.standin.control import (
     CONTROL,
@@ -104,7 +105,6 @@ from miles_sglang_plugin.standin.control import (
     control_routes,
 )
 from miles_sglang_plugin.standin.flags import (
-    SECRET_FIELDS,
     SGLANG_DEFAULT_BOOTSTRAP_PORT,
     StandInArgs,
     StandInFlagError,
@@ -151,7 +151,7 @@ EXIT_OK, EXIT_BIND, EXIT_USAGE, EXIT_FAIL_AT_START, EXIT_DIED = 0, 1, 2, 3, 4
 
 
 def _flag_set(value: str | None) -> bool:
-    return bool(value) and value.strip() not in ("0", "")
+    return value is not None and value.strip() not in ("0", "")
 
 
 def _float_env(env: Mapping[str, str], name: str) -> float | None:
@@ -494,7 +494,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # Request helpers
 
 
-def _is_ids(value: Any) -> bool:
+def _is_ids(value: object) -> TypeGuard[list[int]]:
     return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
@@ -524,8 +524,9 @@ def _max_tokens(value: Any, what: str) -> int:
 
 
 def _rid(value: Any, index: int) -> str:
-    if isinstance(value, list) and index < len(value) and isinstance(value[index], str):
-        return value[index]
+    item = value[index] if isinstance(value, list) and index < len(value) else None
+    if isinstance(item, str):
+        return item
     if isinstance(value, str) and index == 0:
         return value
     return uuid.uuid4().hex

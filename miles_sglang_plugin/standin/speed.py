@@ -190,7 +190,8 @@ class Pacer:
         tick.set()
 
 
-PACER: web.AppKey[Pacer | None] = web.AppKey("standin_pacer", object)  # type: ignore[arg-type]
+#: A union is no class to pass as the key's type: the subscript carries it (aiohttp's way for such types).
+PACER = web.AppKey[Pacer | None]("standin_pacer")
 
 
 def pacer_for(app: web.Application) -> Pacer | None:

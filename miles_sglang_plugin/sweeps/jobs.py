@@ -31,7 +31,7 @@ def bench_settings_from_config(cfg: DictConfig, plan: DeploymentPlan | None = No
     values = OmegaConf.to_container(node, resolve=True)
     if not isinstance(values, dict):
         raise DeploymentConfigError([Problem("sglang_bench", f"must be a mapping, got {values!r}")])
-    return BenchSettings.from_mapping(values, plan)
+    return BenchSettings.from_mapping({str(key): value for key, value in values.items()}, plan)
 
 
 def job_overrides() -> list[str]:

@@ -352,11 +352,11 @@ def _run_in_child(launcher: Any, job: Job) -> Any:
     except BaseException as exc:  # KeyboardInterrupt, SystemExit: still a result for the launcher
         write_job_status(job.output_dir, "FAILED", error_text(exc))
         return _failed_return(job, exc)
-    exc = getattr(ret, "_return_value", None)
-    if isinstance(exc, DeploymentConfigError):  # bad input: its message says it all
-        log.error("job #%d failed: %s: %s", job.index, type(exc).__name__, exc)
-    elif exc is not None and ret.status.name == "FAILED":
-        trace = "".join(traceback.format_exception(exc))
+    raised = getattr(ret, "_return_value", None)  # what the task raised, where it failed
+    if isinstance(raised, DeploymentConfigError):  # bad input: its message says it all
+        log.error("job #%d failed: %s: %s", job.index, type(raised).__name__, raised)
+    elif raised is not None and ret.status.name == "FAILED":
+        trace = "".join(traceback.format_exception(raised))
         log.error("job #%d failed:\n%s", job.index, trace.rstrip())
     return ret
 

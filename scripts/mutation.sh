@@ -110,7 +110,8 @@ config_for() {
         # ledger and the operations table, against their unit tests with a fake clock (a few seconds a run).
         modules="miles_sglang_plugin/serving/policy.py miles_sglang_plugin/serving/ledger.py
                  miles_sglang_plugin/serving/operations.py"
-        tests="tests/test_reconciler_policy.py tests/test_ledger.py tests/test_sglang_requests.py"
+        tests="tests/test_reconciler_policy.py tests/test_reconciler_policy_more.py tests/test_ledger.py
+               tests/test_sglang_requests.py"
         timeout=120 ;;
     *)
         echo "unknown set '$1' (resolution, masking, ports, launch_specs, processes, router_specs, serving)" >&2

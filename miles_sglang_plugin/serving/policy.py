@@ -858,6 +858,8 @@ def _end_of_startup(s: _Scratch, now: float, deadline: float | None) -> None:
 
 def _engine_due(row: EngineRow, policy: Policy, now: float, phase: str) -> float | None:
     """When ``row`` needs a decision without an observation (a poll, a restart, a deadline), or None."""
+    if row.state is EngineState.DRAINING:
+        return _draining_due(row, now)
     if row.state is EngineState.STARTING:
         interval = (
             policy.poll_interval_s if phase == "starting" else min(policy.poll_interval_s, RESTART_POLL_S)
@@ -874,6 +876,14 @@ def _engine_due(row: EngineRow, policy: Policy, now: float, phase: str) -> float
     if row.state.up or row.state is EngineState.LOST:
         return (row.probed_at or now) + policy.health_interval_s
     return None
+
+
+def _draining_due(row: EngineRow, now: float) -> float | None:
+    """A removed engine's next drain query, or its drain deadline (see :func:`_advance_retired`)."""
+    if row.registered or row.pending & {"drain", "cleanup", "deregister"}:
+        return None  # the outcome under way wakes the loop
+    query = (row.probed_at or now) + RESTART_POLL_S * 2
+    return query if row.drain_until is None else min(query, row.drain_until)
 
 
 def _router_due(row: RouterRow, policy: Policy, now: float, phase: str) -> float | None:

@@ -142,9 +142,15 @@ def _plan_diff(args: argparse.Namespace) -> int:
 
 
 def _cmd_fields(args: argparse.Namespace) -> int:
-    from rich.table import Table
+    import shutil
 
-    from miles_sglang_plugin.config.field_docs import close_keys, schema_fields, select_fields
+    from miles_sglang_plugin.config.field_docs import (
+        TEXT_WIDTH,
+        close_keys,
+        schema_fields,
+        select_fields,
+        text_lines,
+    )
     from miles_sglang_plugin.config.schema import MilesTrainerArgs
 
     rows = schema_fields(MilesTrainerArgs)
@@ -154,12 +160,9 @@ def _cmd_fields(args: argparse.Namespace) -> int:
         hint = f"; did you mean {', '.join(close)}?" if close else "; miles-sglang fields lists every key"
         _print_error(f"no config key {args.path!r}{hint}")
         return EXIT_USER_ERROR
-    table = Table(box=None, pad_edge=False, header_style="bold")
-    for column in ("key", "type", "default", "what (unit)"):
-        table.add_column(column, overflow="fold")
-    for row in selected:
-        table.add_row(row.key, row.type, row.default, row.doc)
-    _out_console().print(table, markup=False)
+    # A terminal's width (COLUMNS counts), else 100 columns; keys are never cut, whatever the width.
+    width = shutil.get_terminal_size((TEXT_WIDTH, 24)).columns if sys.stdout.isatty() else TEXT_WIDTH
+    sys.stdout.write("\n".join(text_lines(selected, max(width, 40))) + "\n")
     return 0
 
 

@@ -222,13 +222,38 @@ def test_fields_prints_the_documentation_of_a_node(capsys):
     from miles_sglang_plugin.cli import main
 
     assert main(["fields", "sglang.actor.decode"]) == 0
-    out = capsys.readouterr().out
-    row = next(line for line in out.splitlines() if line.startswith("sglang.<model>.decode.num_gpus "))
-    assert re.split(r"\s{2,}", row.strip()) == [
-        "sglang.<model>.decode.num_gpus", "int", "0", "GPUs of the group, in GPUs; 0 turns the group off.",
-    ]  # fmt: skip
+    lines = capsys.readouterr().out.splitlines()
+    start = lines.index("sglang.<model>.decode.num_gpus  int  default: 0")
+    assert lines[start + 1 : start + 3] == ["    GPUs of the group, in GPUs; 0 turns the group off.", ""]
     assert main(["fields", "sglang_deploy.launch.port_bse"]) == 2
     assert "did you mean sglang_deploy.launch.port_base" in capsys.readouterr().err
+
+
+def test_fields_fit_100_columns_and_never_cut_a_key(capsys):
+    """Issue 25: every key whole at the start of its own line, the text wrapped at spaces within 100 columns
+    (output that is not a terminal), whatever the terminal would be."""
+    from miles_sglang_plugin.cli import main
+    from miles_sglang_plugin.config.field_docs import schema_fields
+    from miles_sglang_plugin.config.schema import MilesTrainerArgs
+
+    assert main(["fields"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert max(len(line) for line in lines) <= 100
+    starts = [line.split("  ")[0] for line in lines if line and not line.startswith(" ")]
+    assert starts == [row.key for row in schema_fields(MilesTrainerArgs)]
+    # Where a key with its type and default would pass 100 columns (46 + 2 + 40 + 2 + 16), they go under it.
+    start = lines.index("sglang.<model>.extra_groups.<name>.worker_type")
+    assert lines[start + 1] == "    regular | prefill | decode | placeholder  default: regular"
+    # A description longer than a line is wrapped at spaces: rejoined, it is the docstring.
+    start = lines.index("sglang_deploy.router.drain_settle_secs  int  default: 0")
+    text = []
+    for line in lines[start + 1 :]:
+        if not line:
+            break
+        assert line.startswith("    ") and len(line) <= 100
+        text.append(line.strip())
+    assert len(text) == 4
+    assert " ".join(text).startswith("SMG only: how long a removed worker stays draining (listed, a new")
 
 
 # --------------------------------------------------------------------- item 6: helper groups out of place

@@ -39,6 +39,8 @@ class FieldDoc:
     type: str
     default: str
     doc: str
+    node: bool = False
+    """Whether the key holds a schema node (its fields follow it) rather than a value."""
 
 
 @functools.cache
@@ -138,9 +140,11 @@ def schema_fields(cls: type, prefix: str = "") -> list[FieldDoc]:
             continue
         node_schema, placeholder = nested
         if placeholder:
-            doc = (inspect.getdoc(node_schema) or "").splitlines()[0]
-            rows.append(FieldDoc(f"{key}.{placeholder}", node_schema.__name__, "", doc))
+            doc = (inspect.getdoc(node_schema) or "").splitlines()[0].replace("``", "`")
+            rows.append(FieldDoc(f"{key}.{placeholder}", node_schema.__name__, "", doc, node=True))
             key = f"{key}.{placeholder}"
+        else:
+            rows[-1] = dataclasses.replace(rows[-1], node=True)
         rows.extend(schema_fields(node_schema, f"{key}."))
     return rows
 
@@ -161,3 +165,46 @@ def select_fields(rows: list[FieldDoc], path: str) -> list[FieldDoc]:
 def close_keys(rows: list[FieldDoc], path: str) -> list[str]:
     """Keys that look like ``path``, for the message when it matches none."""
     return difflib.get_close_matches(path, [row.key for row in rows], n=3, cutoff=0.6)
+
+
+# ------------------------------------------------------------------------------------------ as text and pages
+#: The columns ``miles-sglang fields`` fits its text to when the output is not a terminal.
+TEXT_WIDTH = 100
+#: How far a key's type, default and description are indented under it.
+_INDENT = "    "
+
+
+def _wrapped(text: str, width: int) -> list[str]:
+    """``text`` wrapped at spaces only (a key or a path in it is never cut), indented under its key."""
+    return textwrap.wrap(
+        text,
+        width=width,
+        initial_indent=_INDENT,
+        subsequent_indent=_INDENT,
+        break_long_words=False,
+        break_on_hyphens=False,
+    )
+
+
+def _type_and_default(row: FieldDoc) -> str:
+    if row.node:
+        return f"({row.type})"
+    default = "required" if row.default == "(required)" else f"default: {row.default}"
+    return f"{row.type}  {default}"
+
+
+def text_lines(rows: list[FieldDoc], width: int = TEXT_WIDTH) -> list[str]:
+    """``rows`` as text for ``width`` columns: each key at the start of a line of its own (whole, however
+    long), its type and default after it where they fit on that line, else indented under it, then what it
+    is, wrapped at spaces. A blank line between keys."""
+    lines: list[str] = []
+    for row in rows:
+        if lines:
+            lines.append("")
+        about = _type_and_default(row)
+        if len(row.key) + 2 + len(about) <= width:
+            lines.append(f"{row.key}  {about}")
+        else:
+            lines.extend([row.key, *_wrapped(about, width)])
+        lines.extend(_wrapped(row.doc, width))
+    return lines

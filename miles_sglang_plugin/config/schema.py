@@ -306,7 +306,8 @@ class SupervisionConf:
     max_restarts: int = 3
     """Restarts of one engine (same argv, environment, GPUs) before the deployment fails whole; 0: fail fast."""
     restart_backoff_s: float = 1.0
-    """Wait before the first restart, in seconds; restart n waits ``restart_backoff_s * 2**(n-1)``."""
+    """Wait before an engine's second restart, in seconds (none before its first); restart n >= 2 waits
+    ``restart_backoff_s * 2**(n-2)``, at most ``restart_backoff_max_s``."""
     restart_backoff_max_s: float = 30.0
     """Longest wait before a restart, in seconds."""
     restart_budget_reset_s: float = 600.0

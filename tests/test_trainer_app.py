@@ -256,6 +256,42 @@ def test_fields_fit_100_columns_and_never_cut_a_key(capsys):
     assert " ".join(text).startswith("SMG only: how long a removed worker stays draining (listed, a new")
 
 
+# ------------------------------------------------------------------------- issue 25: --help at the package
+def test_help_lists_the_group_where_the_app_placed_it(app_dir: Path):
+    proc = run_app(app_dir, "--help")
+    assert proc.returncode == 0, proc.stderr
+    groups_listed = proc.stdout.split("== Configuration groups ==", 1)[1].split("== Config ==", 1)[0]
+    lines = [line for line in groups_listed.splitlines() if line.startswith("sglang")]
+    assert lines == [
+        f"sglang@{ENGINES}: actor_ref, agentic_32gpu, default, multi_model, pd, pd_32gpu, pd_actor_ref, "
+        "placeholder, small",
+        "sglang_bench: default, smoke",
+        "sglang_deploy: cpu_sglang, default, simulated",
+        f"sglang_group@{ENGINES}.<model>.extra_groups.<name>: decode, placeholder, prefill, regular",
+        f"sglang_model@{ENGINES}.<model>: base",
+        "sglang_trainer: skyrl, verl",
+    ]
+    # As listed, the choice works: the package's pd preset at the app's key.
+    proc = run_app(app_dir, f"sglang@{ENGINES}=pd", "--cfg", "job", "-p", f"{ENGINES}.actor.prefill.num_gpus")
+    assert (proc.returncode, proc.stdout.strip()) == (0, "4"), proc.stderr
+
+
+def test_help_names_the_group_at_the_root_and_the_helpers_under_it():
+    from miles_sglang_plugin.config.app_help import with_group_packages
+
+    hydra_listing = "rollout: sglang\nsglang: a, b\nsglang_model: base\nsglang_group: decode\nother: x\n"
+    assert with_group_packages(hydra_listing, {"sglang": "a", "hydra/help": "default"}) == (
+        "rollout: sglang\nsglang: a, b\nsglang_model@sglang.<model>: base\n"
+        "sglang_group@sglang.<model>.extra_groups.<name>: decode\nother: x\n"
+    )
+    # Placed twice: listed at both packages. The long form (options under the group) keeps its options.
+    assert with_group_packages("sglang:\n  a\n  b\n", {"sglang@x": "a", "sglang@y.z": "b"}) == (
+        "sglang@x:\n  a\n  b\nsglang@y.z:\n  a\n  b\n"
+    )
+    # An app that does not use the group: Hydra's listing as it is.
+    assert with_group_packages(hydra_listing, {"rollout": "sglang"}) == hydra_listing
+
+
 # --------------------------------------------------------------------- item 6: helper groups out of place
 def test_helper_groups_are_refused_outside_their_packages():
     with pytest.raises(CompositionError, match=r"sglang_model is a helper group, used only at a package"):

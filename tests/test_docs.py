@@ -9,6 +9,7 @@ fails here. The strict build itself (broken links, missing anchors, pages left o
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -73,3 +74,33 @@ def test_every_page_is_in_the_nav_and_every_nav_entry_is_a_page() -> None:
     assert sorted(nav) == pages
     assert len(nav) == len(set(nav))
     assert config["strict"] is True
+
+
+README = (REPO / "README.md").read_text()
+
+
+def test_the_readme_is_a_front_page_of_at_most_200_lines() -> None:
+    assert len(README.splitlines()) <= 200
+
+
+def test_the_readme_gives_exactly_the_two_set_up_commands() -> None:
+    setup = README.split("## Set-up on a fresh machine", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in setup.splitlines() if line.startswith("| ") and "|---" not in line][1:]
+    assert [re.findall(r"`(make [\w-]+)`", row.split("|")[2]) for row in rows] == [
+        ["make demo"],
+        ["make test"],
+    ]
+    # Nowhere else does the README ask the reader to run another make target.
+    assert set(re.findall(r"`(make [\w-]+)`", README)) == {"make demo", "make test", "make docs"}
+
+
+def test_the_readmes_links_reach_files_of_the_repository() -> None:
+    targets = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", README)
+    assert targets, "no links"
+    missing = [target for target in targets if not (REPO / target).is_file()]
+    assert missing == []
+    # Every page of a stage and every trainer guide is linked from the front page.
+    for page in ("compose", "plan", "render", "backends", "serve", "sweeps", "miles-formats"):
+        assert f"(docs/{page}.md)" in README, page
+    for guide in ("hydra-app", "verl", "skyrl", "miles"):
+        assert f"(docs/trainers/{guide}.md)" in README, guide

@@ -360,11 +360,13 @@ def test_default_preset_follows_rollout_num_gpus(colocate: str, rollout_gpus: st
     assert [(g[0], g[1], g[2], g[4]) for g in groups(plan)] == [("actor.regular", expected, 2, expected // 2)]
 
 
-# ----------------------------------------------------------------- the README's section, commands as written
-def readme_commands() -> list[str]:
-    text = (REPO / "README.md").read_text()
-    section = text.split("## Use it in your trainer", 1)[1].split("\n## ", 1)[0]
-    blocks = re.findall(r"```console\n(.*?)```", section, flags=re.S)
+# ------------------------------------------------------- the trainer guide's commands (docs), as written
+#: The guide these commands are in: docs/trainers/hydra-app.md ("Use it in your trainer").
+GUIDE = REPO / "docs" / "trainers" / "hydra-app.md"
+
+
+def guide_commands() -> list[str]:
+    blocks = re.findall(r"```console\n(.*?)```", GUIDE.read_text(), flags=re.S)
     return [line[2:] for block in blocks for line in block.splitlines() if line.startswith("$ ")]
 
 
@@ -381,8 +383,8 @@ def _launches(command: str) -> bool:
     return "trainer.rollout_steps=1" in command
 
 
-def test_readme_trainer_section_commands_run_as_written(app_dir: Path):
-    commands = [c for c in readme_commands() if not _launches(c)]
+def test_the_trainer_guide_commands_run_as_written(app_dir: Path):
+    commands = [c for c in guide_commands() if not _launches(c)]
     assert len(commands) >= 5, commands
     for command in commands:
         proc = subprocess.run(_argv(command), cwd=app_dir, capture_output=True, text=True, timeout=120)
@@ -408,7 +410,7 @@ STATUS_LINE = re.compile(r"^\[\s*\d+\.\d+s\] (engine|router) ", re.M)
 
 @pytest.mark.slow
 def test_readme_launch_command_runs_with_the_launchers_requests_out_of_the_apps_log(app_dir: Path):
-    (command,) = [c for c in readme_commands() if _launches(c)]
+    (command,) = [c for c in guide_commands() if _launches(c)]
     proc = subprocess.run(_argv(command), cwd=app_dir, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "GENERATED " in proc.stdout

@@ -287,7 +287,7 @@ def test_a_sigkilled_real_engine_is_healed_and_given_its_state_back(lane: Lane):
     assert lost.kind == "engine_lost" and recovered.kind == "engine_recovered"
     assert real.wait_until_gone(old, timeout_s=60) == {}  # the old scheduler and detokenizer went too
     (info,) = [e for e in deployment.engines() if e.id == victim]
-    assert (info.restarts, info.state) == (1, "registered")
+    assert (info.restarts, info.state) == (1, "serving")
     new_pid = engine_pid_of(lane, victim)
     assert new_pid != pid
     # Its state given back: the weights of the second checkpoint and their version.

@@ -1178,6 +1178,46 @@ def test_an_added_engine_starts_once_no_other_engine_holds_its_gpus_and_is_repor
     ]
 
 
+def test_an_added_engine_starts_in_the_pass_the_removed_engine_holding_its_gpus_stops() -> None:
+    """The added engine n comes before the removed r in the fleet; r's cleanup ends: r stops and n starts in
+    the same decision, not at the loop's next wake."""
+    new = engine("n", state=S.NEW, registered=False, catch_up="new", slots=(3,), gpus="3")
+    old = engine(
+        "r", state=S.DRAINING, retired=True, registered=False, slots=(3,), pending=pending("cleanup"),
+        drain_until=5.0,
+    )  # fmt: skip
+    fleet, ledger = world(new, old, routers=[busy_router()])
+    actions = decide(fleet, ledger, [done("cleanup", "r", 0)], now=6.0)
+    assert [a.kind for a in actions][-2:] == ["update", "spawn"] and actions[-1] == W("spawn", "n")
+    assert E("engine_removed", "r", f"engine r ({url('r')}) is out of the deployment") in actions
+    assert (
+        actions.index(E("engine_removed", "r", f"engine r ({url('r')}) is out of the deployment"))
+        < len(actions) - 2
+    )
+
+
+def test_an_added_engine_whose_first_start_fails_is_started_again_and_then_reported_added() -> None:
+    """Its first start is no restart (the message says so) and, once it serves after the retry, the event is
+    engine_added, as for one that started the first time."""
+    new = engine("n", state=S.NEW, registered=False, catch_up="new", slots=(2, 3), gpus="2,3", restarts=0)
+    new.pending = pending("spawn")
+    fleet, ledger = world(new, routers=[busy_router()])
+    failed = decide(fleet, ledger, [done("spawn", "n", 0, "it could not be started: boom")], now=5.0)
+    assert failed[:2] == [
+        U("n", pending=NONE),
+        E("engine_restart_failed", "n", "the start of added engine n failed: it could not be started: boom"),
+    ]
+    row = fleet.engine("n")
+    assert row.state is S.LOST and row.catch_up == "new" and row.cleaned_up is False
+    decide(fleet, ledger, [done("cleanup", "n", 0)], now=5.25)
+    assert fleet.engine("n").state is S.RESTARTING and fleet.engine("n").catch_up == "new"
+    decide(fleet, ledger, [done("spawn", "n", 1)], now=5.5)
+    decide(fleet, ledger, [done("probe", "n", 1)], now=6.0)
+    served = decide(fleet, ledger, [done("register", "n", 1)], now=6.5)
+    assert [a.event for a in served if a.kind == "emit"] == ["engine_added"]
+    assert fleet.engine("n").state is S.SERVING
+
+
 # ---------------------------------------------------------------------------------------------- routers
 def router_world(**router_kw: Any) -> tuple[Fleet, Any]:
     """e serves (registered), d serves while it is brought to the ledger, c is caught up after a restart (not

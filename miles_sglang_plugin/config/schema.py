@@ -306,7 +306,7 @@ class SupervisionConf:
     max_restarts: int = 3
     """Restarts of one engine (same argv, environment, GPUs) before the deployment fails whole; 0: fail fast."""
     restart_backoff_s: float = 1.0
-    """Wait before an engine's second restart, in seconds (none before its first); restart n >= 2 waits
+    """Wait before the second restart of an engine, in seconds (the first is at once); restart n >= 2 waits
     ``restart_backoff_s * 2**(n-2)``, at most ``restart_backoff_max_s``."""
     restart_backoff_max_s: float = 30.0
     """Longest wait before a restart, in seconds."""
@@ -315,7 +315,7 @@ class SupervisionConf:
     kill_grace_s: float = 1.0
     """Time between SIGTERM and SIGKILL of a lost engine's processes, in seconds (a hung engine ignores SIGTERM)."""
     router_max_restarts: int = 3
-    """Restarts of routers that exit (each re-populated with the serving engines), in all."""
+    """Restarts of each router that exits (each re-populated with the serving engines), counted per router."""
 
 
 @dataclass

@@ -247,7 +247,9 @@ def plan_actions(
         _observe(scratch, observation, ledger, policy, now, phase)
     if any(a.kind in ("fail", "startup_failed") for a in scratch.actions):
         return scratch.actions
-    for row in scratch.engines():
+    # Retired engines first: one that stops in this pass frees its GPUs for an added engine in the same pass.
+    rows = scratch.engines()
+    for row in sorted(rows, key=lambda r: not r.retired):
         _advance_engine(scratch, row, ledger, policy, now, phase)
     for router in scratch.routers():
         _advance_router(scratch, router, policy, now, phase)
@@ -459,11 +461,12 @@ def _schedule_restart(s: _Scratch, row: EngineRow, used: int, policy: Policy, no
 def _restart_failed(s: _Scratch, row: EngineRow, problem: str, policy: Policy, now: float) -> None:
     """A restart did not bring ``row`` back: stop what it started, then try again after the backoff, or fail
     once the budget is used up."""
-    s.emit(
-        "engine_restart_failed",
-        row.id,
-        f"restart {row.restarts_in_budget} of engine {row.id} failed: {problem}",
+    attempt = (
+        f"the start of added engine {row.id}"  # never served yet: its first start is no restart
+        if row.catch_up == "new" and not row.restarts
+        else f"restart {row.restarts_in_budget} of engine {row.id}"
     )
+    s.emit("engine_restart_failed", row.id, f"{attempt} failed: {problem}")
     s.move(row, EngineState.LOST, lost_reason=problem, cleaned_up=False, health_failures=0)
     s.start(row, "cleanup")
     used = budget_used(row, policy, now)
@@ -703,7 +706,7 @@ def _advance_lost(s: _Scratch, row: EngineRow, policy: Policy, now: float, phase
         restarts=row.restarts + 1,
         restarts_in_budget=row.restarts_in_budget + 1,
         restart_at=None,
-        catch_up="restart",
+        catch_up="new" if row.catch_up == "new" else "restart",  # an added engine serves as added
         registered=False,
         pending=frozenset({"spawn"}),
     )

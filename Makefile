@@ -7,6 +7,7 @@
 # and, run by .ci/run after them:
 #   make test-real-engine   SGLang's own server on the CPU (engine kind cpu_sglang) in its own venv (.venv-real,
 #               ~6.3 GB): the real-engine lane and the contract test against both engines
+#   make docs   the docs site (mkdocs.yml, docs/): its generated pages checked against the code, a strict build
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -16,7 +17,7 @@ RAY_FLOOR_VENV ?= .venv-ray-floor
 RAY_FLOOR_BIN := $(RAY_FLOOR_VENV)/bin
 REAL_VENV ?= .venv-real
 
-.PHONY: demo test test-smg test-ray test-ray-floor test-trainers test-real-engine lint typecheck bench mutation clean
+.PHONY: demo test test-smg test-ray test-ray-floor test-trainers test-real-engine lint typecheck docs bench mutation clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -114,6 +115,18 @@ lint: $(VENV)/.base-installed
 # the optional extras it does not follow).
 typecheck: $(VENV)/.base-installed
 	$(BIN)/mypy
+
+# The docs' tools (the [docs] extra: mkdocs, mkdocs-material), in the main venv.
+$(VENV)/.docs-installed: pyproject.toml | $(VENV)/.base-installed
+	$(BIN)/python -m pip install --quiet -e '.[test,docs]' --config-settings editable_mode=compat
+	touch $@
+
+# The generated pages (config reference, placement picture) must be what the code gives; then a strict build
+# (a broken link or anchor, a page outside the nav: a failure) into build/site. Material's notice about its
+# successor is left out of the log.
+docs: $(VENV)/.docs-installed
+	$(BIN)/python scripts/generate-docs.py --check
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 bench: $(VENV)/.sglang-installed $(VENV)/.ray-installed
 	$(BIN)/python benchmarks/bench_resolve.py --subprocess-runs 3

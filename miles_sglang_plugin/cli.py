@@ -1,6 +1,7 @@
 """``miles-sglang``: look at, convert and launch SGLang deployments described with the ``sglang`` group.
 
-miles-sglang plan [--json] [--commands] [-cp DIR -cn NAME] [-cd DIR] [--sglang-key KEY] [HYDRA OVERRIDES...]
+miles-sglang plan [--json] [--commands] [--picture FILE.svg] [-cp DIR -cn NAME] [-cd DIR] [--sglang-key KEY]
+                  [HYDRA OVERRIDES...]
 miles-sglang plan --diff OLD NEW [HYDRA OVERRIDES...]   (OLD, NEW: a preset name or quoted overrides)
 miles-sglang fields [PATH]
 miles-sglang launch [--log-dir DIR] [HYDRA OVERRIDES...]
@@ -90,7 +91,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     known = known_server_arg_fields()
     if args.diff is not None:
         return _plan_diff(args)
+    if args.picture is not None and not args.picture.lower().endswith(".svg"):
+        _print_error(f"--picture {args.picture}: the picture is SVG; give a file name ending in .svg")
+        return EXIT_USER_ERROR
     prepared = prepare_from_config(_composed(args), sglang_key=args.sglang_key)
+    if args.picture is not None and not _write_picture(prepared.plan, args.picture):
+        return EXIT_USER_ERROR
     if args.json:
         prepared.write_json(sys.stdout, server_args_checked_against=known.source)
         return 0
@@ -105,6 +111,22 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     for note in prepared.launch.notes:
         console.print(f"note: {note}", markup=False)
     return 0
+
+
+def _write_picture(plan: Any, path: str) -> bool:
+    """``plan``'s GPU placement as SVG at ``path`` (False, with the reason on stderr, where it cannot be
+    written)."""
+    from pathlib import Path
+
+    from miles_sglang_plugin.planning.picture import placement_svg
+
+    try:
+        Path(path).write_text(placement_svg(plan), encoding="utf-8")
+    except OSError as exc:
+        _print_error(f"--picture {path}: cannot write it: {exc.strerror or exc}")
+        return False
+    _err_console().print(f"wrote the GPU placement picture to {path}", markup=False)
+    return True
 
 
 def _diff_side(side: str) -> list[str]:
@@ -139,9 +161,15 @@ def _plan_diff(args: argparse.Namespace) -> int:
 
 
 def _cmd_fields(args: argparse.Namespace) -> int:
-    from rich.table import Table
+    import shutil
 
-    from miles_sglang_plugin.config.field_docs import close_keys, schema_fields, select_fields
+    from miles_sglang_plugin.config.field_docs import (
+        TEXT_WIDTH,
+        close_keys,
+        schema_fields,
+        select_fields,
+        text_lines,
+    )
     from miles_sglang_plugin.config.schema import MilesTrainerArgs
 
     rows = schema_fields(MilesTrainerArgs)
@@ -151,12 +179,9 @@ def _cmd_fields(args: argparse.Namespace) -> int:
         hint = f"; did you mean {', '.join(close)}?" if close else "; miles-sglang fields lists every key"
         _print_error(f"no config key {args.path!r}{hint}")
         return EXIT_USER_ERROR
-    table = Table(box=None, pad_edge=False, header_style="bold")
-    for column in ("key", "type", "default", "what (unit)"):
-        table.add_column(column, overflow="fold")
-    for row in selected:
-        table.add_row(row.key, row.type, row.default, row.doc)
-    _out_console().print(table, markup=False)
+    # A terminal's width (COLUMNS counts), else 100 columns; keys are never cut, whatever the width.
+    width = shutil.get_terminal_size((TEXT_WIDTH, 24)).columns if sys.stdout.isatty() else TEXT_WIDTH
+    sys.stdout.write("\n".join(text_lines(selected, max(width, 40))) + "\n")
     return 0
 
 
@@ -239,7 +264,14 @@ def _add_plan(sub: Any) -> None:
         "-cp/-cn, an app's own primary config (YAML; configs an app stores from its own code are not "
         "there: use the app's dry run, hydra/callbacks=sglang_plan).",
     )
-    p_plan.add_argument("--json", action="store_true", help="print the plan as JSON (fields: see README)")
+    p_plan.add_argument(
+        "--json", action="store_true", help="print the plan as JSON (fields: the docs' miles-sglang page)"
+    )
+    p_plan.add_argument(
+        "--picture",
+        metavar="FILE.svg",
+        help="also draw the GPU placement as SVG: one row per node, one cell per GPU, labelled with its engine",
+    )
     p_plan.add_argument(
         "--commands", action="store_true", help="also print each engine's command line and GPU pinning"
     )

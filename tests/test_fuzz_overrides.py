@@ -8,7 +8,7 @@ and values of every kind: the right type, wrong types, ``null``, lists, mappings
 ``1e308``, ``nan``), long strings (300 characters), interpolations (to keys that exist, that do not, relative
 ones, resolvers), and text that is not valid override syntax.
 
-Bounds (also in the README):
+Bounds (also in the docs, docs/cli.md):
 
 * in-process, through ``cli.main``: 200 override sets (derandomized: the same sets on every run), each one
   must return 0 or 2 within 20 s (it runs in a worker thread; a hang fails the test), no exception may

@@ -11,7 +11,7 @@ the file should be (truncated JSON, deep nesting such as 100,000 ``[``, a lone s
 PyYAML cannot construct, control characters, bytes that are not UTF-8); or a directory or a FIFO in place of the
 file, or no file. Override values hold rich markup and matplotlib mathtext, pipes and newlines.
 
-Bounds (also in the README): in-process, through ``cli.main``, 150 directories (derandomized: the same on
+Bounds (also in the docs, docs/cli.md): in-process, through ``cli.main``, 150 directories (derandomized: the same on
 every run; one in eight also plots), each must return 0 or 2 within 20 s (in a worker thread), no exception
 may escape ``main`` and no output may contain ``Traceback``; with status 0 the CSV has a row for every job
 directory; the test process's peak RSS may grow by at most 512 MiB over the whole run. Plus 4 directories in a

@@ -29,7 +29,7 @@ ONE_ENGINE = ["hf_checkpoint=/c", "debug_rollout_only=true", "sglang.actor.regul
 
 
 def test_the_whole_command_line_of_one_engine():
-    # README "Engine command lines": seed 1234 + rank 0; ports: router 15000-15001, engine http 15002,
+    # docs/render.md "The command line of an engine": seed 1234 + rank 0; ports: router 15000-15001, engine http 15002,
     # nccl 15003, a dist-init run of 31 from 15004, the engine-info bootstrap port after it (15035).
     (launch,) = prepare_from_config(compose_config(ONE_ENGINE)).launch.engines
     assert (launch.model, launch.group, launch.engine_id) == ("actor", "regular", "actor.regular.0")

@@ -3,8 +3,8 @@ changes and their fields, events with their subjects, messages and details, the 
 endpoint and deadline, the end of start-up or of the deployment), and the due times of ``next_wake``, with a
 fake clock.
 
-Every expected value is worked out by hand from the rules (policy.py's docstrings, the README's Supervision
-and Changing a running deployment sections) and the settings each test gives. Times are binary fractions
+Every expected value is worked out by hand from the rules (policy.py's docstrings, the Supervision and
+Changing a running deployment sections of docs/serve.md) and the settings each test gives. Times are binary fractions
 (10.25, 11.5, ...) so that the differences the events carry are exact."""
 
 from __future__ import annotations

@@ -225,8 +225,8 @@ def _row(**flags: bool) -> Any:
 
 
 def test_each_operation_concerns_the_engines_the_plan_gave_it() -> None:
-    """README's table: offload/onload the groups with needs_offload; the weight operations the models with
-    update_weights; LoRA the engines serving LoRA; the rest every engine."""
+    """The docs' table (docs/serve.md): offload/onload the groups with needs_offload; the weight operations the
+    models with update_weights; LoRA the engines serving LoRA; the rest every engine."""
     plain, offloaded = _row(), _row(needs_offload=True)
     weights, lora = _row(update_weights=True), _row(serves_lora=True)
     concerned = {

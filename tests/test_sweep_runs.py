@@ -99,7 +99,7 @@ def test_a_failed_job_is_a_row_with_its_error_and_the_sweep_still_reports(tmp_pa
 
 @pytest.mark.slow
 def test_a_sweep_with_an_api_key_and_a_token_shows_neither_in_its_results_or_logs(tmp_path: Path) -> None:
-    # Given on the command line (the README prefers SGLANG_API_KEY): Hydra keeps its own copy of the overrides
+    # Given on the command line (the docs prefer SGLANG_API_KEY): Hydra keeps its own copy of the overrides
     # in each job's .hydra/ and in multirun.yaml, as with any Hydra app; everything this project writes or logs
     # masks them.
     key, token = "sk-SWEEP-k3y-91", "hf_SWEEPt0ken42"

@@ -222,13 +222,74 @@ def test_fields_prints_the_documentation_of_a_node(capsys):
     from miles_sglang_plugin.cli import main
 
     assert main(["fields", "sglang.actor.decode"]) == 0
-    out = capsys.readouterr().out
-    row = next(line for line in out.splitlines() if line.startswith("sglang.<model>.decode.num_gpus "))
-    assert re.split(r"\s{2,}", row.strip()) == [
-        "sglang.<model>.decode.num_gpus", "int", "0", "GPUs of the group, in GPUs; 0 turns the group off.",
-    ]  # fmt: skip
+    lines = capsys.readouterr().out.splitlines()
+    start = lines.index("sglang.<model>.decode.num_gpus  int  default: 0")
+    assert lines[start + 1 : start + 3] == ["    GPUs of the group, in GPUs; 0 turns the group off.", ""]
     assert main(["fields", "sglang_deploy.launch.port_bse"]) == 2
     assert "did you mean sglang_deploy.launch.port_base" in capsys.readouterr().err
+
+
+def test_fields_fit_100_columns_and_never_cut_a_key(capsys):
+    """Issue 25: every key whole at the start of its own line, the text wrapped at spaces within 100 columns
+    (output that is not a terminal), whatever the terminal would be."""
+    from miles_sglang_plugin.cli import main
+    from miles_sglang_plugin.config.field_docs import schema_fields
+    from miles_sglang_plugin.config.schema import MilesTrainerArgs
+
+    assert main(["fields"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert max(len(line) for line in lines) <= 100
+    starts = [line.split("  ")[0] for line in lines if line and not line.startswith(" ")]
+    assert starts == [row.key for row in schema_fields(MilesTrainerArgs)]
+    # Where a key with its type and default would pass 100 columns (46 + 2 + 40 + 2 + 16), they go under it.
+    start = lines.index("sglang.<model>.extra_groups.<name>.worker_type")
+    assert lines[start + 1] == "    regular | prefill | decode | placeholder  default: regular"
+    # A description longer than a line is wrapped at spaces: rejoined, it is the docstring.
+    start = lines.index("sglang_deploy.router.drain_settle_secs  int  default: 0")
+    text = []
+    for line in lines[start + 1 :]:
+        if not line:
+            break
+        assert line.startswith("    ") and len(line) <= 100
+        text.append(line.strip())
+    assert len(text) == 4
+    assert " ".join(text).startswith("SMG only: how long a removed worker stays draining (listed, a new")
+
+
+# ------------------------------------------------------------------------- issue 25: --help at the package
+def test_help_lists_the_group_where_the_app_placed_it(app_dir: Path):
+    proc = run_app(app_dir, "--help")
+    assert proc.returncode == 0, proc.stderr
+    groups_listed = proc.stdout.split("== Configuration groups ==", 1)[1].split("== Config ==", 1)[0]
+    lines = [line for line in groups_listed.splitlines() if line.startswith("sglang")]
+    assert lines == [
+        f"sglang@{ENGINES}: actor_ref, agentic_32gpu, default, multi_model, pd, pd_32gpu, pd_actor_ref, "
+        "placeholder, small",
+        "sglang_bench: default, smoke",
+        "sglang_deploy: cpu_sglang, default, simulated",
+        f"sglang_group@{ENGINES}.<model>.extra_groups.<name>: decode, placeholder, prefill, regular",
+        f"sglang_model@{ENGINES}.<model>: base",
+        "sglang_trainer: skyrl, verl",
+    ]
+    # As listed, the choice works: the package's pd preset at the app's key.
+    proc = run_app(app_dir, f"sglang@{ENGINES}=pd", "--cfg", "job", "-p", f"{ENGINES}.actor.prefill.num_gpus")
+    assert (proc.returncode, proc.stdout.strip()) == (0, "4"), proc.stderr
+
+
+def test_help_names_the_group_at_the_root_and_the_helpers_under_it():
+    from miles_sglang_plugin.config.app_help import with_group_packages
+
+    hydra_listing = "rollout: sglang\nsglang: a, b\nsglang_model: base\nsglang_group: decode\nother: x\n"
+    assert with_group_packages(hydra_listing, {"sglang": "a", "hydra/help": "default"}) == (
+        "rollout: sglang\nsglang: a, b\nsglang_model@sglang.<model>: base\n"
+        "sglang_group@sglang.<model>.extra_groups.<name>: decode\nother: x\n"
+    )
+    # Placed twice: listed at both packages. The long form (options under the group) keeps its options.
+    assert with_group_packages("sglang:\n  a\n  b\n", {"sglang@x": "a", "sglang@y.z": "b"}) == (
+        "sglang@x:\n  a\n  b\nsglang@y.z:\n  a\n  b\n"
+    )
+    # An app that does not use the group: Hydra's listing as it is.
+    assert with_group_packages(hydra_listing, {"rollout": "sglang"}) == hydra_listing
 
 
 # --------------------------------------------------------------------- item 6: helper groups out of place
@@ -299,11 +360,13 @@ def test_default_preset_follows_rollout_num_gpus(colocate: str, rollout_gpus: st
     assert [(g[0], g[1], g[2], g[4]) for g in groups(plan)] == [("actor.regular", expected, 2, expected // 2)]
 
 
-# ----------------------------------------------------------------- the README's section, commands as written
-def readme_commands() -> list[str]:
-    text = (REPO / "README.md").read_text()
-    section = text.split("## Use it in your trainer", 1)[1].split("\n## ", 1)[0]
-    blocks = re.findall(r"```console\n(.*?)```", section, flags=re.S)
+# ------------------------------------------------------- the trainer guide's commands (docs), as written
+#: The guide these commands are in: docs/trainers/hydra-app.md ("Use it in your trainer").
+GUIDE = REPO / "docs" / "trainers" / "hydra-app.md"
+
+
+def guide_commands() -> list[str]:
+    blocks = re.findall(r"```console\n(.*?)```", GUIDE.read_text(), flags=re.S)
     return [line[2:] for block in blocks for line in block.splitlines() if line.startswith("$ ")]
 
 
@@ -320,8 +383,8 @@ def _launches(command: str) -> bool:
     return "trainer.rollout_steps=1" in command
 
 
-def test_readme_trainer_section_commands_run_as_written(app_dir: Path):
-    commands = [c for c in readme_commands() if not _launches(c)]
+def test_the_trainer_guide_commands_run_as_written(app_dir: Path):
+    commands = [c for c in guide_commands() if not _launches(c)]
     assert len(commands) >= 5, commands
     for command in commands:
         proc = subprocess.run(_argv(command), cwd=app_dir, capture_output=True, text=True, timeout=120)
@@ -347,7 +410,7 @@ STATUS_LINE = re.compile(r"^\[\s*\d+\.\d+s\] (engine|router) ", re.M)
 
 @pytest.mark.slow
 def test_readme_launch_command_runs_with_the_launchers_requests_out_of_the_apps_log(app_dir: Path):
-    (command,) = [c for c in readme_commands() if _launches(c)]
+    (command,) = [c for c in guide_commands() if _launches(c)]
     proc = subprocess.run(_argv(command), cwd=app_dir, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "GENERATED " in proc.stdout

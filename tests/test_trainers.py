@@ -135,14 +135,15 @@ def test_verl_accepts_the_group_beside_its_rollout_node_not_inside_it():
         omega_conf_to_dataclass(inside.actor_rollout_ref.rollout)
 
 
-def _readme_commands(entry: str) -> list[list[str]]:
-    section = (REPO / "README.md").read_text().split("## Use it in your trainer", 1)[1].split("\n## ", 1)[0]
-    lines = re.findall(rf"^python -m {re.escape(entry)} (.*?)$", section, flags=re.M)
+def _guide_commands(entry: str) -> list[list[str]]:
+    """The commands of ``entry`` in the trainers' guides (docs/trainers/verl.md, skyrl.md), as written."""
+    guides = "".join((REPO / "docs" / "trainers" / name).read_text() for name in ("verl.md", "skyrl.md"))
+    lines = re.findall(rf"^python -m {re.escape(entry)} (.*?)$", guides, flags=re.M)
     return [[o for o in line.split() if not o.startswith("hydra/")] for line in lines]
 
 
-def test_the_readme_commands_place_the_group_where_the_trainers_accept_it_and_plan_as_it_says():
-    verl_commands = _readme_commands("verl.trainer.main_ppo")
+def test_the_guides_commands_place_the_group_where_the_trainers_accept_it_and_plan_as_it_says():
+    verl_commands = _guide_commands("verl.trainer.main_ppo")
     expected = [
         [("regular", 16, 4, 0, 4)],  # hybrid engine on 2 x 8 GPUs, TP 4
         [("prefill", 4, 2, 0, 2), ("decode", 12, 2, 4, 6)],  # 2 PD units of 1 x TP 2 + 3 x TP 2
@@ -152,7 +153,7 @@ def test_the_readme_commands_place_the_group_where_the_trainers_accept_it_and_pl
         cfg = compose_config(overrides, "ppo_trainer", config_dir=VERL_CONFIG, return_hydra_config=True)
         assert isinstance(omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout), RolloutConfig), overrides
         assert groups(resolve_config(cfg)) == groups_said, overrides
-    (skyrl_command,) = _readme_commands("skyrl_train.entrypoints.main_base")
+    (skyrl_command,) = _guide_commands("skyrl_train.entrypoints.main_base")
     cfg = compose_config(skyrl_command, "ppo_base_config", config_dir=SKYRL_CONFIG, return_hydra_config=True)
     assert groups(resolve_config(cfg)) == [
         ("regular", 4, 2, 0, 2)

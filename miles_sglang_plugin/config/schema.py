@@ -209,7 +209,7 @@ class LaunchConf:
     engine: EngineKind = EngineKind.sglang
     """What runs as an engine: sglang (real SGLang), simulated (the HTTP stand-in, for machines without GPUs) or cpu_sglang (real SGLang on a CPU, tiny models only)."""
     backend: BackendKind = BackendKind.local
-    """Where engines run: local (subprocesses of this machine) or ray (Ray actors on a cluster's nodes; see the README)."""
+    """Where engines run: local (subprocesses of this machine) or ray (Ray actors on a cluster's nodes; see the docs' Backends page)."""
     command: list[str] = field(default_factory=lambda: ["{python}", "-m", "sglang.launch_server"], repr=False)
     """Command prefix of an engine (``{python}``: this interpreter; ``[sglang, serve]`` works too)."""
     # Not in repr: it may hold a secret flag (--admin-api-key), masked wherever a command is shown.
@@ -260,7 +260,7 @@ class LoraConf:
 class StandInSpeedConf:
     """How fast the stand-in engines generate (``launch.engine=simulated`` only): a continuous-batching model
     whose decode step gets faster with the engine's TP, so that sweeps with stand-ins measure something. Off
-    by default (requests answer at once). Formulas: ``miles_sglang_plugin/standin/speed.py`` and the README."""
+    by default (requests answer at once). Formulas: ``miles_sglang_plugin/standin/speed.py`` and the docs' Sweeps page."""
 
     enabled: bool = False
     """Pace the stand-ins' generation by this model (off: requests answer at once)."""
@@ -297,7 +297,7 @@ class StandInFaultsConf:
 
 @dataclass
 class SupervisionConf:
-    """Watching the engines and routers of a running deployment, and healing it (see the README)."""
+    """Watching the engines and routers of a running deployment, and healing it (see the docs' Serve page)."""
 
     enabled: bool = True
     """Watch and heal after start-up; off: nothing is watched (``deployment.exited()`` still tells)."""

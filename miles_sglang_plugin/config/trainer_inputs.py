@@ -3,7 +3,7 @@
 A Miles (or slime) ``argparse.Namespace`` maps onto :class:`TrainerInputs` field by field
 (:meth:`TrainerInputs.from_namespace`); a Hydra app keeps the same names at the root of its config
 (:func:`miles_sglang_plugin.config.reading.trainer_from_config`). A trainer whose arguments are named differently maps them in one place:
-interpolations at the root of its primary config, e.g. ``hf_checkpoint: ${model.path}`` (see the README).
+interpolations at the root of its primary config, e.g. ``hf_checkpoint: ${model.path}`` (see the docs' Compose page).
 
 :func:`apply_miles_rules` is Miles' own post-processing of these arguments (colocate defaults, the PPO critic's
 size, ...), which resolution applies to the inputs of both paths before anything else.

@@ -1,4 +1,5 @@
-"""A verl-style trainer's entry point using the `sglang` config group (the README's "Use it in your trainer").
+"""A verl-style trainer's entry point using the `sglang` config group (the docs' guide "Use it in your
+trainer", docs/trainers/hydra-app.md).
 
 Its config uses its own key names (actor_rollout_ref.model.path, trainer.nnodes, ...), maps them to Miles'
 names in one place (the root of config/ppo_trainer.yaml), nests the engines under its rollout config

@@ -102,7 +102,7 @@ def test_a_pause_that_reached_no_engine_is_not_replayed(tmp_path: Path, leak_che
             for r in result.replies
         )
         for engine in ("actor.regular.0", "actor.regular.1"):
-            d.wait_for_event("engine_recovered", subject=engine, since=since, timeout_s=30)
+            d.wait_for_event("engine_recovered", subject=engine, since=since, timeout_s=120)
         assert [d.ledger.desired(e.id).paused for e in d.engines()] == [None, None]
         assert [stats(e.url)["paused"] for e in d.engines()] == [None, None]
         assert six_requests(d) == [200] * 6
@@ -120,7 +120,7 @@ def test_a_lora_load_the_engines_refused_is_not_replayed(tmp_path: Path, leak_ch
         assert "already loaded" in (refused.replies[0].error or "")
         since = len(d.events())
         os.kill(pid_of(d, "actor.regular.0"), signal.SIGKILL)
-        d.wait_for_event("engine_recovered", subject="actor.regular.0", since=since, timeout_s=30)
+        d.wait_for_event("engine_recovered", subject="actor.regular.0", since=since, timeout_s=120)
         assert [stats(e.url)["lora_adapters"] for e in d.engines()] == [{"math": "/lora/math-v1"}] * 2
         assert d.state().status == "serving"
 
@@ -180,7 +180,7 @@ def test_a_dripping_health_endpoint_does_not_delay_noticing_a_local_engines_deat
             )
             assert lost.monotonic < away.monotonic
             assert "no answer to /health within 0.5 s (4 polls in a row)" in away.message
-            d.wait_for_event("engine_recovered", subject="actor.regular.0", since=since, timeout_s=30)
+            d.wait_for_event("engine_recovered", subject="actor.regular.0", since=since, timeout_s=120)
             stopping = time.monotonic()
         assert time.monotonic() - stopping < 3 + 10  # the grace period and slack, not the drip
 
@@ -216,7 +216,7 @@ def test_a_restarted_router_serves_from_its_first_answer(
             since = len(d.events())
             os.kill(d.fleet.routers()[0].process.pid, signal.SIGKILL)
             recovered = d.wait_for_event(
-                "router_recovered", subject="router.actor", since=since, timeout_s=30
+                "router_recovered", subject="router.actor", since=since, timeout_s=120
             )
             time.sleep(1.0)
         finally:

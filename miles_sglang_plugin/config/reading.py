@@ -433,6 +433,8 @@ def _deploy_settings(
         node = None
     typed = _typed_settings(node) if not problems.problems else None
     if typed is not None:
+        if mapping is not None and mapping.server_defaults:  # below what the app set, as in the full path
+            typed.server_defaults = {**mapping.server_defaults, **typed.server_defaults}
         return _finished(typed, problems)
     values = _resolved(node, DEPLOY_KEY, problems) if node is not None else {}
     if mapping is not None and mapping.server_defaults and isinstance(values, dict):

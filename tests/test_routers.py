@@ -273,6 +273,14 @@ def test_drain_settle_secs_is_a_duration_from_zero() -> None:
     ]
 
 
+def test_the_shutdown_grace_period_is_a_duration_from_zero() -> None:
+    assert RouterSettings().shutdown_grace_period_secs == 0
+    assert validate_router_settings(RouterSettings(shutdown_grace_period_secs=30)) == []
+    assert validate_router_settings(RouterSettings(shutdown_grace_period_secs=-1)) == [
+        "shutdown_grace_period_secs: must be an integer in 0..2592000 (at most 30 days), got -1"
+    ]
+
+
 def test_validate_never_raises_on_garbage() -> None:
     s = RouterSettings(policy=None, extra={1: 2, "max_tree_size": object()})  # type: ignore[arg-type, dict-item]
     problems = validate_router_settings(s)
@@ -577,6 +585,8 @@ def test_router_args_kwargs_build_real_router_args(gateway: str) -> None:
     assert args.worker_urls == [] and args.prefill_urls == [] and args.decode_urls == []
     assert args.api_key == SECRET and args.balance_abs_threshold == 10
     assert args.request_timeout_secs == 14400 and args.log_level == "warn"
+    # Stopped with its engines: no wait for requests that cannot finish (RouterArgs' 180; SMG's ~5 s anyway).
+    assert args.shutdown_grace_period_secs == 0
 
 
 def test_router_main_rejects_bad_settings(capsys: pytest.CaptureFixture[str]) -> None:

@@ -245,6 +245,10 @@ class RouterSettings:
     """Turn the circuit breaker off."""
     log_level: str = "warn"
     """Router log level: debug, info, warn or error."""
+    shutdown_grace_period_secs: int = 0
+    """How long the router waits for requests in flight when it is stopped, in seconds (``RouterArgs``' own
+    default is 180, and SMG waits about 5 s even with nothing in flight). A deployment stops its engines at the
+    same moment, so nothing in flight could finish: 0 stops the router at once."""
     drain_settle_secs: int = 0
     """SMG only: how long a removed worker stays draining (listed, a new registration of its URL refused)
     before it goes, in seconds. SMG's own default, 5, is for a load balancer in front of it; these routers are
@@ -548,6 +552,7 @@ _SETTING_BOUNDS = {
         )
     },
     "drain_settle_secs": Bounds(0, integer=True, maximum=MAX_DURATION_S, why="at most 30 days"),
+    "shutdown_grace_period_secs": Bounds(0, integer=True, maximum=MAX_DURATION_S, why="at most 30 days"),
     "retry_backoff_multiplier": Bounds(1.0, maximum=100.0),
     "retry_jitter_factor": Bounds(0.0, maximum=1.0),
 }

@@ -365,7 +365,6 @@ def test_a_placement_group_needs_the_ray_backend() -> None:
 
 
 # --------------------------------------------------------------------------------------------- restarts
-@pytest.mark.slow
 def test_local_backend_restarts_a_process_with_the_same_command(
     tmp_path: Path,
     leak_check: LeakTracker,  # noqa: F811

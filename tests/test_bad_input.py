@@ -349,7 +349,6 @@ def test_a_process_whose_log_cannot_be_written_is_not_started(tmp_path: Path) ->
     )
 
 
-@pytest.mark.slow
 def test_a_router_on_a_full_disk_fails_the_launch_saying_so(
     run: Run,
     tmp_path: Path,
@@ -725,7 +724,6 @@ def test_sglangs_parser_takes_such_a_key_as_rendered() -> None:
     assert (parsed["api_key"], parsed["mem_fraction_static"]) == (SECRET, -0.5)
 
 
-@pytest.mark.slow
 def test_such_a_key_stays_out_of_a_launch_error(run: Run, tmp_path: Path, leak_check: LeakTracker) -> None:  # noqa: F811
     code, out, err = run(
         "launch",

@@ -32,8 +32,6 @@ from miles_sglang_plugin.serving.deployment import Deployment
 from miles_sglang_plugin.serving.errors import ControlError, DeploymentStoppedError
 from tests.launch_helpers import LeakTracker, compose, prepare_unprobed
 
-pytestmark = pytest.mark.slow
-
 OVERRIDES = [
     "debug_rollout_only=false",
     "colocate=true",

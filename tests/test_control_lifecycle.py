@@ -32,8 +32,6 @@ from tests.launch_helpers import REPO, LeakTracker, compose, launch_overrides
 from tests.test_external_engines_live import judge
 from tests.test_standin import Proc, spawn, start_standin, wait_http  # noqa: F401  (the spawn fixture)
 
-pytestmark = pytest.mark.slow
-
 #: The shutdown grace period of these launches (launch_overrides' default).
 GRACE_S = 3.0
 #: Quick supervision (as in test_supervision.py).

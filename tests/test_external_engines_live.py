@@ -21,8 +21,6 @@ from tests.conftest_launch import leak_check  # noqa: F401  (fixture)
 from tests.launch_helpers import LeakTracker, compose, generate_body
 from tests.test_standin import Proc, spawn, start_standin, wait_http  # noqa: F401  (the spawn fixture)
 
-pytestmark = pytest.mark.slow
-
 
 def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout_s

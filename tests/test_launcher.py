@@ -34,8 +34,6 @@ from tests.launch_helpers import (
     random_port_base,
 )
 
-pytestmark = pytest.mark.slow
-
 # A PD actor and a regular reference model, worked out by hand (debug_rollout_only=true: rollout from slot 0,
 # 8 GPUs per node, groups placed one after the other: actor prefill, actor decode, ref regular):
 #   actor.prefill  4 GPUs, TP 4 (the actor's num_gpus_per_engine) -> slots 0-3  = node 0, GPUs 0-3

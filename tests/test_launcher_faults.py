@@ -32,8 +32,6 @@ from tests.launch_helpers import (
     process_alive,
 )
 
-pytestmark = pytest.mark.slow
-
 TWO_ENGINES = "sglang.actor.regular.num_gpus=2"
 ScriptFactory = Callable[[Sequence[str]], ScriptRun]
 

@@ -31,7 +31,7 @@ from tests.conftest_ray import clean_cluster, ray_cluster  # noqa: F401 - fixtur
 from tests.launch_helpers import REPO, generate_body, random_port_base
 from tests.ray_helpers import FakeCluster, address_of
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = pytest.mark.ray
 
 
 def ray_overrides(*extra: str, startup_timeout_s: float = 90.0) -> list[str]:
@@ -769,6 +769,7 @@ def test_each_engine_gets_its_own_gpus_from_the_actors_of_its_nodes(
 
 
 # ------------------------------------------------------------------------------------------------ benchmark
+@pytest.mark.slow
 def test_benchmark_smoke_run_on_the_cluster(clean_cluster: FakeCluster) -> None:  # noqa: F811
     """benchmarks/bench_ray.py --smoke, on this session's cluster, so that the script cannot rot."""
     result = subprocess.run(

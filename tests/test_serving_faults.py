@@ -29,8 +29,6 @@ from tests.misbehaving_engine import MisbehavingEngine
 from tests.test_external_engines_live import judge
 from tests.test_standin import Proc, spawn, start_standin, wait_http  # noqa: F401  (the spawn fixture)
 
-pytestmark = pytest.mark.slow
-
 FAST = [
     "sglang_deploy.supervision.health_interval_s=0.3",
     "sglang_deploy.supervision.health_timeout_s=0.5",

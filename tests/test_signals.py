@@ -261,7 +261,6 @@ AT_FORK_PRELUDE = textwrap.dedent(
 )
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("fork", [1, 2, 3])
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_signal_inside_loggings_fork_hook_while_spawning(

@@ -35,8 +35,6 @@ from tests.launch_helpers import (
     process_alive,
 )
 
-pytestmark = pytest.mark.slow
-
 #: Quick supervision: polls every 0.3 s answering within 0.5 s, 2 failed polls make a loss.
 FAST = [
     "sglang_deploy.supervision.health_interval_s=0.3",

@@ -31,8 +31,6 @@ import pytest
 
 from tests.launch_helpers import REPO, LeakTracker, children_of, launch_overrides, process_alive
 
-pytestmark = pytest.mark.slow
-
 TWO_ENGINES = "sglang.actor.regular.num_gpus=2"
 
 #: Shared by the child scripts: what a deployment started, and which of it still runs.

@@ -1,14 +1,19 @@
 """The test tiers (Makefile): ``make test`` runs each tier whatever became of the ones before
 (``scripts/run-tiers.sh``), ends with a summary (tier / result / seconds) and fails when any tier failed; the
 quick and slow tiers split the main venv's tests between them, and ``make test`` still runs every lane it ran
-before (the SMG router lane, the Ray tests on the newest and the oldest Ray, the trainers' lane)."""
+before (the SMG router lane, the Ray tests on the newest and the oldest Ray, the trainers' lane). A suite started
+with SIGINT ignored (in the background) still stops the launchers its tests end with SIGINT."""
 
 from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 RUNNER = REPO / "scripts" / "run-tiers.sh"
@@ -98,3 +103,38 @@ def test_make_test_runs_every_tier_and_ci_adds_the_real_engine_and_lint() -> Non
         "quick", "slow", "smg", "ray", "ray-floor", "trainers", "real-engine", "lint",
     ]  # fmt: skip
     assert 'make test EXTRA_TIERS="test-real-engine lint"' in (REPO / ".ci" / "run").read_text()
+
+
+#: A test that reports whether a child process starts with SIGINT ignored.
+CHILD_SIGINT_TEST = """
+import subprocess, sys
+
+def test_child():
+    code = "import signal; print(signal.getsignal(signal.SIGINT) is signal.SIG_IGN)"
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    print("child ignores SIGINT:", child.stdout.strip())
+"""
+
+
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.mark.parametrize("with_conftest", [True, False])
+def test_a_suite_started_with_sigint_ignored_gives_its_children_sigints_default(
+    tmp_path: Path, with_conftest: bool
+) -> None:
+    """As a background job of a non-interactive shell starts it: the launchers the tests stop with SIGINT must
+    not inherit SIG_IGN (the suite's conftest puts a handler in its place; without it, they do)."""
+    (tmp_path / "test_child.py").write_text(CHILD_SIGINT_TEST)
+    plugin = ["-p", "tests.conftest"] if with_conftest else []
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", *plugin, "-q", "-s", "-p", "no:cacheprovider", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=_ignore_sigint,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"child ignores SIGINT: {not with_conftest}" in done.stdout

@@ -322,10 +322,9 @@ def test_no_ray_cluster_is_a_clear_error_without_hanging(tmp_path: Path) -> None
     with socket.socket() as s:  # a port where nothing listens
         s.bind(("127.0.0.1", 0))
         free = s.getsockname()[1]
-    started = time.monotonic()
+    # Without hanging: a launch that waited for the cluster would not return (_cli's timeout ends it).
     proc = _cli("launch", f"--log-dir={tmp_path}", *launch_overrides("sglang_deploy.launch.backend=ray"),
                 env={"RAY_ADDRESS": f"127.0.0.1:{free}"})  # fmt: skip
-    assert time.monotonic() - started < 60
     assert proc.returncode == 1, proc.stderr
     text = " ".join(proc.stderr.split())
     assert f"error: no Ray cluster found at 127.0.0.1:{free}. Start one (ray start --head" in text

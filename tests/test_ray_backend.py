@@ -251,7 +251,7 @@ def test_a_plan_larger_than_the_cluster_fails_at_the_placement_deadline(
     started = time.monotonic()
     with pytest.raises(LaunchError) as exc, launch_from_config(cfg, log_dir=tmp_path / "logs"):
         pytest.fail("must not start")
-    assert time.monotonic() - started < 30
+    assert time.monotonic() - started >= 3  # the placement deadline was waited for (the message says which)
     assert str(exc.value) == (
         "placing 5 node(s) with 8, 8, 8, 8, 8 free GPU(s) did not finish within "
         "sglang_deploy.launch.ray.placement_timeout_s=3 s; the cluster has 4 live node(s) (127.0.0.1: 8 GPUs, "
@@ -267,12 +267,11 @@ def test_engine_failing_at_start_on_a_remote_node(clean_cluster: FakeCluster, tm
             "sglang.actor.regular.num_gpus=16",
             "sglang.actor.num_gpus_per_engine=8",
             "sglang_deploy.standin.fail_at_start=[actor.regular.1]",
+            startup_timeout_s=3600,  # failed by the exit: the deadline is an hour away
         )
     )
-    started = time.monotonic()
     with pytest.raises(LaunchError) as exc, launch_from_config(cfg, log_dir=tmp_path / "logs"):
         pytest.fail("must not become ready")
-    assert time.monotonic() - started < 60
     msg = str(exc.value)
     assert msg.startswith("engine actor.regular.1 exited with code 3 during start-up"), msg
     where = re.search(r"where: pid \d+ on node (127\.0\.0\.\d) \(Ray node ([0-9a-f]{8})\)", msg)
@@ -290,22 +289,23 @@ def test_worker_node_lost_during_start_up(clean_cluster: FakeCluster, tmp_path: 
             "debug_rollout_only=true",
             "sglang.actor.regular.num_gpus=16",
             "sglang.actor.num_gpus_per_engine=8",
-            "sglang_deploy.standin.start_delay_s=60",
+            "sglang_deploy.standin.start_delay_s=3600",
+            startup_timeout_s=3600,  # only the node's loss can end the start-up before the test's timeout
         )
     )
     removed: dict[str, Any] = {}
 
     def remove_node_of_engine_1() -> None:
         node = node_of_log(logs / "actor.regular.1.log", clean_cluster)
-        removed["node"], removed["at"] = node, time.monotonic()
+        removed["node"] = node
         clean_cluster.remove_worker(node)
 
     killer = threading.Thread(target=remove_node_of_engine_1, daemon=True)
     killer.start()
     with pytest.raises(LaunchError) as exc, launch_from_config(cfg, log_dir=logs):
         pytest.fail("must not become ready")
-    killer.join(5)
-    assert time.monotonic() - removed["at"] < 30, "the lost node was not noticed promptly"
+    killer.join(60)
+    assert removed, "the node was not removed"
     msg = str(exc.value)
     address = address_of(removed["node"])
     assert msg.startswith("engine actor.regular.1 exited with code -9 during start-up"), msg

@@ -632,7 +632,7 @@ def test_supervision_heals_an_engine_killed_on_its_ray_node(
         before = httpx.get(victim.url + "/server_info", timeout=10).json()
         since = len(deployment.events())
         os.kill(before["pid"], signal.SIGKILL)  # the node is this machine: the stand-in's own pid
-        lost = deployment.wait_for_event("engine_lost", subject=victim.id, since=since, timeout_s=20)
+        lost = deployment.wait_for_event("engine_lost", subject=victim.id, since=since, timeout_s=60)
         assert "exited with code -9" in lost.message and "on node" in lost.message, lost.message
         deployment.wait_for_event("engine_recovered", subject=victim.id, since=since, timeout_s=60)
         after = httpx.get(victim.url + "/server_info", timeout=10).json()
@@ -674,7 +674,7 @@ def test_engines_whose_node_actor_died_on_a_live_node_are_healed(
         (actor,) = deployment.backend.actors  # one node: one actor for both engines
         ray.kill(actor, no_restart=True)  # type: ignore[attr-defined]
         for engine in engines:
-            lost = deployment.wait_for_event("engine_lost", subject=engine.id, since=since, timeout_s=30)
+            lost = deployment.wait_for_event("engine_lost", subject=engine.id, since=since, timeout_s=60)
             assert "Ray actor" in lost.message, lost.message
         for engine in engines:
             deployment.wait_for_event("engine_recovered", subject=engine.id, since=since, timeout_s=90)
@@ -717,7 +717,7 @@ def test_an_engine_whose_own_actor_died_is_healed_alone_with_one_actor_per_proce
         since = len(deployment.events())
         (process,) = deployment.fleet.engine(victim.id).processes
         ray.kill(process.actor, no_restart=True)  # type: ignore[attr-defined]
-        lost = deployment.wait_for_event("engine_lost", subject=victim.id, since=since, timeout_s=30)
+        lost = deployment.wait_for_event("engine_lost", subject=victim.id, since=since, timeout_s=60)
         assert "Ray actor" in lost.message, lost.message
         deployment.wait_for_event("engine_recovered", subject=victim.id, since=since, timeout_s=90)
         after = httpx.get(victim.url + "/server_info", timeout=10).json()

@@ -79,12 +79,12 @@ def test_an_external_engine_that_was_away_comes_back_with_what_changed_meanwhile
         since = len(d.events())
         os.kill(outside[1].popen.pid, signal.SIGSTOP)
         try:
-            d.wait_for_event("external_engine_lost", subject="judge.external.1", since=since, timeout_s=15)
+            d.wait_for_event("external_engine_lost", subject="judge.external.1", since=since, timeout_s=60)
             result = d.control.pause_generation("in_place", model="judge")
             assert (result.engines, result.deferred) == (("judge.external.0",), ("judge.external.1",))
         finally:
             os.kill(outside[1].popen.pid, signal.SIGCONT)
-        d.wait_for_event("external_engine_back", subject="judge.external.1", since=since, timeout_s=15)
+        d.wait_for_event("external_engine_back", subject="judge.external.1", since=since, timeout_s=60)
         assert [stats(e.url)["paused"] for e in outside] == ["in_place", "in_place"]
         d.control.continue_generation(model="judge")
         assert [stats(e.url)["paused"] for e in outside] == [None, None]
@@ -100,7 +100,7 @@ def test_a_pause_that_reached_no_engine_is_not_replayed(tmp_path: Path, leak_che
         for engine in ("actor.regular.0", "actor.regular.1"):
             os.kill(pid_of(d, engine), signal.SIGKILL)
         for engine in ("actor.regular.0", "actor.regular.1"):
-            d.wait_for_event("engine_lost", subject=engine, since=since, timeout_s=10)
+            d.wait_for_event("engine_lost", subject=engine, since=since, timeout_s=60)
         result = d.control.pause_generation("in_place", timeout_s=5, check=False)
         assert [r.ok for r in result.replies] == [False, False] and result.deferred == ()
         assert all(
@@ -108,7 +108,7 @@ def test_a_pause_that_reached_no_engine_is_not_replayed(tmp_path: Path, leak_che
             for r in result.replies
         )
         for engine in ("actor.regular.0", "actor.regular.1"):
-            d.wait_for_event("engine_recovered", subject=engine, since=since, timeout_s=30)
+            d.wait_for_event("engine_recovered", subject=engine, since=since, timeout_s=60)
         assert [d.ledger.desired(e.id).paused for e in d.engines()] == [None, None]
         assert [stats(e.url)["paused"] for e in d.engines()] == [None, None]
         assert six_requests(d) == [200] * 6
@@ -126,7 +126,7 @@ def test_a_lora_load_the_engines_refused_is_not_replayed(tmp_path: Path, leak_ch
         assert "already loaded" in (refused.replies[0].error or "")
         since = len(d.events())
         os.kill(pid_of(d, "actor.regular.0"), signal.SIGKILL)
-        d.wait_for_event("engine_recovered", subject="actor.regular.0", since=since, timeout_s=30)
+        d.wait_for_event("engine_recovered", subject="actor.regular.0", since=since, timeout_s=60)
         assert [stats(e.url)["lora_adapters"] for e in d.engines()] == [{"math": "/lora/math-v1"}] * 2
         assert d.state().status == "serving"
 
@@ -184,13 +184,13 @@ def test_a_dripping_health_endpoint_does_not_delay_noticing_a_local_engines_deat
             since = len(d.events())
             outside.mode = "drip_health"
             os.kill(pid_of(d, "actor.regular.0"), signal.SIGKILL)
-            lost = d.wait_for_event("engine_lost", subject="actor.regular.0", since=since, timeout_s=10)
+            lost = d.wait_for_event("engine_lost", subject="actor.regular.0", since=since, timeout_s=60)
             away = d.wait_for_event(
                 "external_engine_lost", subject="judge.external.0", since=since, timeout_s=20
             )
             assert lost.monotonic < away.monotonic
             assert "no answer to /health within 0.5 s (4 polls in a row)" in away.message
-            d.wait_for_event("engine_recovered", subject="actor.regular.0", since=since, timeout_s=30)
+            d.wait_for_event("engine_recovered", subject="actor.regular.0", since=since, timeout_s=60)
         assert outside.drips_started >= 4  # the polls that lost it
         wait_until(lambda: outside.drips_open == 0, "the launcher to close every dripping answer")
 

@@ -1,9 +1,16 @@
 # Two entry points on a fresh machine (Python >= 3.11 on PATH as python3):
 #   make demo   the main job end to end: stand-in engines, real sglang-router, one rollout step, teardown
-#   make test   the test suite (installs SGLang's argument parser for CPU and Ray first; ~1.7 GB), the Ray
-#               tests again on the [ray] extra's oldest Ray (.venv-ray-floor), and the trainers' lane in a venv
-#               of its own (verl's and SkyRL's config code, .venv-trainers; ~1.6 GB); the Ray tests run in a
-#               loopback-only network namespace (scripts/in-loopback-netns.sh)
+#   make test   every test tier but the real engine's (installs SGLang's argument parser for CPU and Ray first;
+#               ~1.7 GB; the trainers' venv ~1.6 GB), each tier run whatever became of the ones before, then a
+#               summary (tier / result / seconds); it fails when any tier failed (scripts/run-tiers.sh)
+# The tiers, each a target of its own:
+#   make test-quick         unit tests and small integration tests (stand-in engines, the real router): the
+#                           default selection, everything not marked slow, ray, trainers or real_engine
+#   make test-slow          benchmark smoke runs, fuzzers, long fault trials, bounded-work trials at the caps
+#   make test-smg           the router-facing tests again with SMG as the gateway
+#   make test-ray           the Ray tests, in a loopback-only network namespace (scripts/in-loopback-netns.sh)
+#   make test-ray-floor     the Ray tests again on the [ray] extra's oldest Ray (.venv-ray-floor)
+#   make test-trainers      verl's and SkyRL's own config code, in a venv of its own (.venv-trainers)
 # and, run by .ci/run after them:
 #   make test-real-engine   SGLang's own server on the CPU (engine kind cpu_sglang) in its own venv (.venv-real,
 #               ~6.3 GB): the real-engine lane and the contract test against both engines
@@ -17,7 +24,7 @@ RAY_FLOOR_VENV ?= .venv-ray-floor
 RAY_FLOOR_BIN := $(RAY_FLOOR_VENV)/bin
 REAL_VENV ?= .venv-real
 
-.PHONY: demo test test-smg test-ray test-ray-floor test-trainers test-real-engine lint typecheck docs bench mutation clean
+.PHONY: demo test test-quick test-slow test-smg test-ray test-ray-floor test-trainers test-real-engine lint typecheck docs bench mutation clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -79,18 +86,31 @@ $(REAL_VENV)/.installed: scripts/install-sglang-real-cpu.sh pyproject.toml
 demo: $(VENV)/.base-installed
 	cd examples && ../$(BIN)/python train.py sglang=agentic_32gpu sglang_deploy=simulated colocate=true actor_num_nodes=4 kill_engine_at_step=1
 
-test: $(VENV)/.sglang-installed $(VENV)/.ray-installed $(VENV)/.smg-installed $(TRAINERS_VENV)/.installed $(RAY_FLOOR_VENV)/.installed
-	$(BIN)/python -m pytest -m "not ray and not trainers and not real_engine"
-	$(BIN)/python -m pytest --gateway smg -m "not ray" -p no:cacheprovider $(ROUTER_TESTS)
-	bash scripts/in-loopback-netns.sh $(BIN)/python -m pytest -m "ray and not trainers" -p no:cacheprovider
-	bash scripts/in-loopback-netns.sh $(RAY_FLOOR_BIN)/python -m pytest -m "ray and not trainers" -p no:cacheprovider
-	bash scripts/in-loopback-netns.sh $(TRAINERS_BIN)/python -m pytest -m trainers -p no:cacheprovider
+# The tiers of `make test`, in the order they run; EXTRA_TIERS are run after them (.ci/run: test-real-engine,
+# lint and docs). Each tier installs what it needs (a failed install fails that tier only).
+TEST_TIERS := test-quick test-slow test-smg test-ray test-ray-floor test-trainers
+EXTRA_TIERS ?=
+# The lanes outside the quick and slow tiers (their own venvs, a network namespace, SGLang's server).
+LANE_MARKERS := not ray and not trainers and not real_engine
+# The main venv as the quick and slow tiers see it: SGLang's argument parser, Ray and SMG installed.
+MAIN_TEST_VENV := $(VENV)/.sglang-installed $(VENV)/.ray-installed $(VENV)/.smg-installed
+
+test:
+	MAKE="$(MAKE)" bash scripts/run-tiers.sh $(TEST_TIERS) $(EXTRA_TIERS)
+
+# Unit tests and small integration tests: what `pytest` selects by default once the slow tier is left out.
+test-quick: $(MAIN_TEST_VENV)
+	$(BIN)/python -m pytest -m "not slow and $(LANE_MARKERS)" -p no:cacheprovider
+
+# Benchmark smoke runs (benchmarks/*.py --smoke), fuzzers, long fault trials, bounded-work trials at the caps.
+test-slow: $(MAIN_TEST_VENV)
+	$(BIN)/python -m pytest -m "slow and $(LANE_MARKERS)" -p no:cacheprovider
 
 # The router-facing tests against SMG alone.
-test-smg: $(VENV)/.sglang-installed $(VENV)/.smg-installed
+test-smg: $(MAIN_TEST_VENV)
 	$(BIN)/python -m pytest --gateway smg -m "not ray" -p no:cacheprovider $(ROUTER_TESTS)
 
-test-ray: $(VENV)/.ray-installed
+test-ray: $(MAIN_TEST_VENV)
 	bash scripts/in-loopback-netns.sh $(BIN)/python -m pytest -m "ray and not trainers" -p no:cacheprovider
 
 # The Ray tests on the oldest Ray of the [ray] extra.

@@ -527,6 +527,10 @@ def print_tables(res: dict[str, Any]) -> None:
 
 
 def main() -> int:
+    # The teardown runs end each launcher with SIGINT, a terminal's Ctrl-C: a launcher that inherited SIGINT
+    # ignored (this script started in the background of a non-interactive shell, or under nohup) would keep
+    # running. A handler, unlike SIG_IGN, is not inherited across exec: the launchers get SIGINT's default.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=3, help="repetitions of each time-to-ready cell (median)")
     ap.add_argument("--delay", type=float, default=3.0, help="stand-in start delay T in seconds")

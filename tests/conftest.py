@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from typing import Any
 
 # The local backend honours an inherited CUDA_VISIBLE_DEVICES (a scheduler's GPUs): the tests' expected GPU
@@ -37,6 +38,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # Tests end the launchers they start with SIGINT, as a terminal's Ctrl-C does. A suite started with SIGINT
+    # ignored (a background job of a non-interactive shell, nohup, some CI agents) would hand SIG_IGN on to
+    # every child, and a launcher that ignores SIGINT never stops. A handler is not inherited across exec.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     gateway = config.getoption("--gateway") or os.environ.get(GATEWAY_ENV) or DEFAULT_TEST_GATEWAY
     if gateway not in GATEWAYS:
         raise pytest.UsageError(f"${GATEWAY_ENV}={gateway!r} is not one of {', '.join(GATEWAYS)}")

@@ -1,7 +1,8 @@
 """An HTTP server that answers like an engine that misbehaves (for the external-engine tests): it drips its
-answers one byte a second, reports garbage in ``/server_info``, or streams an endless ``/server_info``. It
-runs on a thread of the test process, on loopback, at a port found free; ``mode`` may change while it runs
-(a healthy engine that starts dripping its ``/health``)."""
+answers (a byte every 0.2 s, without end), reports garbage in ``/server_info``, or streams an endless
+``/server_info``. It runs on a thread of the test process, on loopback, at a port found free; ``mode`` may
+change while it runs (a healthy engine that starts dripping its ``/health``). It counts the drips it started and those still open:
+a drip never ends by itself, so one that closed was closed by the client (it gave up on the answer)."""
 
 from __future__ import annotations
 
@@ -18,12 +19,15 @@ SERVER_INFO = {"tp_size": 1, "pp_size": 1, "model_path": "/judge", "weight_versi
 
 
 class MisbehavingEngine:
-    """``mode``: ``healthy`` (answers every route at once), ``drip`` (headers, then one byte a second, never
+    """``mode``: ``healthy`` (answers every route at once), ``drip`` (headers, then a byte every 0.2 s, never
     ending), ``drip_health`` (healthy but /health and /health_generate drip), ``garbage_info`` (/server_info
     says ``tp_size: "abc"``), ``endless_info`` (/server_info streams without end)."""
 
     def __init__(self, mode: str = "healthy") -> None:
         self.mode = mode
+        #: Drips started, and those whose client has not closed the connection yet.
+        self.drips_started = 0
+        self.drips_open = 0
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
@@ -52,11 +56,16 @@ class MisbehavingEngine:
         await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
 
     async def _drip(self, request: web.Request) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "application/json"})
-        await response.prepare(request)
-        while True:
-            await response.write(b" ")
-            await asyncio.sleep(1.0)
+        self.drips_started += 1
+        self.drips_open += 1
+        try:
+            response = web.StreamResponse(headers={"Content-Type": "application/json"})
+            await response.prepare(request)
+            while True:  # until the client closes the connection (a write fails, or the handler is cancelled)
+                await response.write(b" ")
+                await asyncio.sleep(0.2)
+        finally:
+            self.drips_open -= 1
 
     async def _endless(self, request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "application/json"})

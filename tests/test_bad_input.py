@@ -42,6 +42,7 @@ from miles_sglang_plugin.config.trainer_inputs import TrainerInputs
 from miles_sglang_plugin.errors import DeploymentConfigError
 from miles_sglang_plugin.masking import mask_argv, mask_env
 from miles_sglang_plugin.miles.bounded_yaml import MAX_CONFIG_BYTES, MAX_YAML_DEPTH, MAX_YAML_NODES
+from miles_sglang_plugin.planning import resolution
 from miles_sglang_plugin.planning.resolution import MAX_DEPLOYMENT_GPUS, resolve_deployment
 from miles_sglang_plugin.planning.views import print_plan
 from miles_sglang_plugin.rendering.ports import PortClaims, default_lock_dir
@@ -82,6 +83,26 @@ def _one_problem(err: str) -> str:
     return " ".join(lines[0][2:].split())
 
 
+def bytes_read() -> int:
+    """The bytes this process has read so far (``rchar`` of ``/proc/self/io``: every ``read``, from a disk,
+    the page cache or a device alike): how much reading is bounded is told by bytes, not by seconds."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise AssertionError("no rchar in /proc/self/io")
+
+
+@pytest.fixture
+def no_engine_enumerated(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fails the test if resolution enumerates engines (``_Resolver.run``): a bound checked before that is
+    bounded work whatever the count, where enumerating 10**9 engines would never end."""
+
+    def enumerate_engines(self: object) -> None:
+        raise AssertionError("the engines were enumerated before the GPU count was checked")
+
+    monkeypatch.setattr(resolution._Resolver, "run", enumerate_engines)
+
+
 # -------------------------------------------------------------------------------------- (2) tracebacks
 def test_a_model_path_that_is_not_a_string_is_refused_where_it_was_set(run: Run) -> None:
     code, out, err = run("plan", "hf_checkpoint=/c", "+sglang.actor.regular.overrides.model_path=5")
@@ -114,9 +135,8 @@ def test_import_of_a_file_with_a_nul_byte(run: Run, tmp_path: Path) -> None:
 def test_import_of_deep_nesting_stops_at_the_depth_limit(run: Run, tmp_path: Path) -> None:
     deep = tmp_path / "deep.yaml"
     deep.write_text("[" * 100_000)
-    t0 = time.monotonic()
     code, _, err = run("import", str(deep), "--print")
-    assert code == 2 and time.monotonic() - t0 < 5
+    assert code == 2  # where it stopped (column 65, not the 100,000th) tells how far the parser went
     assert _one_problem(err) == (
         f"deep.yaml: line 1, column {MAX_YAML_DEPTH + 1}: nested deeper than 64 levels, the most a "
         "--sglang-config file may nest"
@@ -174,9 +194,8 @@ def _billion_laughs(path: Path) -> Path:
 
 
 def test_import_of_a_billion_laughs_stops_at_the_node_limit(run: Run, tmp_path: Path) -> None:
-    t0 = time.monotonic()
     code, _, err = run("import", str(_billion_laughs(tmp_path / "laughs.yaml")), "--print")
-    assert code == 2 and time.monotonic() - t0 < 5
+    assert code == 2  # 10**10 values expanded would never end: the node where it stopped is told below
     # Nodes so far: the root 1, then per line its key and list: a0 1+11, a1 1+111, a2 1+1,111, a3 1+11,111
     # (12,349 in all); line 5: key and list node (12,351), and its first alias *a3 adds 11,111: past 20,000.
     assert _one_problem(err) == (
@@ -210,12 +229,14 @@ def test_import_of_a_device_reads_nothing(run: Run) -> None:
     assert _one_problem(err) == "zero: '/dev/zero' is a character device, not a YAML file"
 
 
-def test_import_of_a_10_mb_file_is_refused_at_once(run: Run, tmp_path: Path) -> None:
+def test_import_of_a_1_gb_file_is_refused_having_read_its_first_256_kb(run: Run, tmp_path: Path) -> None:
     big = tmp_path / "big.yaml"
     big.write_text("sglang:\n" + "# padding\n" * 1_000_000)
-    t0 = time.monotonic()
+    os.truncate(big, 2**30)  # 1 GiB, the rest a hole (nothing on the disk)
+    before = bytes_read()
     code, _, err = run("import", str(big), "--print")
-    assert code == 2 and time.monotonic() - t0 < 5
+    assert code == 2
+    assert bytes_read() - before < 16 * 2**20  # what a read of it all would be is 1 GiB
     assert _one_problem(err) == (
         f"big.yaml: '{big}' is larger than 256 KiB, the most a --sglang-config file may hold here (a Miles "
         "config is a few KB)"
@@ -250,23 +271,20 @@ def test_a_config_read_from_a_pipe(run: Run) -> None:
     assert "/sglang_model@actor: base" in out
 
 
-def test_gpu_counts_are_bounded_before_engines_are_enumerated(run: Run) -> None:
-    t0 = time.monotonic()
+def test_gpu_counts_are_bounded_before_engines_are_enumerated(run: Run, no_engine_enumerated: None) -> None:
     code, _, err = run("plan", "hf_checkpoint=/c", "sglang.actor.regular.num_gpus=1000000000")
-    assert code == 2 and time.monotonic() - t0 < 10
+    assert code == 2
     assert _one_problem(err) == (
         "sglang.actor.regular.num_gpus: 1000000000 GPUs: the deployment would hold 1,000,000,000 GPUs, more "
         "than the 65,536 a deployment may hold"
     )
 
 
-def test_gpu_counts_against_the_cluster_when_its_size_is_known() -> None:
-    t0 = time.monotonic()
-    with pytest.raises(DeploymentConfigError) as info:
+def test_gpu_counts_against_the_cluster_when_its_size_is_known(no_engine_enumerated: None) -> None:
+    with pytest.raises(DeploymentConfigError) as info:  # before its 60,000 engines are enumerated
         resolve_deployment(
             spec(model("actor", group("regular", 60_000))), TrainerInputs(hf_checkpoint="/c", num_nodes=4)
         )
-    assert time.monotonic() - t0 < 2  # 60,000 engines would take seconds to enumerate
     assert [str(p) for p in info.value.problems] == [
         "num_nodes: the deployment needs 60008 GPU slots (rollout_offset=8 + 60000 rollout GPUs) but the "
         "cluster has num_nodes=4 x num_gpus_per_node=8 = 32"
@@ -295,6 +313,7 @@ CAP_PLAN = ("sglang=default", "hf_checkpoint=/c", "debug_rollout_only=true",
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # bounded memory, not time: about 2 minutes each on two busy cores
 @pytest.mark.parametrize("form", ["tables", "json"])
 def test_a_plan_at_the_gpu_cap_stays_within_its_memory_bound(form: str, tmp_path: Path) -> None:
     """Issue 23, item 4: ``plan`` of the largest deployment allowed is bounded work: every engine planned,
@@ -326,9 +345,9 @@ def test_a_plan_at_the_gpu_cap_stays_within_its_memory_bound(form: str, tmp_path
 
 
 def test_log_tail_reads_a_bounded_amount(tmp_path: Path) -> None:
-    t0 = time.monotonic()
+    before = bytes_read()
     assert log_tail(Path("/dev/zero")) == "" and log_tail(Path("/dev/full")) == ""  # never read at all
-    assert time.monotonic() - t0 < 1
+    assert bytes_read() - before < LOG_TAIL_BYTES  # not even the 64 KiB a regular file's tail may take
     log = tmp_path / "big.log"
     with log.open("w") as f:
         for i in range(400_000):  # ~5 MB
@@ -349,7 +368,6 @@ def test_a_process_whose_log_cannot_be_written_is_not_started(tmp_path: Path) ->
     )
 
 
-@pytest.mark.slow
 def test_a_router_on_a_full_disk_fails_the_launch_saying_so(
     run: Run,
     tmp_path: Path,
@@ -725,7 +743,6 @@ def test_sglangs_parser_takes_such_a_key_as_rendered() -> None:
     assert (parsed["api_key"], parsed["mem_fraction_static"]) == (SECRET, -0.5)
 
 
-@pytest.mark.slow
 def test_such_a_key_stays_out_of_a_launch_error(run: Run, tmp_path: Path, leak_check: LeakTracker) -> None:  # noqa: F811
     code, out, err = run(
         "launch",

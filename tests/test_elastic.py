@@ -24,8 +24,6 @@ from miles_sglang_plugin.serving.routers import router_workers
 from tests.conftest_launch import leak_check  # noqa: F401  (fixture)
 from tests.launch_helpers import LeakTracker, compose, generate_body, process_alive, random_port_base
 
-pytestmark = pytest.mark.slow
-
 FAST = [
     "sglang_deploy.supervision.health_interval_s=0.3",
     "sglang_deploy.supervision.health_timeout_s=0.5",

@@ -7,11 +7,7 @@ import os
 import re
 from pathlib import Path
 
-import pytest
-
 from tests.test_hydra_group import run_example
-
-pytestmark = pytest.mark.slow
 
 
 def rows(stdout: str, step: int) -> dict[str, list[str]]:

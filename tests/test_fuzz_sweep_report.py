@@ -295,6 +295,7 @@ class _Budget:
     baseline_mib: float | None = None
 
 
+@pytest.mark.slow
 @settings(
     max_examples=EXAMPLES,
     deadline=None,

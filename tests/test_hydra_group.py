@@ -353,7 +353,6 @@ def test_example_app_first_command_plan(tmp_path):
     assert "24 GPUs in 2 model(s), 12 engine(s)" in proc.stdout
 
 
-@pytest.mark.slow
 def test_example_app_first_command_end_to_end_with_stand_ins(tmp_path):
     """The exact first command, plus the explicit choice of stand-in engines: up, one rollout step, down."""
     proc = run_example(

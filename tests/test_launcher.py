@@ -11,7 +11,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,8 +32,6 @@ from tests.launch_helpers import (
     process_alive,
     random_port_base,
 )
-
-pytestmark = pytest.mark.slow
 
 # A PD actor and a regular reference model, worked out by hand (debug_rollout_only=true: rollout from slot 0,
 # 8 GPUs per node, groups placed one after the other: actor prefill, actor decode, ref regular):
@@ -243,10 +240,9 @@ def test_stop_twice_is_fine(tmp_path: Path, leak_check: LeakTracker) -> None:  #
     cfg = compose("sglang.actor.regular.num_gpus=1")
     with launch_from_config(cfg, log_dir=tmp_path / "logs") as launcher:
         procs = launcher.processes()
-        t0 = time.monotonic()
         launcher.stop()
-        launcher.stop()
-        assert time.monotonic() - t0 < 10
+        assert all(p.exit_code() is not None for p in procs)
+        launcher.stop()  # nothing left to stop: no error
         assert all(p.exit_code() is not None for p in procs)
     launcher.stop()  # and once more after the block
 

@@ -32,23 +32,18 @@ from tests.launch_helpers import (
     process_alive,
 )
 
-pytestmark = pytest.mark.slow
-
 TWO_ENGINES = "sglang.actor.regular.num_gpus=2"
 ScriptFactory = Callable[[Sequence[str]], ScriptRun]
 
 
 # ------------------------------------------------------------------------------- engines that fail
 def test_engine_failing_at_start_fails_the_launch_at_once(tmp_path: Path, leak_check: LeakTracker) -> None:  # noqa: F811
-    timeout = 40.0
+    # "At once": by the engine's exit, not by the start-up deadline, an hour away (the test's timeout comes first).
     cfg = compose(
-        TWO_ENGINES, "sglang_deploy.standin.fail_at_start=[actor.regular.1]", startup_timeout_s=timeout
+        TWO_ENGINES, "sglang_deploy.standin.fail_at_start=[actor.regular.1]", startup_timeout_s=3600
     )
-    t0 = time.monotonic()
     with pytest.raises(LaunchError) as info, launch_from_config(cfg, log_dir=tmp_path / "logs"):
         pytest.fail("the launch should have failed")
-    elapsed = time.monotonic() - t0
-    assert elapsed < timeout / 2, f"the launch took {elapsed:.1f} s to notice a dead engine"
     msg = str(info.value)
     assert msg.startswith("engine actor.regular.1 exited with code 3 during start-up"), msg
     assert "command: " in msg and "-m miles_sglang_plugin.standin" in msg and "--port" in msg
@@ -68,7 +63,7 @@ def test_engine_never_healthy_times_out_naming_it(tmp_path: Path, leak_check: Le
     with pytest.raises(LaunchError) as info, launch_from_config(cfg, log_dir=tmp_path / "logs"):
         pytest.fail("the launch should have failed")
     elapsed = time.monotonic() - t0
-    assert timeout <= elapsed < timeout + 8, elapsed
+    assert elapsed >= timeout, elapsed  # the deadline was waited for (its end is no time to judge)
     msg = str(info.value)
     assert msg.startswith(
         "the deployment was not ready after 10 s (sglang_deploy.launch.startup_timeout_s)"
@@ -166,19 +161,18 @@ def test_ports_in_use_are_skipped(tmp_path: Path, leak_check: LeakTracker) -> No
 
 @pytest.mark.parametrize("what", ["engine", "router"])
 def test_port_taken_after_render_fails_clearly(tmp_path: Path, leak_check: LeakTracker, what: str) -> None:  # noqa: F811
-    prepared, claims = prepare_unprobed(TWO_ENGINES, startup_timeout_s=40)
+    # Failed by the process's exit, not by the start-up deadline an hour away.
+    prepared, claims = prepare_unprobed(TWO_ENGINES, startup_timeout_s=3600)
     if what == "engine":
         port, name = prepared.launch.engines[1].port, "engine actor.regular.1"
     else:
         port, name = prepared.launch.routers[0].spec.port, "router router.actor"
-    with held_socket(port):
-        t0 = time.monotonic()
-        with (
-            pytest.raises(LaunchError) as info,
-            Deployment(prepared, LocalBackend(claims=claims), log_dir=tmp_path / "logs"),
-        ):
-            pytest.fail("the launch should have failed")
-        assert time.monotonic() - t0 < 20
+    with (
+        held_socket(port),
+        pytest.raises(LaunchError) as info,
+        Deployment(prepared, LocalBackend(claims=claims), log_dir=tmp_path / "logs"),
+    ):
+        pytest.fail("the launch should have failed")
     msg = str(info.value)
     assert msg.startswith(f"{name} exited with code 1 during start-up"), msg
     assert "ddress already in use" in msg and str(port) in msg, msg
@@ -193,17 +187,19 @@ def _assert_children_match(run: ScriptRun, spawned: dict) -> set[int]:
 
 
 def test_ctrl_c_during_startup_stops_everything(script_run: ScriptFactory) -> None:  # noqa: F811
-    run = script_run(launch_overrides(TWO_ENGINES, "sglang_deploy.standin.start_delay_s=5"))
+    # The engines would take an hour to be ready, and the start-up deadline is an hour away: only the Ctrl-C can
+    # end this launch before the test's timeout.
+    run = script_run(
+        launch_overrides(TWO_ENGINES, "sglang_deploy.standin.start_delay_s=3600", startup_timeout_s=3600)
+    )
     spawned = run.wait_event("spawned", timeout_s=60)
     pids = _assert_children_match(run, spawned)
     assert len(pids) == 3
-    time.sleep(1.5)
     assert all(process_alive(pid) for pid in pids)
-    t0 = time.monotonic()
     run.popen.send_signal(signal.SIGINT)
-    code = run.wait_exit(timeout_s=20)
+    code = run.wait_exit(timeout_s=120)
     assert code != 0
-    assert time.monotonic() - t0 < 10, "stopping after Ctrl-C took too long"
+    assert not any(process_alive(pid) for pid in pids)
     err = run.stderr()
     assert "start-up interrupted by SIGINT: every engine and router was stopped" in err, err
     assert "KeyboardInterrupt" in err
@@ -231,8 +227,8 @@ def test_sigkill_of_launcher_kills_everything(script_run: ScriptFactory, leak_ch
     run.wait_event("ready", timeout_s=60)
     _assert_children_match(run, spawned)
     run.popen.send_signal(signal.SIGKILL)
-    assert run.wait_exit(timeout_s=10) == -signal.SIGKILL
-    t0 = time.monotonic()
-    alive, open_ports = leak_check.leftovers(wait_s=5)  # the kernel's PR_SET_PDEATHSIG, nobody cleans up
+    assert run.wait_exit(timeout_s=60) == -signal.SIGKILL
+    alive, open_ports = leak_check.leftovers(wait_s=60)  # the kernel's PR_SET_PDEATHSIG, nobody cleans up
     assert not alive and not open_ports, (alive, open_ports)
-    assert time.monotonic() - t0 < 5
+    for name in ("actor.regular.0", "actor.regular.1"):  # killed (SIGKILL), not stopped in order (SIGTERM)
+        assert "stopping: signal received" not in (run.workdir / "logs" / f"{name}.log").read_text()

@@ -105,6 +105,7 @@ BENCHMARK_OUTPUT = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", sorted(BENCHMARK_OUTPUT))
 def test_benchmark_smoke_run(script: str) -> None:
     """Each benchmark's --smoke mode: one quick repetition at the smallest sizes, so the scripts cannot rot."""

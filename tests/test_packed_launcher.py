@@ -299,7 +299,6 @@ def packed_sweep(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subpro
     return base / "sweep", result
 
 
-@pytest.mark.slow
 def test_concurrent_jobs_run_on_disjoint_gpu_slices(packed_sweep: tuple[Path, Any]) -> None:
     sweep, result = packed_sweep
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -315,7 +314,6 @@ def test_concurrent_jobs_run_on_disjoint_gpu_slices(packed_sweep: tuple[Path, An
     assert "needs 4 GPUs" in result.stderr + result.stdout
 
 
-@pytest.mark.slow
 def test_engines_report_their_jobs_gpus_disjoint_across_concurrent_jobs(
     packed_sweep: tuple[Path, Any],
 ) -> None:
@@ -333,7 +331,6 @@ def test_engines_report_their_jobs_gpus_disjoint_across_concurrent_jobs(
             assert not reported_a & reported_b
 
 
-@pytest.mark.slow
 def test_two_launches_at_once_never_share_a_gpu(tmp_path: Path) -> None:
     """Each launch has GPUs 0..7 and jobs of 6: across both, only one job can hold GPUs at a time."""
     args = ("hydra.launcher.gpus=8", "sglang.actor.regular.num_gpus=6", "hold_s=0.5,0.5")
@@ -356,7 +353,6 @@ def _wait_for_engines(record: Path, launch: subprocess.Popen) -> None:
         time.sleep(0.2)
 
 
-@pytest.mark.slow
 def test_removing_the_lock_directory_mid_sweep_never_gives_a_gpu_to_two_sweeps(tmp_path: Path) -> None:
     """Issue 23: the directory removed while the first sweep's job ran; a second sweep then got its GPUs
     (8 s of overlap), and the first sweep waited for ever. Jobs of 6 of the 8 GPUs: no two can run at once."""
@@ -390,7 +386,6 @@ def test_removing_the_lock_directory_mid_sweep_never_gives_a_gpu_to_two_sweeps(t
     )
 
 
-@pytest.mark.slow
 def test_a_failed_job_frees_its_gpus_and_the_sweep_goes_on(tmp_path: Path) -> None:
     result = run_sweep(
         tmp_path / "sweep",
@@ -407,7 +402,6 @@ def test_a_failed_job_frees_its_gpus_and_the_sweep_goes_on(tmp_path: Path) -> No
     assert "asked to fail while serving" in result.stderr
 
 
-@pytest.mark.slow
 def test_a_job_larger_than_the_launchers_gpus_is_marked_failed_and_the_others_run(tmp_path: Path) -> None:
     result = run_sweep(
         tmp_path / "sweep",
@@ -474,7 +468,6 @@ def test_a_sweep_on_visible_gpus_listed_twice_stops_before_any_job(tmp_path: Pat
     assert "Traceback" not in result.stderr and not list((tmp_path / "s").glob("*/.hydra"))
 
 
-@pytest.mark.slow
 def test_a_job_that_can_never_get_its_gpus_fails_saying_why_and_the_others_run(tmp_path: Path) -> None:
     """GPU 1's lock file cannot be opened (a symlink, never followed): a job of 2 GPUs can never be placed on
     the launcher's 2, so it fails at once instead of waiting for ever; the job of 1 GPU runs on GPU 0."""

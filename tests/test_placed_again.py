@@ -25,8 +25,6 @@ from miles_sglang_plugin.serving.routers import router_workers
 from tests.conftest_launch import leak_check  # noqa: F401  (fixture)
 from tests.launch_helpers import LeakTracker, compose, generate_body
 
-pytestmark = pytest.mark.slow
-
 FAST = [
     "sglang.actor.regular.num_gpus=2",
     "sglang_deploy.supervision.health_interval_s=0.3",

@@ -2,8 +2,10 @@
 parent-death signal, and the log tail that goes into error messages.
 
 ``stop_processes`` sends SIGTERM to each process group, waits up to the grace period, then SIGKILLs what is
-left. Here the child and its grandchild (one process group) both ignore SIGTERM: they must still be running
-just before the grace period ends, and be gone shortly after it.
+left. Here the child and its grandchild (one process group) both take SIGTERM and carry on (they say so in
+their log): the SIGKILL that ends them comes after that, once the grace period is over. What is checked is the
+order of these events and the exit codes, not how long any of it took (the machine may be loaded): the one
+time bound is the grace period the code must wait, a lower bound.
 """
 
 from __future__ import annotations
@@ -25,19 +27,27 @@ from miles_sglang_plugin.backends import processes
 from miles_sglang_plugin.backends.processes import ManagedProcess, log_tail, stop_processes
 from tests.launch_helpers import LeakTracker, process_alive
 
-#: Ignores SIGTERM, forks a grandchild that ignores it too (same process group), prints both PIDs, sleeps.
+#: Takes SIGTERM and carries on, and so does the grandchild it forks (same process group); prints both PIDs,
+#: then, in each, "<pid> carries on after SIGTERM" once it got one (its handler records the signal and returns).
 STUBBORN_CHILD = textwrap.dedent(
     """
     import os, signal, sys, time
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    got = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+
+    def carry_on():
+        said = False
+        while True:
+            if got and not said:
+                print(f"{os.getpid()} carries on after SIGTERM", flush=True)
+                said = True
+            time.sleep(0.05)
+
     grandchild = os.fork()
     if grandchild == 0:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # inherited already; said again for the reader
-        while True:
-            time.sleep(0.1)
+        carry_on()
     print(f"ready {os.getpid()} {grandchild}", flush=True)
-    while True:
-        time.sleep(0.1)
+    carry_on()
     """
 )
 MARKER = "msp-stubborn-child"
@@ -55,7 +65,7 @@ def _wait_ready(proc: ManagedProcess, timeout_s: float = 20.0) -> tuple[int, int
     raise AssertionError(f"the child never said ready:\n{proc.tail()}")
 
 
-def _gone_soon(pid: int, timeout_s: float = 2.0) -> bool:
+def _gone_soon(pid: int, timeout_s: float = 30.0) -> bool:
     """Whether ``pid`` is gone within ``timeout_s``: a SIGKILLed process (a grandchild especially, which no
     ``wait`` of ours reaps) can still be seen for a moment on a loaded machine."""
     deadline = time.monotonic() + timeout_s
@@ -67,7 +77,7 @@ def _gone_soon(pid: int, timeout_s: float = 2.0) -> bool:
 
 
 def test_a_group_that_ignores_sigterm_is_killed_when_the_grace_period_ends(tmp_path: Path) -> None:
-    grace_s = 1.5
+    grace_s = 3.0  # long enough for both to say they carry on, even on a loaded machine
     proc = ManagedProcess(
         name="stubborn",
         argv=[sys.executable, "-c", STUBBORN_CHILD, MARKER],
@@ -83,27 +93,35 @@ def test_a_group_that_ignores_sigterm_is_killed_when_the_grace_period_ends(tmp_p
         assert child == proc.pid
         tracker.add_process(grandchild, "stubborn grandchild", MARKER)
 
-        codes: dict[str, int | None] = {}
-        stopper = threading.Thread(target=lambda: codes.update(stop_processes([proc], grace_s=grace_s)))
         t0 = time.monotonic()
-        stopper.start()
-        time.sleep(grace_s - 0.4)
-        # SIGTERM went out more than a second ago: both ignore it and are still there.
-        assert process_alive(child, MARKER) and process_alive(grandchild, MARKER)
-        assert stopper.is_alive()
-        stopper.join(timeout=grace_s + 10)
+        codes = stop_processes([proc], grace_s=grace_s)
         elapsed = time.monotonic() - t0
-        assert not stopper.is_alive(), "stop_processes did not return"
-        assert grace_s - 0.05 <= elapsed <= grace_s + 1.5, (
-            f"stopped after {elapsed:.2f} s (grace {grace_s} s)"
+        # Both were sent SIGTERM and ran on after it; then SIGKILL ended them (the child's -9), not before the
+        # grace period was over.
+        said = proc.tail(50).splitlines()
+        assert (
+            f"{child} carries on after SIGTERM" in said and f"{grandchild} carries on after SIGTERM" in said
         )
         assert codes == {"stubborn": -9}  # killed by SIGKILL, reaped
+        assert elapsed >= grace_s, (
+            f"killed {elapsed:.2f} s after SIGTERM, within the {grace_s} s grace period"
+        )
         assert _gone_soon(child) and _gone_soon(grandchild)
     finally:
-        tracker.assert_nothing_left(wait_s=2.0)
+        tracker.assert_nothing_left(wait_s=10.0)
 
 
 SLEEPER = "import time\nwhile True: time.sleep(0.1)"
+#: Says ready once its command runs, then sleeps.
+READY_SLEEPER = "import time\nprint('ready', flush=True)\nwhile True: time.sleep(0.1)"
+
+
+def _wait_for_line(proc: ManagedProcess, line: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while line not in proc.tail(5).splitlines():
+        assert proc.running, f"the child exited early ({proc.exit_code()}):\n{proc.tail()}"
+        assert time.monotonic() < deadline, f"the child never said {line!r}:\n{proc.tail()}"
+        time.sleep(0.05)
 
 
 needs_prctl = pytest.mark.skipif(processes._PRCTL is None, reason="parent-death signals need Linux's prctl")
@@ -127,21 +145,18 @@ def spawn_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
 def test_a_child_is_killed_when_the_thread_that_started_it_exits(tmp_path: Path, spawn_mode: str) -> None:
     # PR_SET_PDEATHSIG fires when the thread that forked the child ends (prctl(2)): the same signal that
     # takes engines down with a SIGKILLed launcher, observed here without killing the test process.
-    proc = ManagedProcess(name="orphan", argv=[sys.executable, "-c", SLEEPER, MARKER], env={},
+    # The thread ends once the child runs its command, when the signal is armed whichever way: a thread that
+    # ended before setpriv armed it would leave a child no signal will ever reach (its parent process lives on,
+    # so the guard lets it run), as it did on a loaded machine.
+    proc = ManagedProcess(name="orphan", argv=[sys.executable, "-c", READY_SLEEPER, MARKER], env={},
                           log_path=tmp_path / "orphan.log")  # fmt: skip
     tracker = LeakTracker()
 
-    def start_and_wait_for_exec() -> None:
-        # With setpriv the signal is armed after Popen returns, by setpriv itself: the thread ends only once
-        # the child runs the program (setpriv and the guard's shell have made way for it), so that setpriv
-        # has armed it.
+    def start_and_wait_until_it_runs() -> None:
         proc.start()
-        assert proc.popen is not None
-        cmdline = Path(f"/proc/{proc.popen.pid}/cmdline")
-        while proc.popen.poll() is None and cmdline.read_bytes().split(b"\0")[0] != sys.executable.encode():
-            time.sleep(0.01)
+        _wait_for_line(proc, "ready")
 
-    starter = threading.Thread(target=start_and_wait_for_exec)
+    starter = threading.Thread(target=start_and_wait_until_it_runs)
     starter.start()
     starter.join()
     try:
@@ -150,7 +165,7 @@ def test_a_child_is_killed_when_the_thread_that_started_it_exits(tmp_path: Path,
         assert proc.popen.wait(timeout=60) == -9  # SIGKILL, from the kernel
     finally:
         stop_processes([proc], grace_s=0.5)
-        tracker.assert_nothing_left(wait_s=2.0)
+        tracker.assert_nothing_left(wait_s=10.0)
 
 
 def test_log_tail_is_the_last_lines_from_the_offset_joined_by_newlines(tmp_path: Path) -> None:
@@ -205,11 +220,11 @@ def test_a_group_whose_leader_is_gone_is_probed_without_signals_and_killed_at_th
         codes = stop_processes([proc], grace_s=grace_s)
         elapsed = time.monotonic() - t0
         assert codes == {"leader": -15}  # the leader went at SIGTERM ...
-        assert grace_s - 0.05 <= elapsed <= grace_s + 1.5  # ... the grandchild only at the SIGKILL
-        assert _gone_soon(grandchild)
+        # ... the grandchild, which ignores SIGTERM, only at the SIGKILL, once the grace period was over
+        assert elapsed >= grace_s and _gone_soon(grandchild)
         assert "SIGHUP" not in proc.tail(50)  # checking that the group lives sends it no signal
     finally:
-        tracker.assert_nothing_left(wait_s=2.0)
+        tracker.assert_nothing_left(wait_s=10.0)
 
 
 def test_a_process_never_started_has_no_pid_exit_code_or_running_state(tmp_path: Path) -> None:
@@ -263,9 +278,9 @@ def test_a_cooperative_group_is_stopped_without_waiting_out_the_grace_period(tmp
     proc = ManagedProcess(name="polite", argv=[sys.executable, "-c", SLEEPER, MARKER], env={},
                           log_path=tmp_path / "polite.log")  # fmt: skip
     proc.start()
-    t0 = time.monotonic()
-    assert stop_processes([proc], grace_s=10.0) == {"polite": -15}  # SIGTERM was enough
-    assert time.monotonic() - t0 < 5.0  # not the 10 s grace period
+    # SIGTERM was enough, and the stop returned at the exit: a stop that waited out this grace period would
+    # outlast the test's timeout many times over.
+    assert stop_processes([proc], grace_s=3600.0) == {"polite": -15}
     proc.signal_group(signal.SIGTERM)  # a group that is gone: nothing to signal, nothing raised
 
 
@@ -340,7 +355,7 @@ def test_a_child_dies_with_a_sigkilled_launcher(tmp_path: Path, spawn_mode: str)
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait(timeout=10)
-        tracker.assert_nothing_left(wait_s=2.0)
+        tracker.assert_nothing_left(wait_s=10.0)
 
 
 @needs_prctl

@@ -770,7 +770,6 @@ def _generate(url: str, headers: dict[str, str] | None = None, text: str = "hell
     return httpx.post(url, json=body, headers=headers or {}, timeout=30)
 
 
-@pytest.mark.slow
 def test_regular_round_robin(launcher: Launcher) -> None:
     e1, e2 = launcher.engine(), launcher.engine()
     spec = _router_spec("actor", policy="round_robin", disable_circuit_breaker=True)
@@ -816,7 +815,6 @@ def test_regular_round_robin(launcher: Launcher) -> None:
     assert "stopped" in router.tail()
 
 
-@pytest.mark.slow
 def test_pd_mode_passes_bootstrap_fields(launcher: Launcher) -> None:
     (bootstrap,) = _free_ports(1)
     prefill = launcher.engine("prefill", bootstrap_port=bootstrap)
@@ -853,7 +851,6 @@ def test_pd_mode_passes_bootstrap_fields(launcher: Launcher) -> None:
     assert "pd=True" in router.tail()
 
 
-@pytest.mark.slow
 def test_consistent_hashing_pins_routing_key(launcher: Launcher) -> None:
     engines = [launcher.engine(), launcher.engine()]
     spec = _router_spec("actor", policy="consistent_hashing", disable_circuit_breaker=True)
@@ -879,7 +876,6 @@ def test_consistent_hashing_pins_routing_key(launcher: Launcher) -> None:
     assert "policy=consistent_hashing" in router.tail()
 
 
-@pytest.mark.slow
 def test_api_key(launcher: Launcher) -> None:
     engine = launcher.engine(api_key=SECRET)
     spec = _router_spec("actor", api_key=SECRET, policy="round_robin")
@@ -905,7 +901,6 @@ def test_api_key(launcher: Launcher) -> None:
     assert SECRET not in router.tail()
 
 
-@pytest.mark.slow
 def test_deregister_workers(launcher: Launcher) -> None:
     engines = [launcher.engine(), launcher.engine()]
     spec = _router_spec("critic", policy="random")
@@ -924,7 +919,6 @@ def test_deregister_workers(launcher: Launcher) -> None:
     assert deregister_workers(spec.url) == []
 
 
-@pytest.mark.slow
 def test_router_main_port_in_use(launcher: Launcher) -> None:
     holder = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     holder.bind(("127.0.0.1", 0))
@@ -947,7 +941,6 @@ def _labels_listed(entry: dict, gateway: str) -> dict[str, str]:
     return entry["labels"] if gateway == "smg" else entry["metadata"]
 
 
-@pytest.mark.slow
 def test_a_registered_url_is_registered_again_by_replace_worker(
     launcher: Launcher, test_gateway: str
 ) -> None:
@@ -995,7 +988,6 @@ def test_a_registered_url_is_registered_again_by_replace_worker(
     assert _labels_listed(entry, test_gateway)["restarts"] == "2"
 
 
-@pytest.mark.slow
 def test_an_engine_restarted_on_its_url_serves_again(launcher: Launcher) -> None:
     """What supervision does with a lost engine: take it out, start it again on its port, register it."""
     engine, other = launcher.engine(), launcher.engine()
@@ -1017,7 +1009,6 @@ def test_an_engine_restarted_on_its_url_serves_again(launcher: Launcher) -> None
     assert restarted.popen.poll() is None
 
 
-@pytest.mark.slow
 def test_registration_labels_are_listed(launcher: Launcher, test_gateway: str) -> None:
     engine = launcher.engine()
     spec = _router_spec("actor", policy="round_robin")
@@ -1040,7 +1031,6 @@ def test_registration_labels_are_listed(launcher: Launcher, test_gateway: str) -
     assert {key: listed[key] for key in worker.label_map} == worker.label_map
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(not gateway_installed("smg"), reason="SMG is not installed (the [smg] extra)")
 def test_smg_rl_workers_show_the_labels_and_select_by_them(launcher: Launcher) -> None:
     engines = [launcher.engine(), launcher.engine()]
@@ -1066,7 +1056,6 @@ def test_smg_rl_workers_show_the_labels_and_select_by_them(launcher: Launcher) -
     assert [call["url"] for call in result["results"].values()] == [engines[1].url]
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(not gateway_installed("smg"), reason="SMG is not installed (the [smg] extra)")
 def test_smg_keeps_a_removed_worker_draining_for_its_drain_settle_time(launcher: Launcher) -> None:
     """SMG's Rust router keeps a removed worker listed (a new POST of its URL refused) for drain_settle_secs
@@ -1095,7 +1084,6 @@ def test_smg_keeps_a_removed_worker_draining_for_its_drain_settle_time(launcher:
         _stop(router)
 
 
-@pytest.mark.slow
 def test_dp_aware_router_lists_each_rank(launcher: Launcher, test_gateway: str) -> None:
     """Miles' dp-aware router (DP attention): an engine of dp_size 2 is listed once per rank, and counts as
     registered; only SMG can take it out again (sglang-router 0.3.2's removal looks for ``url@0@``)."""

@@ -10,7 +10,11 @@ nothing left within the grace period, and never hangs it.
 * Many trials: one launcher process runs launch after launch, and a thread of it sends SIGINT or SIGTERM to
   it at a different delay each time, measured from the start of the launch (resolution, ports, spawning,
   health polls, registration, serving) and from the start of spawning (the first process, each following
-  one). Every trial must end within the grace period after its signal with none of its processes left.
+  one). Every trial must end with none of its processes left, each stopped by its SIGTERM (none had to be
+  killed once the grace period was over), in an outcome its signal and moment allow.
+
+Nothing here bounds how long anything took (the machine may be loaded): events are checked in their order
+(a wait woke after the signal was sent), and waiting out a grace period is seen in the exit codes it leaves.
 """
 
 from __future__ import annotations
@@ -34,7 +38,9 @@ from tests.conftest_launch import leak_check  # noqa: F401  (fixture)
 from tests.launch_helpers import REPO, LeakTracker, ScriptRun, launch_overrides
 
 TWO_ENGINES = "sglang.actor.regular.num_gpus=2"
-GRACE_S = 3.0
+#: The shutdown grace period of these launches: generous, so that a loaded machine still stops every process by
+#: its SIGTERM (a process SIGKILLed after the grace period fails the trials).
+GRACE_S = 10.0
 
 
 # ---------------------------------------------------------------------------------- the handlers themselves
@@ -103,12 +109,18 @@ def test_nothing_to_hand_on_puts_the_handlers_back_at_once(own_handlers: dict[in
 def test_wait_wakes_for_a_signal_sent_from_elsewhere(own_handlers: dict[int, _Recorder]) -> None:
     with signals.recorded() as watch:
         assert watch is not None
-        sender = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))
-        t0 = time.monotonic()
+        sent: list[float] = []
+
+        def send() -> None:
+            sent.append(time.monotonic())
+            os.kill(os.getpid(), signal.SIGINT)
+
+        sender = threading.Timer(0.2, send)
         sender.start()
-        assert watch.wait(10.0) == signal.SIGINT
-        assert 0.15 < time.monotonic() - t0 < 2.0
+        assert watch.wait(3600.0) == signal.SIGINT  # woken by the signal: its hour is far from over
+        woke = time.monotonic()
         sender.join()
+        assert sent and sent[0] <= woke  # not before the signal was sent
         assert watch.wait(0.0) == signal.SIGINT  # stays received
     assert own_handlers[signal.SIGINT].calls == []
     signals.hand_on()
@@ -261,7 +273,6 @@ AT_FORK_PRELUDE = textwrap.dedent(
 )
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("fork", [1, 2, 3])
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_signal_inside_loggings_fork_hook_while_spawning(
@@ -300,7 +311,7 @@ def test_signal_inside_loggings_fork_hook_while_spawning(
         assert code == -signal.SIGINT and err.rstrip().endswith("KeyboardInterrupt"), err
     else:  # no handler of its own: SIGTERM's default action, after the teardown
         assert code == -signal.SIGTERM, err
-    leak_check.assert_nothing_left(wait_s=0.5)
+    leak_check.assert_nothing_left(wait_s=10.0)
 
 
 # ------------------------------------------------------------------------------------------- many trials
@@ -379,7 +390,7 @@ TRIALS_SCRIPT = textwrap.dedent(
         ended = time.monotonic()
         sender.join()
         deployment = current.get("deployment")
-        processes = [{"pid": p.pid, "name": p.name, "marker": p.argv[2]} for p in deployment.processes()] if deployment else []
+        processes = [{"pid": p.pid, "name": p.name, "marker": p.argv[2], "code": p.exit_code()} for p in deployment.processes()] if deployment else []
         ports = []
         if deployment:
             launch = deployment.prepared.launch
@@ -463,9 +474,10 @@ def _results(tmp_path: Path, tracker: LeakTracker) -> list[dict[str, Any]]:
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_many_signals_at_every_point_of_start_up(tmp_path: Path, leak_check: LeakTracker) -> None:  # noqa: F811
-    """60 trials (about 35 s here): each ends within the grace period after its signal, nothing left, in an
-    outcome its signal allows (during start-up for a signal right after spawning began, in the with block for
-    one after the deployment was ready: every outcome is hit, whatever the machine's load)."""
+    """60 trials (about 35 s here): each ends with nothing left, every process it started stopped by its
+    SIGTERM (an engine still starting dies of it, one serving exits 0; none SIGKILLed after the grace period),
+    in an outcome its signal allows (during start-up for a signal right after spawning began, in the with
+    block for one after the deployment was ready: every outcome is hit, whatever the machine's load)."""
     proc = _start_trials(tmp_path)
     try:
         proc.wait(timeout=360)
@@ -476,13 +488,14 @@ def test_many_signals_at_every_point_of_start_up(tmp_path: Path, leak_check: Lea
     err = (tmp_path / "err.txt").read_text()
     assert proc.returncode == 0, f"after {len(results)} trials: {err[-4000:]}"
     assert [result["trial"] for result in results] == TRIALS
-    slow = [
-        (r["trial"], round(r["ended"] - r["sent"], 2))
+    killed = [  # of the processes started (a router may not have been when the signal came: no pid)
+        (r["trial"], p["name"], p["pid"], p["code"])
         for r in results
-        if r["ended"] - r["sent"] > GRACE_S + 1
+        for p in r["processes"]
+        if p["pid"] is not None and p["code"] not in (0, -signal.SIGTERM)
     ]
     left = [(r["trial"], r["alive"]) for r in results if r["alive"]]
-    assert not slow and not left, f"too slow: {slow}; left running: {left}"
+    assert not killed and not left, f"not stopped by SIGTERM: {killed}; left running: {left}"
     required = {"spawn": "starting", "ready": "ready"}  # launch-anchored: either
     wrong = [
         (r["trial"], r["outcome"])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 # ruff: noqa: F811  (pytest fixtures imported from other modules, redefined as arguments)
 import asyncio
+import signal
 import time
 from collections.abc import Callable
 
@@ -243,7 +244,33 @@ def test_control_latency(spawn: Callable[..., Proc]) -> None:
     started = time.monotonic()
     post(engine, "/flush_cache")  # not a control call of the list: no latency
     post(engine, "/release_memory_occupation", {"tags": ["kv_cache"]})
-    assert time.monotonic() - started >= 0.4
+    assert time.monotonic() - started >= 0.4  # a lower bound: the wait the stand-in must make
+
+
+def test_a_stop_tells_the_control_calls_it_left_unanswered(spawn: Callable[..., Proc]) -> None:
+    """SIGTERM while a control call waits out its latency: the log says which calls were never answered (how
+    a test sees that a launcher stopped the engine without waiting for them)."""
+    engine = start_standin(spawn, env={"MSP_STANDIN_CONTROL_LATENCY_S": "3600"})
+    wait_http(engine)
+
+    async def one_call_out_then_stop() -> None:
+        async with httpx.AsyncClient(timeout=3600) as client:
+            call = asyncio.ensure_future(
+                client.post(engine.url + "/pause_generation", json={"mode": "abort"})
+            )
+            while not any(path == "/pause_generation" for path, _ in stats(engine)["control_calls"]):
+                assert not call.done(), call
+                await asyncio.sleep(0.05)
+            engine.popen.send_signal(signal.SIGTERM)
+            with pytest.raises(httpx.HTTPError):
+                await call  # the connection ends with the engine: no answer
+
+    asyncio.run(one_call_out_then_stop())
+    assert engine.wait(timeout=60) == 0
+    lines = [line for line in engine.stdout().splitlines() if "stopping: signal received" in line]
+    assert [line.split("] ", 1)[-1] for line in lines] == [
+        "stopping: signal received; control calls unanswered: /pause_generation"
+    ]
 
 
 def test_pd_logprobs_as_sglangs_disaggregated_servers_through_the_real_router(

@@ -30,7 +30,6 @@ def run_app(app: Path, args: list[str], timeout: float = 400) -> subprocess.Comp
     )
 
 
-@pytest.mark.slow
 def test_the_example_tp_sweep_leaves_a_table_and_a_plot_of_its_jobs_metrics(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     result = run_app(
@@ -73,7 +72,6 @@ def test_the_example_tp_sweep_leaves_a_table_and_a_plot_of_its_jobs_metrics(tmp_
     assert "sweep_report.md" in result.stdout and "simulated" in result.stdout
 
 
-@pytest.mark.slow
 def test_a_failed_job_is_a_row_with_its_error_and_the_sweep_still_reports(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     result = run_app(
@@ -97,7 +95,6 @@ def test_a_failed_job_is_a_row_with_its_error_and_the_sweep_still_reports(tmp_pa
     assert "the sweep ended with failed jobs" in result.stdout
 
 
-@pytest.mark.slow
 def test_a_sweep_with_an_api_key_and_a_token_shows_neither_in_its_results_or_logs(tmp_path: Path) -> None:
     # Given on the command line (the docs prefer SGLANG_API_KEY): Hydra keeps its own copy of the overrides
     # in each job's .hydra/ and in multirun.yaml, as with any Hydra app; everything this project writes or logs

@@ -408,7 +408,6 @@ def _processes_in(directory: Path) -> list[int]:
 STATUS_LINE = re.compile(r"^\[\s*\d+\.\d+s\] (engine|router) ", re.M)
 
 
-@pytest.mark.slow
 def test_readme_launch_command_runs_with_the_launchers_requests_out_of_the_apps_log(app_dir: Path):
     (command,) = [c for c in guide_commands() if _launches(c)]
     proc = subprocess.run(_argv(command), cwd=app_dir, capture_output=True, text=True, timeout=180)
@@ -422,7 +421,6 @@ def test_readme_launch_command_runs_with_the_launchers_requests_out_of_the_apps_
     assert _processes_in(app_dir.resolve()) == []
 
 
-@pytest.mark.slow
 def test_live_never_prints_no_start_up_lines(app_dir: Path):
     proc = run_app(
         app_dir, "trainer.rollout_steps=1", "trainer.nnodes=1", "trainer.n_gpus_per_node=2", f"sglang@{ENGINES}=small", "sglang_deploy=simulated",

@@ -356,7 +356,6 @@ def _sweep_app(tmp_path: Path, config_dir: Path, config_name: str) -> Path:
     return app
 
 
-@pytest.mark.slow
 def test_a_tp_sweep_over_verls_own_key_plans_each_job(tmp_path: Path):
     app = _sweep_app(tmp_path, VERL_CONFIG, "ppo_trainer")
     proc = subprocess.run(
@@ -368,7 +367,6 @@ def test_a_tp_sweep_over_verls_own_key_plans_each_job(tmp_path: Path):
         assert f"8 GPUs in 1 model(s), {engines} engine(s)" in proc.stdout
 
 
-@pytest.mark.slow
 def test_a_tp_sweep_over_skyrls_own_key_plans_each_job(tmp_path: Path):
     app = _sweep_app(tmp_path, SKYRL_CONFIG, "ppo_base_config")
     tp = "generator.inference_engine_tensor_parallel_size"
@@ -384,7 +382,6 @@ def test_a_tp_sweep_over_skyrls_own_key_plans_each_job(tmp_path: Path):
 
 # ------------------------------------------------------------- item 1: a composed config in a Ray worker
 @pytest.mark.ray
-@pytest.mark.slow
 @pytest.mark.usefixtures("ray_cluster")
 def test_composed_verl_and_skyrl_configs_resolve_in_a_ray_task():
     import ray

@@ -75,7 +75,6 @@ def test_more_gpus_than_visible_is_an_error_naming_the_engines() -> None:
         restrict_to_visible(prepared, ())
 
 
-@pytest.mark.slow
 def test_engines_see_the_slice_they_were_given(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
@@ -90,7 +89,6 @@ def test_engines_see_the_slice_they_were_given(
         assert reported == ["4,5", "6,7"]
 
 
-@pytest.mark.slow
 def test_too_few_visible_gpus_start_nothing(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,

@@ -44,8 +44,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
-
 REPO = Path(__file__).resolve().parent.parent
 
 #: Top-level entries of the repository that the wheel build does not need (and must not copy: .venv is large).

@@ -91,6 +91,8 @@ class ControlState:
     weight_groups: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: Control calls received, in order: ``[route, body]`` (the last 500).
     calls: deque[list[Any]] = field(default_factory=lambda: deque(maxlen=500))
+    #: The routes of the control calls received and not answered yet (told in the log when the engine stops).
+    unanswered: list[str] = field(default_factory=list)
     #: Aborts of all requests received (none reaches a request waiting for ``continue``, as in SGLang).
     aborts: int = 0
     #: The checkpoint of the last ``/update_weights_from_disk`` (None: the one it started with).
@@ -318,9 +320,13 @@ def _route(handler: Handler) -> Callable[[web.Request], Awaitable[web.StreamResp
                 f"stand-in engine: not a valid body (checked against {schemas.source}): {'; '.join(problems)}"
             )
         state.calls.append([request.path, body])
-        if state.latency_s:
-            await asyncio.sleep(state.latency_s)
-        answer = handler(state, body)
+        state.unanswered.append(request.path)
+        try:
+            if state.latency_s:
+                await asyncio.sleep(state.latency_s)
+            answer = handler(state, body)
+        finally:
+            state.unanswered.remove(request.path)
         return web.Response(status=200) if answer is EMPTY else web.json_response(answer)
 
     return serve

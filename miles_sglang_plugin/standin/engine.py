@@ -30,6 +30,9 @@ Fault injection, read from the environment at start:
 ``MSP_ENGINE_NODE_ID`` (set by the backend that started it) is reported as ``node_id`` in ``/server_info``,
 ``/stand_in/stats`` and each response's stand-in metadata, next to the ``CUDA_VISIBLE_DEVICES`` it got.
 
+At SIGTERM/SIGINT it logs ``stopping: signal received``, with the control calls it had not answered yet
+(``; control calls unanswered: /pause_generation``): a stop that did not wait for them shows there.
+
 Exit codes: 0 on SIGTERM/SIGINT, 1 when the port cannot be bound, 2 for a bad argv or a bad fault variable,
 3 for ``MSP_STANDIN_FAIL_AT_START``, 4 for ``MSP_STANDIN_DIE_AFTER_S``, 5 for a call that crashes SGLang's
 scheduler (resuming memory that was not released: :mod:`.control`).
@@ -1051,9 +1054,18 @@ async def _wait(stop: asyncio.Event, timeout: float | None) -> bool:
     return True
 
 
-async def _run_until_stopped(stop: asyncio.Event, faults: FaultConfig) -> int:
+async def _run_until_stopped(
+    stop: asyncio.Event, faults: FaultConfig, control: ControlState | None = None
+) -> int:
     if await _wait(stop, faults.die_after_s):
-        print(f"{TAG} stopping: signal received", flush=True)
+        # What was still out when the signal came: a launcher that stops an engine without waiting for the
+        # control calls it sent is seen doing so here.
+        unanswered = (
+            f"; control calls unanswered: {', '.join(control.unanswered)}"
+            if control and control.unanswered
+            else ""
+        )
+        print(f"{TAG} stopping: signal received{unanswered}", flush=True)
         return EXIT_OK
     print(
         f"{TAG} MSP_STANDIN_DIE_AFTER_S={faults.die_after_s} reached: exiting with code {EXIT_DIED} "
@@ -1115,7 +1127,8 @@ async def serve(args: StandInArgs, faults: FaultConfig, env: Mapping[str, str]) 
     if args.node_rank > 0:
         return await _run_until_stopped(stop, faults)
     logging.getLogger("aiohttp.server").addFilter(_ProbeFilter())
-    runner = web.AppRunner(_serving_app(args, faults, env), access_log=None, shutdown_timeout=1.0)
+    app = _serving_app(args, faults, env)
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
     await runner.setup()
     try:
         try:
@@ -1128,7 +1141,7 @@ async def serve(args: StandInArgs, faults: FaultConfig, env: Mapping[str, str]) 
             )
             return EXIT_BIND
         print(f"{TAG} listening on {_url(args.host, args.port)} (pid {os.getpid()})", flush=True)
-        return await _run_until_stopped(stop, faults)
+        return await _run_until_stopped(stop, faults, app[CONTROL])
     finally:
         await runner.cleanup()
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import time
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -118,12 +117,13 @@ class Pacer:
         """Wait as the model says for one request; return its timing. ``sequence`` (from :meth:`sequence`)
         lets a streaming handler follow its tokens."""
         seq = sequence or self.sequence()
-        arrived = time.perf_counter()
+        clock = asyncio.get_running_loop().time  # the clock asyncio.sleep keeps: the waits are told in it
+        arrived = clock()
         await self._admit()
-        admitted = time.perf_counter()
+        admitted = clock()
         try:
             await asyncio.sleep(self.model.prefill_s(input_tokens, self.tp))
-            first = time.perf_counter()
+            first = clock()
             seq.remaining = 0 if self.prefill_only else max(0, output_tokens - 1)
             seq.produced = 1
             self._notify()
@@ -138,7 +138,7 @@ class Pacer:
             if not seq.done.done():
                 seq.done.set_result(None)
             self._notify()
-        return Timing(admitted - arrived, first - arrived, time.perf_counter() - arrived)
+        return Timing(admitted - arrived, first - arrived, clock() - arrived)
 
     def sequence(self) -> _Sequence:
         """A handle to follow a request's tokens (:meth:`wait_tokens`), to pass to :meth:`run`."""

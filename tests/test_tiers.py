@@ -82,8 +82,8 @@ def _dry_run(*args: str) -> str:
     return done.stdout
 
 
-def test_make_test_runs_every_tier_and_ci_adds_the_real_engine_and_lint() -> None:
-    out = _dry_run("test", "EXTRA_TIERS=test-real-engine lint")
+def test_make_test_runs_every_tier_and_ci_adds_the_real_engine_lint_and_docs() -> None:
+    out = _dry_run("test", "EXTRA_TIERS=test-real-engine lint docs")
     lanes = "not ray and not trainers and not real_engine"
     commands = [
         f'.venv/bin/python -m pytest -m "not slow and {lanes}" -p no:cacheprovider',  # quick
@@ -94,15 +94,16 @@ def test_make_test_runs_every_tier_and_ci_adds_the_real_engine_and_lint() -> Non
         "in-loopback-netns.sh .venv-trainers/bin/python -m pytest -m trainers -p no:cacheprovider",
         '.venv-real/bin/python -m pytest -m "real_engine or engine_contract"',
         ".venv/bin/ruff check .",
+        "scripts/generate-docs.py --check",
     ]
     positions = [out.find(command) for command in commands]
     assert -1 not in positions, [c for c, at in zip(commands, positions, strict=True) if at < 0]
     assert positions == sorted(positions)  # in this order
     rows = _summary(out)
     assert [row[0] for row in rows] == [
-        "quick", "slow", "smg", "ray", "ray-floor", "trainers", "real-engine", "lint",
+        "quick", "slow", "smg", "ray", "ray-floor", "trainers", "real-engine", "lint", "docs",
     ]  # fmt: skip
-    assert 'make test EXTRA_TIERS="test-real-engine lint"' in (REPO / ".ci" / "run").read_text()
+    assert 'make test EXTRA_TIERS="test-real-engine lint docs"' in (REPO / ".ci" / "run").read_text()
 
 
 #: A test that reports whether a child process starts with SIGINT ignored.

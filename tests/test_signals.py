@@ -375,9 +375,9 @@ TRIALS_SCRIPT = textwrap.dedent(
         terminated.clear()
         sent = []
         sender = threading.Thread(target=send_later, args=(sig, anchor, delay, sent))
-        sender.start()
         outcome = "starting"
         try:
+            sender.start()  # in the try: a signal sent at once may come while start() still waits
             with launch_from_config(cfg, log_dir=log_dir) as deployment:
                 outcome = "ready"
                 current["ready"].set()

@@ -44,6 +44,21 @@ async def _post(
     return resp.json()
 
 
+_SERVED: dict[str, str] = {}
+
+
+async def _served_model(client: httpx.AsyncClient, registry: RouterRegistry, name: str) -> str:
+    """The model id the engines of ``name`` serve (the router's ``/v1/models``; asked once): SMG routes an
+    OpenAI request by its ``model``, sglang-router ignores it."""
+    if name not in _SERVED:
+        resp = await client.get(
+            registry.get_model_url(name, "/v1/models"), headers=registry.routing_headers(name, "v1-models")
+        )
+        resp.raise_for_status()
+        _SERVED[name] = resp.json()["data"][0]["id"]
+    return _SERVED[name]
+
+
 def _sum_logprobs(entries: list[list[Any]]) -> float:
     return float(sum(e[0] for e in entries if e and e[0] is not None))
 
@@ -87,7 +102,7 @@ async def generate_with_models(
             client,
             registry.get_model_url("reward", "/v1/chat/completions"),
             {
-                "model": "reward",
+                "model": await _served_model(client, registry, "reward"),
                 "messages": [{"role": "user", "content": f"Rate from 0 to 10:\n{prompt}{actor['text']}"}],
                 "max_tokens": 8,
             },

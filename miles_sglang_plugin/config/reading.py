@@ -433,14 +433,8 @@ def _deploy_settings(
         node = None
     typed = _typed_settings(node) if not problems.problems else None
     if typed is not None:
-        if mapping is not None and mapping.server_defaults:  # below what the app set, as in the full path
-            typed.server_defaults = {**mapping.server_defaults, **typed.server_defaults}
-        return _finished(typed, problems)
+        return _finished(typed, problems, mapping)
     values = _resolved(node, DEPLOY_KEY, problems) if node is not None else {}
-    if mapping is not None and mapping.server_defaults and isinstance(values, dict):
-        given = values.get("server_defaults")
-        given = given if isinstance(given, dict) else {}
-        values["server_defaults"] = {**mapping.server_defaults, **given}
     try:
         merged = OmegaConf.merge(OmegaConf.structured(SGLangDeployConf), values or {})
         # The object of a node merged into SGLangDeployConf's structured config is an SGLangDeployConf.
@@ -451,7 +445,7 @@ def _deploy_settings(
         if key not in {problem.key for problem in problems.problems}:  # an unknown key, reported already
             problems.add(key, first_line(exc))
         settings = SGLangDeployConf()
-    return _finished(settings, problems)
+    return _finished(settings, problems, mapping)
 
 
 def _typed_settings(node: Any) -> SGLangDeployConf | None:
@@ -468,7 +462,11 @@ def _typed_settings(node: Any) -> SGLangDeployConf | None:
     return settings if isinstance(settings, SGLangDeployConf) else None
 
 
-def _finished(settings: SGLangDeployConf, problems: ProblemCollector) -> SGLangDeployConf:
+def _finished(
+    settings: SGLangDeployConf, problems: ProblemCollector, mapping: TrainerMapping | None = None
+) -> SGLangDeployConf:
+    if mapping is not None and mapping.server_defaults:  # below what the app set
+        settings.server_defaults = {**mapping.server_defaults, **settings.server_defaults}
     if settings.api_key is None:
         settings.api_key = _api_key_from_env(problems)
     settings.launch.host = str(settings.launch.host).strip().strip("[]")

@@ -8,7 +8,7 @@ Measured in one run (see benchmarks/README.md):
 (c) ``resolve_deployment`` alone, on a prebuilt spec and trainer inputs;
 (d) ``DeploymentPlan.to_json()`` of the resolved plan;
 (e) wall time of the whole ``miles-sglang plan --json`` command in a subprocess vs ``python -c "import hydra"``
-    (and, where SGLang is installed, vs importing SGLang's ServerArgs, which the command does to check override
+    and vs a bare Hydra app that composes once (and, where SGLang is installed, vs importing SGLang's ServerArgs, which the command does to check override
     keys);
 (f) ``register_configs()``: the ConfigStore registration that the Hydra plugin module runs at start-up of every
     Hydra app (and that ``compose_config`` repeats on each call).
@@ -81,6 +81,7 @@ D = "(d) plan.to_json()"
 F = "(f) register_configs()"
 E = "(e) miles-sglang plan --json, subprocess"
 E_HYDRA = '  baseline: python -c "import hydra"'
+E_BARE_APP = "  baseline: a bare Hydra app, one compose"
 E_PASS = "  baseline: python -c pass"
 E_SGLANG = "  baseline: import SGLang ServerArgs"
 
@@ -113,8 +114,25 @@ def _time_interleaved(steps: dict[str, Callable[[], Any]], runs: int) -> dict[st
     return out
 
 
+#: A whole Hydra app in a fresh process: the compose API on the trivial config, one override, the config printed.
+#: Every Hydra app pays this (the interpreter, Hydra's imports, its plugin scan, one compose): the floor under
+#: ``plan --json``, which is also one compose in a fresh process.
+BARE_APP = """\
+import sys
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+with initialize_config_dir(config_dir=sys.argv[1], version_base=None):
+    cfg = compose(config_name="bare", overrides=["trainer.steps=10"])
+sys.stdout.write(OmegaConf.to_yaml(cfg))
+"""
+
+
 def _command(cmd: list[str], cwd: str) -> Callable[[], None]:
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    # Bytecode is written, to a folder of the run's own (the checkout stays clean): an installed package has
+    # its bytecode compiled, and a machine that sets PYTHONDONTWRITEBYTECODE would otherwise time the
+    # compilation of every module of the package on each run (the warm-up run compiles them once).
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONDONTWRITEBYTECODE")}
+    env["PYTHONPYCACHEPREFIX"] = str(Path(cwd, "pycache"))
 
     def once() -> None:
         subprocess.run(cmd, cwd=cwd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -188,6 +206,7 @@ def run(runs: int, subprocess_runs: int) -> dict[str, Any]:
                     {
                         E: _command([*_miles_sglang_cmd(), "plan", "--json", *OVERRIDES], tmp),
                         E_HYDRA: _command([sys.executable, "-c", "import hydra"], tmp),
+                        E_BARE_APP: _command([sys.executable, "-c", BARE_APP, tmp], tmp),
                         E_PASS: _command([sys.executable, "-c", "pass"], tmp),
                         **_sglang_baseline(tmp),
                     },
@@ -220,6 +239,9 @@ def run(runs: int, subprocess_runs: int) -> dict[str, Any]:
     if subprocess_runs > 0:
         result["ratio_cli_over_import_hydra"] = stats[E]["median_s"] / stats[E_HYDRA]["median_s"]
         result["ratio_cli_over_import_hydra_min"] = stats[E]["min_s"] / stats[E_HYDRA]["min_s"]
+        result["ratio_bare_app_over_import_hydra"] = (
+            stats[E_BARE_APP]["median_s"] / stats[E_HYDRA]["median_s"]
+        )
     return result
 
 
@@ -250,7 +272,8 @@ def print_table(result: dict[str, Any]) -> None:
     if "ratio_cli_over_import_hydra" in result:
         console.print(
             f'(e) miles-sglang plan --json / python -c "import hydra": {result["ratio_cli_over_import_hydra"]:.1f}x '
-            f"(medians), {result['ratio_cli_over_import_hydra_min']:.1f}x (minimums)"
+            f"(medians), {result['ratio_cli_over_import_hydra_min']:.1f}x (minimums); a bare Hydra app, one "
+            f"compose: {result['ratio_bare_app_over_import_hydra']:.1f}x"
         )
 
 

@@ -450,6 +450,34 @@ def test_each_lazily_stored_node_loads_as_its_structured_schema() -> None:
     assert store.load("sglang_deploy/default.yaml").node.launch.port_base == 15000
 
 
+def test_a_compose_builds_only_the_schemas_it_loads() -> None:
+    """Hydra deep-copies its whole config repository, the ConfigStore included, once per compose; the stored
+    nodes must stay unbuilt there. ``miles-sglang``'s primary config loads ``miles_trainer_args``, and the
+    ``pd`` preset ``sglang_model/base`` (for ``actor``) and ``sglang_deploy/default``: those three are built,
+    the other eight (the three extra-group kinds and placeholder, the simulated and cpu_sglang settings, the two
+    trainer mappings) are not. In a fresh process, where nothing was built before."""
+    code = (
+        "from hydra.core.config_store import ConfigStore\n"
+        "from miles_sglang_plugin.config.compose import compose_config\n"
+        "from miles_sglang_plugin.config.store import LazyNode\n"
+        "compose_config(['sglang=pd'])\n"
+        "def walk(d, at=''):\n"
+        "    for k, v in d.items():\n"
+        "        if isinstance(v, dict): yield from walk(v, at + k + '/')\n"
+        "        elif isinstance(v.node, LazyNode) and v.node._pickled is not None: yield at + k\n"
+        "print(sorted(walk(ConfigStore.instance().repo)))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout.strip().replace("'", '"')) == [
+        "miles_trainer_args.yaml",
+        "sglang_deploy/default.yaml",
+        "sglang_model/base.yaml",
+    ]
+
+
 def test_hydras_plugin_scan_imports_no_schema_and_nothing_of_a_launch() -> None:
     """Every Hydra app imports the plugin modules at start-up, sglang group used or not: they store the
     nodes unbuilt and import neither the schemas nor anything a launch needs (HTTP clients, serving, backends)."""

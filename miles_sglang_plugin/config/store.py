@@ -54,6 +54,13 @@ class LazyNode:
         return pickle.loads(self._pickled)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        # ``ConfigStore.load`` deep-copies the node itself (``memo`` is still empty: this node is the copy's top):
+        # that is Hydra loading it, so build it. Hydra also deep-copies its whole config repository, the
+        # ConfigStore included, once per compose (``CachingConfigRepository``); there this node sits inside
+        # the copy (``memo`` already holds its containers) and stays lazy: the node is never changed, so the
+        # copy shares it. Building it there made every compose build every schema of the store, used or not.
+        if memo:
+            return self
         return self.node()
 
     def __getstate__(self) -> dict[str, Any]:

@@ -450,12 +450,21 @@ def test_each_lazily_stored_node_loads_as_its_structured_schema() -> None:
     assert store.load("sglang_deploy/default.yaml").node.launch.port_base == 15000
 
 
+def _printed_list(code: str) -> list[str]:
+    """The list of names that ``code`` prints last, run in a fresh interpreter (nothing imported or built)."""
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
+    assert result.returncode == 0, result.stderr
+    return list(json.loads(result.stdout.strip().splitlines()[-1].replace("'", '"')))
+
+
 def test_a_compose_builds_only_the_schemas_it_loads() -> None:
     """Hydra deep-copies its whole config repository, the ConfigStore included, once per compose; the stored
     nodes must stay unbuilt there. ``miles-sglang``'s primary config loads ``miles_trainer_args``, and the
     ``pd`` preset ``sglang_model/base`` (for ``actor``) and ``sglang_deploy/default``: those three are built,
-    the other eight (the three extra-group kinds and placeholder, the simulated and cpu_sglang settings, the two
-    trainer mappings) are not. In a fresh process, where nothing was built before."""
+    the other eight (the four extra-group kinds, the simulated and cpu_sglang settings, the two trainer
+    mappings) are not. In a fresh process, where nothing was built before."""
     code = (
         "from hydra.core.config_store import ConfigStore\n"
         "from miles_sglang_plugin.config.compose import compose_config\n"
@@ -467,11 +476,7 @@ def test_a_compose_builds_only_the_schemas_it_loads() -> None:
         "        elif isinstance(v.node, LazyNode) and v.node._pickled is not None: yield at + k\n"
         "print(sorted(walk(ConfigStore.instance().repo)))\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO
-    )
-    assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout.strip().replace("'", '"')) == [
+    assert _printed_list(code) == [
         "miles_trainer_args.yaml",
         "sglang_deploy/default.yaml",
         "sglang_model/base.yaml",
@@ -489,11 +494,7 @@ def test_hydras_plugin_scan_imports_no_schema_and_nothing_of_a_launch() -> None:
         "assert 'base.yaml' in ConfigStore.instance().repo['sglang_model']\n"
         "print(sorted(m for m in sys.modules if m.startswith(('miles_sglang_plugin', 'httpx', 'rich', 'yaml'))))\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO
-    )
-    assert result.returncode == 0, result.stderr
-    loaded = json.loads(result.stdout.strip().replace("'", '"'))
+    loaded = _printed_list(code)
     heavy = [m for m in loaded if m.startswith(("httpx", "rich", "miles_sglang_plugin.serving",
                                                  "miles_sglang_plugin.backends", "miles_sglang_plugin.config.schema",
                                                  "miles_sglang_plugin.rendering", "miles_sglang_plugin.planning"))]  # fmt: skip

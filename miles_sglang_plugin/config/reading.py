@@ -102,19 +102,6 @@ def _value(
         return None
 
 
-def _raw_value(node: DictConfig, field: str) -> Any:
-    """The value of ``node.field`` as written (an interpolation's ``"${...}"`` text), without resolving it:
-    from the field's own node (OmegaConf's ``_get_node``, as Hydra reads it; the whole node as a container
-    where that is missing took 0.2 ms a field, 44 times for a plan of four models)."""
-    get_node = getattr(node, "_get_node", None)
-    if get_node is not None:
-        child = get_node(field)
-        if child is not None:
-            return child._value()
-    # A DictConfig's container is a dict (OmegaConf's return type also names its other nodes').
-    return cast("dict[str, Any]", OmegaConf.to_container(node, resolve=False))[field]
-
-
 #: What :func:`_child` gives for a value whose interpolation does not resolve (reported already).
 _UNREADABLE = object()
 

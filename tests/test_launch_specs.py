@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import sys
 from dataclasses import replace
+from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from miles_sglang_plugin.app.hydra_edge import prepare_from_config, resolve_config
 from miles_sglang_plugin.config.compose import compose_config
@@ -255,26 +258,62 @@ def test_standin_faults_reach_the_engines_their_patterns_match():
          "sglang.judge.update_weights=false", "sglang.judge.regular.num_gpus=0",
          'sglang.judge.external=["http://10.0.0.5:30000"]'],
         ["hf_checkpoint=/c", "debug_train_only=true"],
+        ["sglang=pd_actor_ref", "hf_checkpoint=/c", "sglang_deploy=simulated", "sglang_deploy.api_key=--sk-SECRET",
+         "+sglang_deploy.env.HF_TOKEN=hf-SECRET", "sglang_deploy.standin.fail_at_start=[actor.decode.1]",
+         "+sglang.actor.decode.overrides.served_model_name='名前 \"q\"'"],
     ],
-    ids=["pd_actor_ref", "an engine over two nodes", "placeholder", "an external engine", "no engines"],
+    ids=["pd_actor_ref", "an engine over two nodes", "placeholder", "an external engine", "no engines",
+         "stand-ins, a secret, a fault, a name to escape"],
 )  # fmt: skip
 def test_the_streamed_plan_json_is_the_plans_dictionary(overrides: list[str]) -> None:
     """``plan --json`` writes the document as it makes it (an engine per line): the same JSON as the plan's
-    dictionary, whatever the plan holds."""
+    dictionary, whatever the plan holds, and each engine's line exactly as ``json.dumps`` writes its entry
+    (though made from parts its group's template encoded once)."""
     import io
     import json
 
     prepared = prepare_from_config(compose_config(overrides))
     out = io.StringIO()
     prepared.write_json(out, server_args_checked_against="the table")
+    data = prepared.to_dict()
     assert json.loads(out.getvalue()) == {
-        **json.loads(json.dumps(prepared.to_dict())),
+        **json.loads(json.dumps(data)),
         "server_args_checked_against": "the table",
     }
-    engines = sum(len(g.engines) for _m, g in prepared.plan.groups())
-    engines += sum(len(m.external) for m in prepared.plan.models)
-    lines = out.getvalue().splitlines()
-    assert sum(1 for line in lines if line.lstrip().startswith('{"id": ')) == engines  # one line each
+    expected = [
+        json.dumps(engine)
+        for model in data["models"].values()
+        for engine in [
+            *(e for g in model["groups"].values() for e in g["engines"]),
+            *model.get("external", []),
+        ]
+    ]
+    lines = [line.strip().rstrip(",") for line in out.getvalue().splitlines()]
+    assert sorted(line for line in lines if line.startswith('{"id": ')) == sorted(expected)  # one line each
+    assert "SECRET" not in out.getvalue()
+
+
+def test_a_plan_value_holding_nul_still_streams_exact_json():
+    """Where a process's command line and environment go in its engine's line is found by a NUL placeholder; a
+    plan value that holds a NUL itself (here a node's address) gets the line encoded whole instead."""
+    import io
+    import json
+
+    from miles_sglang_plugin.rendering.server_arg_fields import shipped_server_arg_fields
+
+    cfg = compose_config(["hf_checkpoint=/c", "debug_rollout_only=true", "sglang.actor.regular.num_gpus=2"])
+    prepared = prepare_deployment(
+        resolve_config(cfg),
+        deploy_settings_from_config(cfg),
+        host_of_node=lambda _node: "h\0st",
+        server_arg_fields=shipped_server_arg_fields(),
+    )
+    out = io.StringIO()
+    prepared.write_json(out)
+    lines = [line.strip().rstrip(",") for line in out.getvalue().splitlines() if '{"id": ' in line]
+    engines = prepared.to_dict()["models"]["actor"]["groups"]["regular"]["engines"]
+    assert lines == [json.dumps(engine) for engine in engines]
+    assert json.loads(lines[0])["launch"][0]["host"] == "h\0st"
 
 
 def test_worker_registrations_carry_the_plans_labels():
@@ -343,3 +382,29 @@ def test_a_printed_process_shows_its_command_line_and_environment_masked(engine:
         )
     faulty = [launch.to_dict()["env"].get("MSP_STANDIN_FAIL_AT_START") for launch in launches]
     assert faulty == ([None, "1", None, None] if engine.endswith("simulated") else [None] * 4)
+
+
+_OWN_VALUES = st.one_of(
+    st.integers(), st.text(), st.booleans(), st.none(), st.lists(st.integers(), max_size=3), st.floats()
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    own=st.tuples(_OWN_VALUES, _OWN_VALUES), prefix_key=st.sampled_from(["--api-key", "--api-key=x", "--a"])
+)
+def test_a_process_line_from_encoded_parts_is_json_dumps_of_it(own: tuple[Any, Any], prefix_key: str) -> None:
+    """A process's command line and environment as JSON text, from its template's parts encoded once, are
+    ``json.dumps`` of the masked ones, whatever its own values (negative numbers, text to escape, flags)."""
+    import json
+
+    from miles_sglang_plugin.rendering.launch_specs import ProcessTemplate
+
+    values = {"model_path": "/m 名", "host": None, "served_model_name": 'a"b', "port": None, "api_key": "k"}
+    template = ProcessTemplate.of(
+        ("python", prefix_key, "v"), {**values, "host": own[0], "port": own[1]}, ("host", "port"),
+        {"A": "1"}, {"HF_TOKEN": "secret \\ \"", "CUDA_VISIBLE_DEVICES": "ignored"}, None,
+    )  # fmt: skip
+    assert template.masked_argv_json(own) == json.dumps(template.masked_argv(own))
+    assert "k" not in json.loads(template.masked_argv_json(own))
+    assert template.masked_env_json("actor.regular.0", "3,4") == json.dumps(template.masked_env("e", "3,4"))

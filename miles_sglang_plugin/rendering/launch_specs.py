@@ -21,6 +21,7 @@ import shlex
 import sys
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import asdict, dataclass, field, replace
+from json.encoder import encode_basestring_ascii as encode_json_string  # json.dumps' own, for a str
 from typing import Any
 
 from miles_sglang_plugin.addresses import host_port, http_base_url
@@ -135,6 +136,10 @@ class ProcessTemplate:
     segments: tuple[tuple[str, ...] | str, ...] = field(default=(), repr=False)
     masked_segments: tuple[tuple[str, ...] | str, ...] | None = field(default=None, repr=False)
     _masked_env: dict[str, str] | None = field(default=None, repr=False, init=False)
+    #: :attr:`masked_segments` with each run of fixed tokens as JSON text (made on first use).
+    _masked_json: tuple[str | tuple[str, str], ...] | None = field(default=None, repr=False, init=False)
+    #: The masked environment of real engines as JSON text on either side of ``CUDA_VISIBLE_DEVICES``'s value.
+    _env_json: tuple[str, str] | None = field(default=None, repr=False, init=False)
 
     @classmethod
     def of(
@@ -173,6 +178,49 @@ class ProcessTemplate:
         if self.masked_segments is None:
             return mask_argv(self.argv(own))
         return _render(self.masked_segments, own)
+
+    def masked_argv_json(self, own: tuple[Any, ...]) -> str:
+        """``json.dumps(masked_argv(own))``, from the runs of fixed tokens encoded once (a plan's JSON)."""
+        encoded = self._masked_json
+        if encoded is None:
+            if self.masked_segments is None:
+                return json.dumps(self.masked_argv(own))
+            encoded = tuple(
+                (s, encode_json_string(_flag(s))) if isinstance(s, str) else json.dumps(list(s))[1:-1]
+                for s in self.masked_segments
+            )
+            object.__setattr__(self, "_masked_json", encoded)
+        parts: list[str] = []
+        values = iter(own)
+        for segment in encoded:
+            if isinstance(segment, str):
+                parts.append(segment)
+                continue
+            key, flag = segment
+            value = next(values)
+            kind = type(value)
+            if kind is int and value >= 0:  # a port, a rank, a seed: digits, nothing to escape
+                parts.append(f'{flag}, "{value}"')
+            elif kind is str and not value.startswith("-"):
+                parts.append(f"{flag}, {encode_json_string(value)}")
+            else:
+                parts += map(encode_json_string, _value_tokens(key, value))
+        return f"[{', '.join(parts)}]"
+
+    def masked_env_json(self, engine_id: str, visible_devices: str) -> str:
+        """``json.dumps(masked_env(engine_id, visible_devices))``, for real engines from the rest of the
+        environment encoded once."""
+        if self.standin is not None:
+            return json.dumps(self.masked_env(engine_id, visible_devices))
+        encoded = self._env_json
+        if encoded is None:
+            # NUL: a value no environment variable can hold, to find where the GPU ids go
+            field_text = '"CUDA_VISIBLE_DEVICES": "\\u0000"'
+            before, found, after = json.dumps(self.masked_env(engine_id, "\0")).partition(field_text)
+            assert found, "the masked environment holds CUDA_VISIBLE_DEVICES"
+            encoded = (before + '"CUDA_VISIBLE_DEVICES": ', after)
+            object.__setattr__(self, "_env_json", encoded)
+        return f"{encoded[0]}{encode_json_string(visible_devices)}{encoded[1]}"
 
     def argv(self, own: tuple[Any, ...]) -> tuple[str, ...]:
         return tuple(_render(self.segments, own))
@@ -221,18 +269,18 @@ def _render(segments: tuple[tuple[str, ...] | str, ...], own: tuple[Any, ...]) -
     tokens: list[str] = []
     values = iter(own)
     for segment in segments:
-        if not isinstance(segment, str):
-            tokens += segment
-            continue
-        value = next(values)
-        text = str(value) if type(value) in (int, str) else None  # the plan's ports, seed, host
-        if text is None:
-            tokens += server_args_to_argv({segment: value})
-        elif text.startswith("-"):
-            tokens.append(f"{_flag(segment)}={text}")
-        else:
-            tokens += (_flag(segment), text)
+        tokens += _value_tokens(segment, next(values)) if isinstance(segment, str) else segment
     return tokens
+
+
+def _value_tokens(key: str, value: Any) -> list[str]:
+    """The tokens of one own value, as :func:`server_args_to_argv` renders it."""
+    text = str(value) if type(value) in (int, str) else None  # the plan's ports, seed, host
+    if text is None:
+        return server_args_to_argv({key: value})
+    if text.startswith("-"):
+        return [f"{_flag(key)}={text}"]
+    return [_flag(key), text]
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,6 +334,13 @@ class EngineProcessLaunch:
         return shlex.join(self.template.masked_argv(self.own))
 
     def to_dict(self) -> dict[str, Any]:
+        return self.to_dict_with(
+            self.template.masked_argv(self.own),
+            self.template.masked_env(self.engine_id, self.visible_devices),
+        )
+
+    def to_dict_with(self, argv: Any, env: Any) -> dict[str, Any]:
+        """:meth:`to_dict` with ``argv`` and ``env`` in place of its masked command line and environment."""
         return {
             "name": self.name,
             "node": self.node,
@@ -294,9 +349,17 @@ class EngineProcessLaunch:
             "port": self.port,
             "url": self.url if self.serves_http else None,
             "bootstrap_port": self.bootstrap_port,
-            "argv": self.template.masked_argv(self.own),
-            "env": self.template.masked_env(self.engine_id, self.visible_devices),
+            "argv": argv,
+            "env": env,
         }
+
+    def argv_json(self) -> str:
+        """``to_dict()["argv"]`` as JSON text, from its template's parts encoded once."""
+        return self.template.masked_argv_json(self.own)
+
+    def env_json(self) -> str:
+        """``to_dict()["env"]`` as JSON text, from its template's parts encoded once."""
+        return self.template.masked_env_json(self.engine_id, self.visible_devices)
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -70,7 +71,9 @@ class PreparedDeployment:
         for model in plan.models:
             model_dict = data["models"][model.name]
             for group in model.groups:
-                model_dict["groups"][group.name]["engines"] = _LazyArray(self._engine_dicts(group.engines))
+                model_dict["groups"][group.name]["engines"] = _LazyArray(
+                    self._engine_lines(group.engines), True
+                )
             if model.has_router:
                 router = self.launch.router(model.name)
                 model_dict["router"] = {
@@ -82,21 +85,42 @@ class PreparedDeployment:
         data.update(extra)
         return data
 
-    def _engine_dicts(self, engines: Sequence[EnginePlan]) -> Callable[[], Iterator[dict[str, Any]]]:
-        def each() -> Iterator[dict[str, Any]]:
+    def _engine_lines(self, engines: Sequence[EnginePlan]) -> Callable[[], Iterator[str]]:
+        """Each engine's entry of :meth:`to_dict` as ``json.dumps`` writes it: encoded with a slot for each
+        process's command line and environment, filled with their JSON from parts their template encoded once
+        (a plan of 65,536 engines shares a few templates)."""
+
+        def each() -> Iterator[str]:
             for engine in engines:
+                processes = self.launch.for_engine(engine.id)
                 entry = engine.to_dict()
-                entry["launch"] = [process.to_dict() for process in self.launch.for_engine(entry["id"])]
-                yield entry
+                entry["launch"] = [process.to_dict_with(_SLOT, _SLOT) for process in processes]
+                pieces = json.dumps(entry).split(_SLOT_JSON)
+                if len(pieces) != 2 * len(processes) + 1:  # a value of the plan holds the slot's NUL itself
+                    entry["launch"] = [process.to_dict() for process in processes]
+                    yield json.dumps(entry)
+                    continue
+                line = [pieces[0]]
+                for i, process in enumerate(processes):
+                    line += (process.argv_json(), pieces[2 * i + 1], process.env_json(), pieces[2 * i + 2])
+                yield "".join(line)
 
         return each
 
 
-class _LazyArray:
-    """A JSON array whose items are made when it is written (:func:`_json_chunks`)."""
+#: Where a process's command line and environment go in its engine's encoded line: NUL, which no argument or
+#: environment variable can hold.
+_SLOT = "\0"
+_SLOT_JSON = json.dumps(_SLOT)
 
-    def __init__(self, items: Callable[[], Iterator[Any]]) -> None:
+
+class _LazyArray:
+    """A JSON array whose items are made when it is written (:func:`_json_chunks`): values, or (``encoded``)
+    each item's JSON text."""
+
+    def __init__(self, items: Callable[[], Iterator[Any]], encoded: bool = False) -> None:
         self.items = items
+        self.encoded = encoded
 
 
 def _json_chunks(value: Any, indent: str) -> Iterator[str]:
@@ -110,26 +134,26 @@ def _json_chunks(value: Any, indent: str) -> Iterator[str]:
             yield from _json_chunks(item, inner)
         yield f"\n{indent}}}"
     elif isinstance(value, _LazyArray):
-        yield from _array_lines(value.items(), indent)
+        items = value.items()
+        yield from _array_lines(items if value.encoded else map(json.dumps, items), indent)
     elif isinstance(value, list) and any(isinstance(item, dict | list) for item in value):
-        yield from _array_lines(iter(value), indent)
+        yield from _array_lines(map(json.dumps, value), indent)
     else:
         yield json.dumps(value)
 
 
-def _array_lines(items: Iterator[Any], indent: str) -> Iterator[str]:
-    first = next(items, _END)
-    if first is _END:
+def _array_lines(lines: Iterator[str], indent: str) -> Iterator[str]:
+    """An array from its items' JSON text, one item per line."""
+    first = next(lines, None)
+    if first is None:
         yield "[]"
         return
     inner = indent + "  "
-    yield f"[\n{inner}{json.dumps(first)}"
-    for item in items:
-        yield f",\n{inner}{json.dumps(item)}"
+    between = f",\n{inner}"
+    yield f"[\n{inner}{first}"
+    while batch := list(itertools.islice(lines, 512)):  # written 512 lines at a time
+        yield between + between.join(batch)
     yield f"\n{indent}]"
-
-
-_END = object()
 
 
 def prepare_deployment(

@@ -86,10 +86,24 @@ def _composed(args: argparse.Namespace, extra: Sequence[str] = ()) -> Any:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    # A plan is many small objects without cycles, and the command ends once it is printed: at the GPU cap
-    # the collector's passes over them took a quarter of the time and freed nothing. Rarer passes (as mypy's
-    # command line sets them).
+    with _rare_collections():
+        return _plan(args)
+
+
+@contextlib.contextmanager
+def _rare_collections() -> Iterator[None]:
+    """The cyclic collector's passes made rarer (as mypy's command line sets them), Python's own thresholds
+    back afterwards (``main`` may run inside a longer process): a plan is many small objects without cycles,
+    made once, and at the GPU cap the passes over them took a quarter of the time and freed nothing."""
+    before = gc.get_threshold()
     gc.set_threshold(200_000, 30, 30)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*before)
+
+
+def _plan(args: argparse.Namespace) -> int:
     from miles_sglang_plugin.app.hydra_edge import prepare_from_config
     from miles_sglang_plugin.rendering.server_arg_fields import known_server_arg_fields
 

@@ -191,6 +191,33 @@ def test_deploy_settings_and_the_simulated_and_cpu_options():
 
 
 # ------------------------------------------------------------------------------------------------ CLI
+def test_plan_runs_the_collector_rarely_and_gives_its_thresholds_back(capsys, monkeypatch):
+    """``plan`` makes a plan with the cyclic collector's first threshold at 200,000 (mypy's), and leaves the
+    process's thresholds as it found them, also when the plan is refused."""
+    import gc
+
+    import miles_sglang_plugin.app.hydra_edge as hydra_edge
+
+    seen = []
+    real = hydra_edge.prepare_from_config
+
+    def recording(*args, **kwargs):
+        seen.append(gc.get_threshold())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hydra_edge, "prepare_from_config", recording)
+    before = gc.get_threshold()
+    gc.set_threshold(700, 11, 12)  # not Python's defaults, so that a reset to them would show
+    try:
+        assert cli_main(["plan", "--json", "hf_checkpoint=/c", "debug_rollout_only=true"]) == 0
+        assert gc.get_threshold() == (700, 11, 12)
+        assert cli_main(["plan", "hf_checkpoint=/c", "sglang.actor.regular.num_gpus=-1"]) == 2
+        assert gc.get_threshold() == (700, 11, 12)
+    finally:
+        gc.set_threshold(*before)
+    assert seen == [(200_000, 30, 30), (200_000, 30, 30)]
+
+
 def test_plan_json_fields(capsys):
     # Not colocated: rollout from slot 8 (after the 1 x 8 actor), Megatron on 0..7, so with offload on no group
     # needs it and each gets the memory saver off. prefill 8 (TP 4) at slots 8-15, decode 8 at 16-23, ref 4

@@ -72,7 +72,7 @@ class PreparedDeployment:
             model_dict = data["models"][model.name]
             for group in model.groups:
                 model_dict["groups"][group.name]["engines"] = _LazyArray(
-                    self._engine_lines(group.engines), True
+                    self._engine_lines(group.engines), encoded=True
                 )
             if model.has_router:
                 router = self.launch.router(model.name)

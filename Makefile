@@ -12,9 +12,10 @@
 #   make test-ray-floor     the Ray tests again on the [ray] extra's oldest Ray (.venv-ray-floor)
 #   make test-trainers      verl's and SkyRL's own config code, in a venv of its own (.venv-trainers)
 # and, run by .ci/run after them:
-#   make test-real-engine   SGLang's own server on the CPU (engine kind cpu_sglang) in its own venv (.venv-real,
-#               ~6.3 GB): the real-engine lane and the contract test against both engines
+#   make lint   ruff, import-linter and mypy
 #   make docs   the docs site (mkdocs.yml, docs/): its generated pages checked against the code, a strict build
+#   make test-real-engine   SGLang's own server on the CPU (engine kind cpu_sglang) in its own venv (.venv-real,
+#               ~6.5 GB): the real-engine lane and the contract test against both engines
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -23,6 +24,14 @@ TRAINERS_BIN := $(TRAINERS_VENV)/bin
 RAY_FLOOR_VENV ?= .venv-ray-floor
 RAY_FLOOR_BIN := $(RAY_FLOOR_VENV)/bin
 REAL_VENV ?= .venv-real
+# DISPOSABLE_VENVS=1 (.ci/run, whose checkout is thrown away after): a lane's own venv is removed when its tier
+# has run, passed or failed, and the real-engine lane's install first removes the main venv, so that the disk
+# holds at most ~6.5 GB of venvs at a time instead of ~11 GB (a CI machine's free disk varies). The tiers' order
+# in .ci/run puts the main venv's last users (lint, docs) before the real-engine lane; any other order still
+# works, reinstalling what it needs.
+DISPOSABLE_VENVS ?=
+# Runs $(1); when DISPOSABLE_VENVS is set, then removes the venv $(2) and exits with $(1)'s status.
+run_then_dispose = $(if $(DISPOSABLE_VENVS),$(1); status=$$?; rm -rf $(2); exit $$status,$(1))
 
 .PHONY: demo test test-quick test-slow test-smg test-ray test-ray-floor test-trainers test-real-engine lint typecheck docs bench mutation clean
 
@@ -80,14 +89,15 @@ $(RAY_FLOOR_VENV)/.installed: pyproject.toml Makefile | $(RAY_FLOOR_BIN)/python
 # The real-engine lane's venv: torch 2.14.1 (the build SGLang pins; a CUDA build, run on the CPU), sglang --no-deps
 # and what its server imports on a CPU, and this package with its test tools.
 $(REAL_VENV)/.installed: scripts/install-sglang-real-cpu.sh pyproject.toml
+	$(if $(DISPOSABLE_VENVS),rm -rf $(VENV) $(TRAINERS_VENV) $(RAY_FLOOR_VENV),@:)
 	PYTHON=$(PYTHON) VENV=$(REAL_VENV) bash scripts/install-sglang-real-cpu.sh
 	touch $@
 
 demo: $(VENV)/.base-installed
 	cd examples && ../$(BIN)/python train.py sglang=agentic_32gpu sglang_deploy=simulated colocate=true actor_num_nodes=4 kill_engine_at_step=1
 
-# The tiers of `make test`, in the order they run; EXTRA_TIERS are run after them (.ci/run: test-real-engine,
-# lint and docs). Each tier installs what it needs (a failed install fails that tier only).
+# The tiers of `make test`, in the order they run; EXTRA_TIERS are run after them (.ci/run: lint, docs and
+# test-real-engine). Each tier installs what it needs (a failed install fails that tier only).
 TEST_TIERS := test-quick test-slow test-smg test-ray test-ray-floor test-trainers
 EXTRA_TIERS ?=
 # The lanes outside the quick and slow tiers (their own venvs, a network namespace, SGLang's server).
@@ -115,17 +125,17 @@ test-ray: $(MAIN_TEST_VENV)
 
 # The Ray tests on the oldest Ray of the [ray] extra.
 test-ray-floor: $(RAY_FLOOR_VENV)/.installed
-	bash scripts/in-loopback-netns.sh $(RAY_FLOOR_BIN)/python -m pytest -m "ray and not trainers" -p no:cacheprovider
+	$(call run_then_dispose,bash scripts/in-loopback-netns.sh $(RAY_FLOOR_BIN)/python -m pytest -m "ray and not trainers" -p no:cacheprovider,$(RAY_FLOOR_VENV))
 
 # The trainers' lane alone: verl's and SkyRL's own config code (its Ray-task test in the loopback namespace).
 test-trainers: $(TRAINERS_VENV)/.installed
-	bash scripts/in-loopback-netns.sh $(TRAINERS_BIN)/python -m pytest -m trainers -p no:cacheprovider
+	$(call run_then_dispose,bash scripts/in-loopback-netns.sh $(TRAINERS_BIN)/python -m pytest -m trainers -p no:cacheprovider,$(TRAINERS_VENV))
 
 # At most two real engines at a time (~3 GB each). MSP_REQUIRE_REAL_ENGINE_TESTS=1 (.ci/run) turns a skip into a
 # failure.
 test-real-engine: $(REAL_VENV)/.installed
-	$(REAL_VENV)/bin/python -m pytest -m "real_engine or engine_contract" -p no:cacheprovider \
-		tests/test_real_engine.py tests/test_engine_contract.py
+	$(call run_then_dispose,$(REAL_VENV)/bin/python -m pytest -m "real_engine or engine_contract" -p no:cacheprovider \
+		tests/test_real_engine.py tests/test_engine_contract.py,$(REAL_VENV))
 
 # Format and lint (ruff), the stages' import contracts (import-linter), then the types (make typecheck).
 lint: $(VENV)/.base-installed

@@ -39,12 +39,12 @@ def _run_tiers(tmp_path: Path, *targets: str) -> subprocess.CompletedProcess[str
 
 
 def _summary(stdout: str) -> list[list[str]]:
-    """The rows of the summary table: tier, result, seconds."""
+    """The rows of the summary table: tier, result, seconds, GB free on disk after the tier."""
     table = stdout.split("=== tiers: summary\n", 1)[1].splitlines()
-    assert table[0].split() == ["tier", "result", "seconds"], stdout
+    assert table[0].split() == ["tier", "result", "seconds", "GB", "free"], stdout
     rows = []
     for line in table[1:]:
-        match = re.fullmatch(r"(\S+)\s+(passed|FAILED \(exit \d+\))\s+(\d+)", line)
+        match = re.fullmatch(r"(\S+)\s+(passed|FAILED \(exit \d+\))\s+(\d+)\s+(\d+\.\d)", line)
         if match:
             rows.append(list(match.groups()))
     return rows
@@ -82,8 +82,8 @@ def _dry_run(*args: str) -> str:
     return done.stdout
 
 
-def test_make_test_runs_every_tier_and_ci_adds_the_real_engine_lint_and_docs() -> None:
-    out = _dry_run("test", "EXTRA_TIERS=test-real-engine lint docs")
+def test_make_test_runs_every_tier_and_ci_adds_lint_docs_and_the_real_engine() -> None:
+    out = _dry_run("test", "EXTRA_TIERS=lint docs test-real-engine")
     lanes = "not ray and not trainers and not real_engine"
     commands = [
         f'.venv/bin/python -m pytest -m "not slow and {lanes}" -p no:cacheprovider',  # quick
@@ -92,18 +92,64 @@ def test_make_test_runs_every_tier_and_ci_adds_the_real_engine_lint_and_docs() -
         'in-loopback-netns.sh .venv/bin/python -m pytest -m "ray and not trainers" -p no:cacheprovider',
         'in-loopback-netns.sh .venv-ray-floor/bin/python -m pytest -m "ray and not trainers"',
         "in-loopback-netns.sh .venv-trainers/bin/python -m pytest -m trainers -p no:cacheprovider",
-        '.venv-real/bin/python -m pytest -m "real_engine or engine_contract"',
         ".venv/bin/ruff check .",
         "scripts/generate-docs.py --check",
+        '.venv-real/bin/python -m pytest -m "real_engine or engine_contract"',
     ]
     positions = [out.find(command) for command in commands]
     assert -1 not in positions, [c for c, at in zip(commands, positions, strict=True) if at < 0]
     assert positions == sorted(positions)  # in this order
     rows = _summary(out)
     assert [row[0] for row in rows] == [
-        "quick", "slow", "smg", "ray", "ray-floor", "trainers", "real-engine", "lint", "docs",
+        "quick", "slow", "smg", "ray", "ray-floor", "trainers", "lint", "docs", "real-engine",
     ]  # fmt: skip
-    assert 'make test EXTRA_TIERS="test-real-engine lint docs"' in (REPO / ".ci" / "run").read_text()
+    assert "rm -rf" not in out  # a developer's venvs stay
+    assert (
+        'make test EXTRA_TIERS="lint docs test-real-engine" DISPOSABLE_VENVS=1'
+        in (REPO / ".ci" / "run").read_text()
+    )
+
+
+def test_in_ci_each_lanes_venv_goes_once_its_tier_has_run_and_the_main_one_before_the_real_engines() -> None:
+    out = _dry_run("test", "EXTRA_TIERS=lint docs test-real-engine", "DISPOSABLE_VENVS=1")
+    steps = [
+        'in-loopback-netns.sh .venv-ray-floor/bin/python -m pytest -m "ray and not trainers"',
+        "rm -rf .venv-ray-floor; exit $status",
+        "in-loopback-netns.sh .venv-trainers/bin/python -m pytest -m trainers",
+        "rm -rf .venv-trainers; exit $status",
+        "scripts/generate-docs.py --check",  # docs: the main venv's last user
+        "rm -rf .venv .venv-trainers .venv-ray-floor\n",
+        "bash scripts/install-sglang-real-cpu.sh",
+        '.venv-real/bin/python -m pytest -m "real_engine or engine_contract"',
+        "rm -rf .venv-real; exit $status",
+    ]
+    positions = [out.find(step) for step in steps]
+    assert -1 not in positions, [s for s, at in zip(steps, positions, strict=True) if at < 0]
+    assert positions == sorted(positions)
+
+
+FAILING_THEN_DISPOSED = """\
+include {makefile}
+try:
+\t$(call run_then_dispose,sh -c "touch ran; exit 3",gone)
+"""
+
+
+@pytest.mark.parametrize("disposable", ["1", ""])
+def test_a_disposed_venv_goes_even_when_its_tier_fails_and_the_tier_still_fails(
+    tmp_path: Path, disposable: str
+) -> None:
+    """The Makefile's own macro: the command's exit status is the recipe's, whether or not the venv goes."""
+    (tmp_path / "gone").mkdir()
+    (tmp_path / "Makefile").write_text(FAILING_THEN_DISPOSED.format(makefile=REPO / "Makefile"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MAKE")}
+    done = subprocess.run(
+        ["make", "--no-print-directory", "try", f"DISPOSABLE_VENVS={disposable}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2 and "Error 3" in done.stderr, done.stdout + done.stderr
+    assert (tmp_path / "ran").exists()
+    assert (tmp_path / "gone").exists() == (disposable == "")
 
 
 #: A test that reports whether a child process starts with SIGINT ignored.

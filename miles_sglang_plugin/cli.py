@@ -24,6 +24,8 @@ from typing import Any
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
+#: 128 + SIGPIPE, as a shell reports a command whose reader went away (``plan --json | head``).
+EXIT_BROKEN_PIPE = 141
 
 
 def _out_console() -> Any:
@@ -396,6 +398,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # while the command's modules load, before anything started
         sys.stderr.write("interrupted\n")
         return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader of stdout went away (``| head``): stop quietly, as a shell tool does. What is still buffered
+        # goes to /dev/null, so that the interpreter's last flush does not report the same broken pipe.
+        import os
+
+        with contextlib.suppress(OSError, ValueError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":

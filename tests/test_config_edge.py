@@ -392,3 +392,19 @@ def test_the_request_filter_comes_with_the_first_request_not_with_an_import() ->
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
     assert out.stdout.splitlines() == ["[]", "['OwnRequestsFilter']"]
+
+
+def test_a_reader_that_goes_away_ends_plan_quietly_with_status_141():
+    """``miles-sglang plan --json | head``: the command stops at the broken pipe, with no traceback and no
+    "Exception ignored" from the interpreter's last flush (4,096 engines: far more than a pipe's buffer)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "miles_sglang_plugin", "plan", "--json", "sglang=default", "hf_checkpoint=/c",
+         "debug_rollout_only=true", "sglang.actor.regular.num_gpus=4096", "sglang.actor.num_gpus_per_engine=1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout.read(100).startswith(b"{\n")
+    proc.stdout.close()
+    stderr = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141
+    assert stderr == b""

@@ -529,13 +529,15 @@ def test_hydras_plugin_scan_imports_no_schema_and_nothing_of_a_launch() -> None:
 
 
 def test_plan_json_imports_nothing_of_a_launch() -> None:
-    """``miles-sglang plan --json`` plans only: no HTTP client, serving, backend or table rendering loads."""
+    """``miles-sglang plan --json`` plans only: no HTTP client, serving, backend or table rendering loads, nor
+    the gateways' ``RouterArgs`` when the router settings have no ``extra`` keys to check against them."""
     code = (
         "import sys\n"
         "from miles_sglang_plugin.cli import main\n"
         "code = main(['plan', '--json', 'sglang=pd_actor_ref', 'hf_checkpoint=/c'])\n"
         "loaded = sorted(m for m in sys.modules if m.startswith(('httpx', 'rich', 'anyio', 'miles_sglang_plugin.serving',"
-        " 'miles_sglang_plugin.backends.processes', 'miles_sglang_plugin.backends.local', 'miles_sglang_plugin.miles.sglang_config')))\n"
+        " 'miles_sglang_plugin.backends.processes', 'miles_sglang_plugin.backends.local', 'miles_sglang_plugin.miles.sglang_config',"
+        " 'sglang_router.router_args', 'smg.router_args')))\n"
         "print(code, loaded, file=sys.stderr)\n"
     )
     result = subprocess.run(

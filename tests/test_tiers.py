@@ -29,9 +29,15 @@ test-c:
 """
 
 
+def _env_outside_make() -> dict[str, str]:
+    """The environment without what a make running this suite passes down: its flags, and the variables set
+    on its command line (.ci/run's ``DISPOSABLE_VENVS=1``), which make exports to its recipes."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("MAKE") and k != "DISPOSABLE_VENVS"}
+
+
 def _run_tiers(tmp_path: Path, *targets: str) -> subprocess.CompletedProcess[str]:
     (tmp_path / "Makefile").write_text(FAKE_TIERS)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MAKE")}
+    env = _env_outside_make()
     env["MAKE"] = "make"
     return subprocess.run(
         ["bash", str(RUNNER), *targets], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
@@ -74,7 +80,7 @@ def test_no_tier_is_a_usage_error(tmp_path: Path) -> None:
 def _dry_run(*args: str) -> str:
     """``make -n ARGS`` in the checkout: every command the tiers would run, none run (the runner itself does
     run, as a line naming $(MAKE) does under -n, and its makes inherit -n)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MAKE")}
+    env = _env_outside_make()
     done = subprocess.run(
         ["make", "-n", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
     )
@@ -142,7 +148,7 @@ def test_a_disposed_venv_goes_even_when_its_tier_fails_and_the_tier_still_fails(
     """The Makefile's own macro: the command's exit status is the recipe's, whether or not the venv goes."""
     (tmp_path / "gone").mkdir()
     (tmp_path / "Makefile").write_text(FAILING_THEN_DISPOSED.format(makefile=REPO / "Makefile"))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MAKE")}
+    env = _env_outside_make()
     done = subprocess.run(
         ["make", "--no-print-directory", "try", f"DISPOSABLE_VENVS={disposable}"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60,

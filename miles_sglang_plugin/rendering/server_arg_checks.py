@@ -23,7 +23,7 @@ import functools
 import json
 import re
 from collections.abc import Iterable, Iterator, Mapping
-from importlib import metadata, resources
+from importlib import resources
 from typing import Any
 
 from miles_sglang_plugin.config.schema import SGLangDeployConf
@@ -31,6 +31,7 @@ from miles_sglang_plugin.errors import Problem
 from miles_sglang_plugin.masking import MASK, SECRET_FIELDS
 from miles_sglang_plugin.planning.plan import DeploymentPlan
 from miles_sglang_plugin.rendering.launch_specs import EngineProcessLaunch, server_args_to_argv
+from miles_sglang_plugin.rendering.server_arg_fields import installed_sglang
 
 #: SGLang's ``human_readable_int``: an integer, or a number with an SI (decimals allowed) or IEC suffix.
 _SIZE_RE = re.compile(r"^\s*(\d+|\d+(\.\d+)?[kMGT]|\d+(Ki|Mi|Gi|Ti))\s*$")
@@ -48,13 +49,6 @@ def shipped_server_arg_types() -> dict[str, Any]:
     """The shipped table: ``{"sglang_version": ..., "fields": {field: {"kind", "nargs", "choices", "flag"}}}``."""
     text = resources.files("miles_sglang_plugin.data").joinpath("sglang_server_args_types.json").read_text()
     return dict(json.loads(text))
-
-
-def _installed_sglang_version() -> str | None:
-    try:
-        return metadata.version("sglang")
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def _converts(token: str, kind: str) -> bool:
@@ -235,7 +229,8 @@ def server_arg_value_problems(
     launching_real_engines: bool,
 ) -> list[Problem]:
     """The checks that apply here (see the module docstring)."""
-    installed = _installed_sglang_version()
+    sglang = installed_sglang()
+    installed = sglang[0] if sglang else None
     table_version = shipped_server_arg_types()["sglang_version"]
     problems: list[Problem] = []
     if installed is None or installed == table_version:

@@ -38,8 +38,10 @@ def _cache_file(version: str, location: str) -> Path:
     return base / f"sglang-{version}-{digest}-server-args-fields.txt"
 
 
-def _installed_sglang() -> tuple[str, str] | None:
-    """(version, install location) of the installed SGLang distribution, without importing it."""
+@functools.cache
+def installed_sglang() -> tuple[str, str] | None:
+    """(version, install location) of the installed SGLang distribution, without importing it; looked up once
+    per process (a search of ``sys.path``)."""
     try:
         dist = metadata.distribution("sglang")
     except metadata.PackageNotFoundError:
@@ -53,7 +55,7 @@ def known_server_arg_fields() -> KnownFields:
     is cached per SGLang version and install location under ``~/.cache/miles_sglang_plugin``."""
     from miles_sglang_plugin.rendering import sglang_server_args
 
-    installed = _installed_sglang()
+    installed = installed_sglang()
     if installed is not None:
         version, location = installed
         cache = _cache_file(version, location)

@@ -410,3 +410,31 @@ def test_miles_sglang_launch_shows_the_supervisors_log_on_stderr(capsys: pytest.
         "engine_lost: engine actor.regular.1 (http://h:1) lost: gone",
         "warning: could not take actor.regular.1 out of router actor: refused",
     ]
+
+
+def test_a_wait_for_an_event_that_never_comes_names_the_ones_that_did() -> None:
+    """What the deployment did instead is in the error (a test that times out says why, not only that)."""
+    from miles_sglang_plugin.serving.events import EventLog
+
+    log = EventLog()
+    log.emit("engine_lost", "actor.regular.0", "lost")  # before ``since``: not named
+    since = 1
+    with pytest.raises(TimeoutError) as nothing:
+        log.wait_for("router_recovered", subject="router.actor", since=since, timeout_s=0.01)
+    assert str(nothing.value) == "no router_recovered event of router.actor in 0.01 s; no event came"
+    log.emit("router_lost", "router.actor", "lost")
+    log.emit("router_recovered", "router.ref", "back")  # another subject
+    with pytest.raises(TimeoutError) as two:
+        log.wait_for("router_recovered", subject="router.actor", since=since, timeout_s=0.01)
+    assert str(two.value) == (
+        "no router_recovered event of router.actor in 0.01 s; 2 came: router_lost (router.actor), "
+        "router_recovered (router.ref)"
+    )
+    for i in range(13):
+        log.emit("engine_restarting", f"actor.regular.{i}", "again")
+    with pytest.raises(TimeoutError) as many:
+        log.wait_for("router_recovered", subject="router.actor", since=since, timeout_s=0.01)
+    message = str(many.value)
+    assert message.startswith("no router_recovered event of router.actor in 0.01 s; 15 came (the last 12: ")
+    assert message.endswith("engine_restarting (actor.regular.12))")
+    assert "actor.regular.0)" not in message and "router_lost" not in message  # the first 3 left out

@@ -56,6 +56,20 @@ class DeploymentEvent:
     details: Mapping[str, Any] = field(default_factory=dict)
 
 
+#: How many of the events that did come a wait that timed out names (the last ones).
+_SEEN_SHOWN = 12
+
+
+def _seen(events: list[DeploymentEvent]) -> str:
+    """The events that came while a wait for another one timed out, the last few by kind and subject: what
+    the deployment did instead."""
+    if not events:
+        return "no event came"
+    shown = ", ".join(f"{event.kind} ({event.subject})" for event in events[-_SEEN_SHOWN:])
+    earlier = len(events) - _SEEN_SHOWN
+    return f"{len(events)} came" + (f" (the last {_SEEN_SHOWN}: {shown})" if earlier > 0 else f": {shown}")
+
+
 class EventLog:
     """Events of one deployment (see the module docstring). Subscribers are called in order on one thread of
     the log's (started with the first subscriber); an exception in one is logged, never raised."""
@@ -138,6 +152,7 @@ class EventLog:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(
-                        f"no {kind} event{f' of {subject}' if subject else ''} in {timeout_s:g} s"
+                        f"no {kind} event{f' of {subject}' if subject else ''} in {timeout_s:g} s; "
+                        + _seen(list(self._events)[skip:])
                     )
                 self._changed.wait(left)

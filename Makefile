@@ -24,14 +24,16 @@ TRAINERS_BIN := $(TRAINERS_VENV)/bin
 RAY_FLOOR_VENV ?= .venv-ray-floor
 RAY_FLOOR_BIN := $(RAY_FLOOR_VENV)/bin
 REAL_VENV ?= .venv-real
-# DISPOSABLE_VENVS=1 (.ci/run, whose checkout is thrown away after): a lane's own venv is removed when its tier
-# has run, passed or failed, and the real-engine lane's install first removes the main venv, so that the disk
-# holds at most ~6.5 GB of venvs at a time instead of ~11 GB (a CI machine's free disk varies). The tiers' order
-# in .ci/run puts the main venv's last users (lint, docs) before the real-engine lane; any other order still
-# works, reinstalling what it needs.
+# DISPOSABLE_VENVS=1 (.ci/run, whose checkout is thrown away after; any other value means no): a lane's own venv
+# is removed when its tier has run, passed or failed, and the real-engine lane's install first removes the main
+# venv, so that the disk holds at most ~6.5 GB of venvs at a time instead of ~11 GB (a CI machine's free disk
+# varies). The tiers' order in .ci/run puts the main venv's last users (lint, docs) before the real-engine lane;
+# any other order still works, reinstalling what it needs.
 DISPOSABLE_VENVS ?=
-# Runs $(1); when DISPOSABLE_VENVS is set, then removes the venv $(2) and exits with $(1)'s status.
-run_then_dispose = $(if $(DISPOSABLE_VENVS),$(1); status=$$?; rm -rf $(2); exit $$status,$(1))
+disposable := $(filter 1,$(DISPOSABLE_VENVS))
+# Runs $(1); with DISPOSABLE_VENVS=1, then removes the venv $(2) and exits with $(1)'s status. $(1) may hold
+# no comma (make's argument separator).
+run_then_dispose = $(if $(disposable),$(1); status=$$?; rm -rf $(2); exit $$status,$(1))
 
 .PHONY: demo test test-quick test-slow test-smg test-ray test-ray-floor test-trainers test-real-engine lint typecheck docs bench mutation clean
 
@@ -89,7 +91,7 @@ $(RAY_FLOOR_VENV)/.installed: pyproject.toml Makefile | $(RAY_FLOOR_BIN)/python
 # The real-engine lane's venv: torch 2.14.1 (the build SGLang pins; a CUDA build, run on the CPU), sglang --no-deps
 # and what its server imports on a CPU, and this package with its test tools.
 $(REAL_VENV)/.installed: scripts/install-sglang-real-cpu.sh pyproject.toml
-	$(if $(DISPOSABLE_VENVS),rm -rf $(VENV) $(TRAINERS_VENV) $(RAY_FLOOR_VENV),@:)
+	$(if $(disposable),rm -rf $(VENV) $(TRAINERS_VENV) $(RAY_FLOOR_VENV),@:)
 	PYTHON=$(PYTHON) VENV=$(REAL_VENV) bash scripts/install-sglang-real-cpu.sh
 	touch $@
 

@@ -369,6 +369,15 @@ def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpa
     return args
 
 
+#: The commands whose work is what they print: a reader of their output that goes away ends them (a launch's
+#: broken pipe is a socket's or a child's, and fails it as any other error does).
+_PRINTING_COMMANDS = frozenset({"plan", "fields", "sweep-report", "import", "export"})
+
+
+class _StdoutClosed(Exception):
+    """A printing command's stdout was closed by its reader."""
+
+
 def _run(argv: Sequence[str] | None) -> int:
     from miles_sglang_plugin.backends.base import LaunchError
     from miles_sglang_plugin.config.compose import CompositionError
@@ -386,6 +395,10 @@ def _run(argv: Sequence[str] | None) -> int:
     except LaunchError as exc:
         _print_error(str(exc))
         return 1
+    except BrokenPipeError:
+        if args.command in _PRINTING_COMMANDS:
+            raise _StdoutClosed from None
+        raise
     except KeyboardInterrupt:
         started = args.command == "launch"  # only a launch has anything to stop
         sys.stderr.write("interrupted: every engine and router was stopped\n" if started else "interrupted\n")
@@ -398,7 +411,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # while the command's modules load, before anything started
         sys.stderr.write("interrupted\n")
         return EXIT_INTERRUPTED
-    except BrokenPipeError:
+    except _StdoutClosed:
         # The reader of stdout went away (``| head``): stop quietly, as a shell tool does. What is still buffered
         # goes to /dev/null, so that the interpreter's last flush does not report the same broken pipe.
         import os

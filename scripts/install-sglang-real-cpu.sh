@@ -59,15 +59,19 @@ quiet_pip_install() {
 }
 
 # torch's CUDA build with its libraries is most of the venv's ~6.5 GB: with less than 7 GB free, say so now
-# rather than as pip's "No space left on device" halfway through (a venv that already has torch needs no more).
+# rather than as pip's "No space left on device" halfway through. A venv whose torch and torchvision import
+# needs no more; one that a full disk left half-installed is checked like a new one.
 NEED_FREE_KB=$((7 * 1024 * 1024))
 has_torch() {
-    [ -x "$venv/bin/python" ] && "$venv/bin/python" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("torch") is None)' 2>/dev/null
+    [ -x "$venv/bin/python" ] && "$venv/bin/python" -c 'import torch, torchvision' >/dev/null 2>&1
 }
 if ! has_torch; then
     mkdir -p "$(dirname "$venv")"
-    free_kb=$(df -Pk "$(dirname "$venv")" | awk 'NR == 2 { print $4 }')
-    if [ "${free_kb:-0}" -lt "$NEED_FREE_KB" ]; then
+    free_kb=$(df -Pk "$(dirname "$venv")" 2>/dev/null | awk 'NR == 2 { print $4 }') || free_kb=""
+    if [ -z "$free_kb" ]; then
+        echo "install-sglang-real-cpu.sh: cannot tell the free disk space of $(dirname "$venv") (df failed);" \
+            "going on (the venv needs about 7 GB)" >&2
+    elif [ "$free_kb" -lt "$NEED_FREE_KB" ]; then
         echo "install-sglang-real-cpu.sh: $venv needs about 7 GB of free disk (torch ${TORCH[0]#torch==}, a CUDA" \
             "build, and its libraries); $((free_kb / 1024)) MB free on $(df -P "$(dirname "$venv")" | awk 'NR == 2 { print $6 }')" >&2
         exit 1

@@ -408,3 +408,16 @@ def test_a_reader_that_goes_away_ends_plan_quietly_with_status_141():
     stderr = proc.stderr.read()
     assert proc.wait(timeout=120) == 141
     assert stderr == b""
+
+
+def test_a_broken_pipe_of_a_launch_is_not_taken_for_a_closed_stdout(monkeypatch: pytest.MonkeyPatch):
+    """Only a printing command's broken pipe is its reader going away: a launch's (a socket's, a child's) is an
+    error, raised as it was."""
+    from miles_sglang_plugin import cli
+
+    def broken(args: object) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(cli, "_cmd_launch", broken)
+    with pytest.raises(BrokenPipeError):
+        main(["launch", "sglang=pd_actor_ref", "hf_checkpoint=/c"])

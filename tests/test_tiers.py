@@ -116,22 +116,36 @@ def test_make_test_runs_every_tier_and_ci_adds_lint_docs_and_the_real_engine() -
     )
 
 
+#: Venv paths that name nothing of this checkout's, for the dry runs that would remove them (``-n`` reaches the
+#: runner's sub-makes; were it ever not to, nothing real goes).
+SCRATCH_VENVS = ("VENV=/nonexistent/v", "TRAINERS_VENV=/nonexistent/t", "RAY_FLOOR_VENV=/nonexistent/f",
+                 "REAL_VENV=/nonexistent/r")  # fmt: skip
+
+
 def test_in_ci_each_lanes_venv_goes_once_its_tier_has_run_and_the_main_one_before_the_real_engines() -> None:
-    out = _dry_run("test", "EXTRA_TIERS=lint docs test-real-engine", "DISPOSABLE_VENVS=1")
+    out = _dry_run("test", "EXTRA_TIERS=lint docs test-real-engine", "DISPOSABLE_VENVS=1", *SCRATCH_VENVS)
     steps = [
-        'in-loopback-netns.sh .venv-ray-floor/bin/python -m pytest -m "ray and not trainers"',
-        "rm -rf .venv-ray-floor; exit $status",
-        "in-loopback-netns.sh .venv-trainers/bin/python -m pytest -m trainers",
-        "rm -rf .venv-trainers; exit $status",
+        'in-loopback-netns.sh /nonexistent/f/bin/python -m pytest -m "ray and not trainers"',
+        "rm -rf /nonexistent/f; exit $status",
+        "in-loopback-netns.sh /nonexistent/t/bin/python -m pytest -m trainers",
+        "rm -rf /nonexistent/t; exit $status",
         "scripts/generate-docs.py --check",  # docs: the main venv's last user
-        "rm -rf .venv .venv-trainers .venv-ray-floor\n",
+        "rm -rf /nonexistent/v /nonexistent/t /nonexistent/f\n",
         "bash scripts/install-sglang-real-cpu.sh",
-        '.venv-real/bin/python -m pytest -m "real_engine or engine_contract"',
-        "rm -rf .venv-real; exit $status",
+        '/nonexistent/r/bin/python -m pytest -m "real_engine or engine_contract"',
+        "rm -rf /nonexistent/r; exit $status",
     ]
     positions = [out.find(step) for step in steps]
     assert -1 not in positions, [s for s, at in zip(steps, positions, strict=True) if at < 0]
     assert positions == sorted(positions)
+
+
+@pytest.mark.parametrize("value", ["0", "no", "yes", ""])
+def test_only_disposable_venvs_1_removes_anything(value: str) -> None:
+    out = _dry_run(
+        "test", "EXTRA_TIERS=lint docs test-real-engine", f"DISPOSABLE_VENVS={value}", *SCRATCH_VENVS
+    )
+    assert "rm -rf" not in out
 
 
 FAILING_THEN_DISPOSED = """\

@@ -3,38 +3,43 @@
 Building a structured config of a large schema (``OmegaConf.structured``) is most of what a first compose costs
 beyond Hydra's own work: 45-65 ms for the three nodes of ``miles-sglang plan sglang=pd_actor_ref``, paid again by
 every new process. Each built node is therefore also written, pickled, to
-``$XDG_CACHE_HOME/miles_sglang_plugin`` (default ``~/.cache/miles_sglang_plugin``), and a later process that
-finds it loads it (about 1 ms) instead of building it.
+``$XDG_CACHE_HOME/miles_sglang_plugin/schema-nodes`` (default ``~/.cache/...``), and a later process that finds
+it loads it (about 1 ms) instead of building it.
 
-- **What a node is made from decides its folder**: ``schema-nodes-<install>-<sources>``, ``<install>`` a digest
-  of where the package is, ``<sources>`` a digest of the name, size and modification time of every one of its
-  ``.py`` files, of OmegaConf's version and of Python's. A changed source gives a new folder; writing into a
-  new folder removes the other folders of the same install (one live folder per install, as one ``.pyc`` per
-  module).
-- **A pickle runs code when it is loaded**, so a file is loaded only when it and its folder belong to this
-  user and nobody else may write to them, and it is at most 1 MiB. A file that is missing, unreadable, too
-  large, does not unpickle, or is not a ``DictConfig`` is built again and written over.
-- **Never an error**: a cache that cannot be read or written only costs the build. ``MSP_SCHEMA_CACHE=0`` turns
-  it off (nothing read, nothing written).
+- **A node's file is named after what it is built from, as this process has it in memory**
+  (:func:`fingerprint`): the dataclass (or instance) and every dataclass value inside it, each with its
+  qualified name, its fields' names and resolved types, and their values or defaults; with OmegaConf's and
+  Python's versions. A schema edited on disk but not yet imported, or imported before an edit, can therefore
+  never be served the other's node, and checkouts or venvs that share the cache share the nodes they agree
+  on. The newest :data:`KEEP_PER_NODE` files of each node are kept.
+- **A pickle runs code when it is loaded**, so a file is read only through a folder that is this user's and
+  that nobody else may write to, opened without following links, and only when it is a regular file of this
+  user's that nobody else may write to and at most 1 MiB. A file that is missing, unfit, does not unpickle, or
+  is not a ``DictConfig`` is built again and written anew.
+- **Never an error**: a cache that cannot be found, read or written only costs the build. ``MSP_SCHEMA_CACHE=0``
+  turns it off (nothing read, nothing written).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
+import dataclasses
 import hashlib
 import os
 import pickle
-import shutil
 import stat
 import sys
+import threading
+import typing
 from pathlib import Path
 from typing import Any
 
 #: A cached node larger than this is not read (the largest, the trainer arguments, is about 11 KB).
 MAX_NODE_BYTES = 1 << 20
+#: Files kept per node (other fingerprints: other checkouts, or earlier versions of the schema).
+KEEP_PER_NODE = 8
 CACHE_ENV = "MSP_SCHEMA_CACHE"
-_PREFIX = "schema-nodes-"
+FOLDER = "schema-nodes"
 
 
 def cache_root() -> Path:
@@ -42,103 +47,133 @@ def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "miles_sglang_plugin"
 
 
-def _package_dir() -> Path:
-    return Path(__file__).resolve().parent.parent
+def _describe(made: Any, out: list[str], seen: set[type]) -> None:
+    cls = made if isinstance(made, type) else type(made)
+    out.append(f"<{cls.__module__}.{cls.__qualname__}")
+    if not dataclasses.is_dataclass(cls):
+        out.append(repr(made))
+        return
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        out.append(f"{f.name}:{hints.get(f.name, f.type)!r}")
+        if not isinstance(made, type):
+            value = getattr(made, f.name)
+        elif f.default is not dataclasses.MISSING:
+            value = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            value = f.default_factory()
+        else:
+            out.append("=<missing>")
+            continue
+        if dataclasses.is_dataclass(value):
+            _describe(value, out, seen)
+        else:
+            out.append(f"={value!r}")
+    out.append(">")
 
 
-def _sources_digest(package: Path) -> str:
-    """A digest of every ``.py`` file of the package (relative name, size, modification time), OmegaConf's
-    version and Python's."""
+def fingerprint(made: Any) -> str:
+    """A digest of what ``OmegaConf.structured(made)`` builds a node from (see the module docstring)."""
     from omegaconf import __version__ as omegaconf_version
 
-    digest = hashlib.sha256(f"{omegaconf_version}\0{sys.version}\0{pickle.HIGHEST_PROTOCOL}".encode())
-    for folder, subfolders, files in os.walk(package):
-        subfolders[:] = sorted(name for name in subfolders if name != "__pycache__")
-        for name in sorted(files):
-            if name.endswith(".py"):
-                path = os.path.join(folder, name)
-                info = os.stat(path)
-                digest.update(
-                    f"\0{os.path.relpath(path, package)}\0{info.st_size}\0{info.st_mtime_ns}".encode()
-                )
-    return digest.hexdigest()[:16]
+    out = [omegaconf_version, sys.version, str(pickle.HIGHEST_PROTOCOL)]
+    _describe(made, out, set())
+    return hashlib.sha256("\0".join(out).encode()).hexdigest()[:24]
 
 
-@functools.cache
-def _cache_dir() -> Path | None:
-    """This install's folder for the current sources; None when the cache is off or the sources unreadable."""
-    if os.environ.get(CACHE_ENV, "1") == "0":
+def _off() -> bool:
+    return os.environ.get(CACHE_ENV, "1") == "0"
+
+
+def _only_mine(info: os.stat_result, kind: int) -> bool:
+    """A file of type ``kind`` (``stat.S_IFREG``, ``stat.S_IFDIR``) that is this user's and that nobody else may
+    write to."""
+    return (
+        stat.S_IFMT(info.st_mode) == kind
+        and info.st_uid == os.getuid()
+        and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    )
+
+
+def _open_folder(create: bool) -> int | None:
+    """A descriptor of the cache folder (not followed if a link), or None when it is not fit to use."""
+    folder = cache_root() / FOLDER
+    if create:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    if not _only_mine(os.fstat(fd), stat.S_IFDIR):
+        os.close(fd)
         return None
-    package = _package_dir()
+    return fd
+
+
+def _file_name(name: str, made: Any) -> str:
+    return f"{name}-{fingerprint(made)}.pickle"
+
+
+def load(name: str, made: Any) -> tuple[bytes, Any] | None:
+    """The cached node ``name`` built from ``made`` (its pickle, and the node unpickled from it), or None when
+    there is none fit to load."""
+    if _off():
+        return None
     try:
-        sources = _sources_digest(package)
-    except OSError:
-        return None
-    install = hashlib.sha256(str(package).encode()).hexdigest()[:12]
-    return cache_root() / f"{_PREFIX}{install}-{sources}"
-
-
-def _only_mine(path: Path) -> bool:
-    """Whether ``path`` (a file or folder, not followed if a link) is this user's and nobody else may write it."""
-    info = path.lstat()
-    if stat.S_ISLNK(info.st_mode):
-        return False
-    return info.st_uid == os.getuid() and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-
-
-def _file(folder: Path, name: str) -> Path:
-    return folder / f"{name}.pickle"
-
-
-def load(name: str) -> tuple[bytes, Any] | None:
-    """The cached node ``name`` (its pickle and the node unpickled from it), or None when there is none fit to
-    load."""
-    folder = _cache_dir()
-    if folder is None:
-        return None
-    path = _file(folder, name)
-    try:
-        if not (_only_mine(folder) and _only_mine(path)):
+        file_name = _file_name(name, made)
+        folder = _open_folder(create=False)
+        if folder is None:
             return None
-        with path.open("rb") as f:
+        try:
+            fd = os.open(file_name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=folder)
+        finally:
+            os.close(folder)
+        with os.fdopen(fd, "rb") as f:
+            if not _only_mine(os.fstat(f.fileno()), stat.S_IFREG):
+                return None
             data = f.read(MAX_NODE_BYTES + 1)
-    except OSError:
-        return None
-    if len(data) > MAX_NODE_BYTES:
-        return None
-    from omegaconf import DictConfig
+        if len(data) > MAX_NODE_BYTES:
+            return None
+        from omegaconf import DictConfig
 
-    try:
         node = pickle.loads(data)
-    except Exception:  # a torn or foreign file: build it again
+        if not isinstance(node, DictConfig):
+            return None
+        return data, node
+    except Exception:  # missing, unreadable, torn or foreign: build it again
         return None
-    if not isinstance(node, DictConfig):
-        return None
-    return data, node
 
 
-def store(name: str, data: bytes) -> None:
-    """Write the pickled node ``name``; a new folder first removes this install's other folders."""
-    folder = _cache_dir()
-    if folder is None or len(data) > MAX_NODE_BYTES:
+def store(name: str, made: Any, data: bytes) -> None:
+    """Write ``data``, the pickled node ``name`` built from ``made``; keep the newest files of the node."""
+    if _off() or len(data) > MAX_NODE_BYTES:
         return
-    with contextlib.suppress(OSError):
-        if not folder.is_dir():
-            _remove_stale(folder)
-            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        if not _only_mine(folder):
+    with contextlib.suppress(Exception):
+        file_name = _file_name(name, made)
+        folder = _open_folder(create=True)
+        if folder is None:
             return
-        tmp = folder / f".{name}.{os.getpid()}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        tmp.replace(_file(folder, name))
+        try:
+            tmp = f".{name}.{os.getpid()}.{threading.get_ident()}.tmp"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=folder)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                os.replace(tmp, file_name, src_dir_fd=folder, dst_dir_fd=folder)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp, dir_fd=folder)
+                raise
+            _prune(folder, name)
+        finally:
+            os.close(folder)
 
 
-def _remove_stale(folder: Path) -> None:
-    """Remove the folders of the same install made from other sources (``folder``: the new one)."""
-    install_prefix = folder.name.rsplit("-", 1)[0] + "-"
-    with contextlib.suppress(OSError):
-        for other in folder.parent.iterdir():
-            if other.name.startswith(install_prefix) and other != folder and _only_mine(other):
-                shutil.rmtree(other, ignore_errors=True)
+def _prune(folder: int, name: str) -> None:
+    """Remove all but the newest :data:`KEEP_PER_NODE` files of node ``name``."""
+    prefix = f"{name}-"
+    files = []
+    for entry in os.listdir(folder):
+        if entry.startswith(prefix) and entry.endswith(".pickle"):
+            info = os.stat(entry, dir_fd=folder, follow_symlinks=False)
+            files.append((info.st_mtime_ns, entry))
+    for _, entry in sorted(files, reverse=True)[KEEP_PER_NODE:]:
+        with contextlib.suppress(OSError):
+            os.unlink(entry, dir_fd=folder)

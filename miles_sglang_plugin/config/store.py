@@ -52,14 +52,15 @@ class LazyNode:
         if self._pickled is None:
             from miles_sglang_plugin.config import node_cache
 
-            cached = node_cache.load(self.name)
+            made = self.make()
+            cached = node_cache.load(self.name, made)
             if cached is not None:
                 self._pickled, node = cached
                 return node
             from omegaconf import OmegaConf
 
-            self._pickled = pickle.dumps(OmegaConf.structured(self.make()), protocol=pickle.HIGHEST_PROTOCOL)
-            node_cache.store(self.name, self._pickled)
+            self._pickled = pickle.dumps(OmegaConf.structured(made), protocol=pickle.HIGHEST_PROTOCOL)
+            node_cache.store(self.name, made, self._pickled)
         return pickle.loads(self._pickled)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:

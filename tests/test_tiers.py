@@ -88,6 +88,13 @@ def _dry_run(*args: str) -> str:
     return done.stdout
 
 
+def _assert_in_order(out: str, commands: list[str]) -> None:
+    """Each of ``commands`` is in ``out``, in this order."""
+    positions = [out.find(command) for command in commands]
+    assert -1 not in positions, [c for c, at in zip(commands, positions, strict=True) if at < 0]
+    assert positions == sorted(positions)
+
+
 def test_make_test_runs_every_tier_and_ci_adds_lint_docs_and_the_real_engine() -> None:
     out = _dry_run("test", "EXTRA_TIERS=lint docs test-real-engine")
     lanes = "not ray and not trainers and not real_engine"
@@ -102,9 +109,7 @@ def test_make_test_runs_every_tier_and_ci_adds_lint_docs_and_the_real_engine() -
         "scripts/generate-docs.py --check",
         '.venv-real/bin/python -m pytest -m "real_engine or engine_contract"',
     ]
-    positions = [out.find(command) for command in commands]
-    assert -1 not in positions, [c for c, at in zip(commands, positions, strict=True) if at < 0]
-    assert positions == sorted(positions)  # in this order
+    _assert_in_order(out, commands)
     rows = _summary(out)
     assert [row[0] for row in rows] == [
         "quick", "slow", "smg", "ray", "ray-floor", "trainers", "lint", "docs", "real-engine",
@@ -135,9 +140,7 @@ def test_in_ci_each_lanes_venv_goes_once_its_tier_has_run_and_the_main_one_befor
         '/nonexistent/r/bin/python -m pytest -m "real_engine or engine_contract"',
         "rm -rf /nonexistent/r; exit $status",
     ]
-    positions = [out.find(step) for step in steps]
-    assert -1 not in positions, [s for s, at in zip(steps, positions, strict=True) if at < 0]
-    assert positions == sorted(positions)
+    _assert_in_order(out, steps)
 
 
 @pytest.mark.parametrize("value", ["0", "no", "yes", ""])

@@ -374,10 +374,6 @@ def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpa
 _PRINTING_COMMANDS = frozenset({"plan", "fields", "sweep-report", "import", "export"})
 
 
-class _StdoutClosed(Exception):
-    """A printing command's stdout was closed by its reader."""
-
-
 def _run(argv: Sequence[str] | None) -> int:
     from miles_sglang_plugin.backends.base import LaunchError
     from miles_sglang_plugin.config.compose import CompositionError
@@ -396,9 +392,15 @@ def _run(argv: Sequence[str] | None) -> int:
         _print_error(str(exc))
         return 1
     except BrokenPipeError:
-        if args.command in _PRINTING_COMMANDS:
-            raise _StdoutClosed from None
-        raise
+        if args.command not in _PRINTING_COMMANDS:
+            raise
+        # The reader of stdout went away (``| head``): stop quietly, as a shell tool does. What is still buffered
+        # goes to /dev/null, so that the interpreter's last flush does not report the same broken pipe.
+        import os
+
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     except KeyboardInterrupt:
         started = args.command == "launch"  # only a launch has anything to stop
         sys.stderr.write("interrupted: every engine and router was stopped\n" if started else "interrupted\n")
@@ -411,15 +413,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # while the command's modules load, before anything started
         sys.stderr.write("interrupted\n")
         return EXIT_INTERRUPTED
-    except _StdoutClosed:
-        # The reader of stdout went away (``| head``): stop quietly, as a shell tool does. What is still buffered
-        # goes to /dev/null, so that the interpreter's last flush does not report the same broken pipe.
-        import os
-
-        with contextlib.suppress(OSError, ValueError):
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
-        return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "miles_sglang_plugin"
 
 
-def _describe(made: Any, out: list[str], seen: set[type]) -> None:
+def _describe(made: Any, out: list[str]) -> None:
     cls = made if isinstance(made, type) else type(made)
     out.append(f"<{cls.__module__}.{cls.__qualname__}")
     if not dataclasses.is_dataclass(cls):
@@ -66,7 +66,7 @@ def _describe(made: Any, out: list[str], seen: set[type]) -> None:
             out.append("=<missing>")
             continue
         if dataclasses.is_dataclass(value):
-            _describe(value, out, seen)
+            _describe(value, out)
         else:
             out.append(f"={value!r}")
     out.append(">")
@@ -77,7 +77,7 @@ def fingerprint(made: Any) -> str:
     from omegaconf import __version__ as omegaconf_version
 
     out = [omegaconf_version, sys.version, str(pickle.HIGHEST_PROTOCOL)]
-    _describe(made, out, set())
+    _describe(made, out)
     return hashlib.sha256("\0".join(out).encode()).hexdigest()[:24]
 
 

@@ -1239,7 +1239,7 @@ def test_a_lost_router_is_restarted_with_the_engines_in_service() -> None:
         RU(pending=NONE),
         RT(R.LOST, lost_at=7.0),
         E("router_lost", "router.actor", f"router of model actor lost: {reason}", reason=reason),
-        RT(R.RESTARTING, restarts=1),
+        RT(R.RESTARTING, restarts=1, pending=NONE),
         RU(pending=pending("restart")),
         RW("restart", details={"workers": ("e", "d")}),
     ]  # c does not register while its router is away
@@ -1250,7 +1250,7 @@ def test_a_router_back_serves_what_it_was_started_with_lists_them_and_is_reporte
     started = router_done("router_restart", "actor", generation=1, details={"workers": ("e",)})
     assert decide(fleet, ledger, [started], now=8.0) == [
         RU(pending=NONE),
-        RT(R.STARTING, probed_at=None, health_failures=0, started_with=("e",)),
+        RT(R.STARTING, probed_at=None, health_failures=0, started_with=("e",), started_at=8.0),
         U("e", registered=True),
         U("d", registered=False),
         U("c", registered=False),
@@ -1339,7 +1339,7 @@ def test_a_ready_router_that_stops_answering_is_lost_after_the_threshold() -> No
         RU(health_failures=2),
         RT(R.LOST, lost_at=1.75),
         E("router_lost", "router.actor", f"router of model actor lost: {reason}", reason=reason),
-        RT(R.RESTARTING, restarts=1),
+        RT(R.RESTARTING, restarts=1, pending=NONE),
         RU(pending=pending("restart")),
         RW("restart", details={"workers": ("e",)}),
     ]
@@ -1731,7 +1731,7 @@ def test_a_router_started_again_without_workers_has_none_of_its_engines() -> Non
     fleet, ledger = world(engine("e", pending=pending("probe")), routers=[away])
     assert decide(fleet, ledger, [router_done("router_restart", "actor", generation=1)], now=8.0) == [
         RU(pending=NONE),
-        RT(R.STARTING, probed_at=None, health_failures=0, started_with=()),
+        RT(R.STARTING, probed_at=None, health_failures=0, started_with=(), started_at=8.0),
         U("e", registered=False),
         RU(probed_at=8.0),
         RU(pending=pending("probe")),

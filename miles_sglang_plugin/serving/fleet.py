@@ -308,6 +308,8 @@ class RouterRow:
     pending: frozenset[str] = frozenset()
     #: The engines it was given at its (re)start: it serves them from its first moment.
     started_with: tuple[str, ...] = ()
+    #: When its current process was started again after a loss (its readiness deadline counts from here).
+    started_at: float | None = None
 
     @property
     def url(self) -> str:

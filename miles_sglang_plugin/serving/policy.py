@@ -36,6 +36,10 @@ STARTUP_HEALTH_ENDPOINT = "/health_generate"
 STARTUP_PROBE_TIMEOUT_S = 2.0
 #: How often a restarted engine or router is polled while it starts (healing waits on nothing else).
 RESTART_POLL_S = 0.05
+#: A restarted router that is not ready this long after its process started (it does not answer, or does not
+#: list the engines it was given as healthy) is lost again: restarted while its budget lasts. Its own start
+#: takes seconds; the deadline leaves room for a saturated machine.
+ROUTER_READY_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,7 @@ class Policy:
     restart_budget_reset_s: float = 600.0
     drain_timeout_s: float = 60.0
     router_max_restarts: int = 3
+    router_ready_timeout_s: float = ROUTER_READY_TIMEOUT_S
     startup_timeout_s: float = 600.0
     poll_interval_s: float = 0.25
 
@@ -284,6 +289,13 @@ def _observe_engine(
 def _on_exit(
     s: _Scratch, row: EngineRow, o: Observation, ledger: Ledger, policy: Policy, now: float, phase: str
 ) -> None:
+    if row.retired:
+        # A removed engine that dies is not restarted: its processes are stopped (reaped) and it leaves as any
+        # removed engine does; its GPUs are free for an added engine only once that is done.
+        if row.state not in (EngineState.STOPPED, EngineState.NEW) and "cleanup" not in row.pending:
+            s.set(row, cleaned_up=False)
+            s.start(row, "cleanup")
+        return
     if row.state not in _ACTIVE or (phase == "serving" and not policy.supervise):
         return  # without supervision nothing is watched once it serves (deployment.exited() tells)
     if phase == "starting":
@@ -714,7 +726,10 @@ def _advance_lost(s: _Scratch, row: EngineRow, policy: Policy, now: float, phase
 
 
 def _in_service(row: EngineRow) -> bool:
-    """It serves requests (also while it is brought back to the ledger after it disagreed with it)."""
+    """It serves requests (also while it is brought back to the ledger after it disagreed with it); never a
+    removed engine (it is drained)."""
+    if row.retired:
+        return False
     return row.state is EngineState.SERVING or (
         row.state is EngineState.CATCHING_UP and row.catch_up == "divergence"
     )
@@ -761,7 +776,14 @@ def _on_router_restart(
         s.end("fail", f"router of model {row.model} could not be brought back: {o.problem}")
         return
     started_with = tuple(o.details.get("workers", ()))
-    s.move_router(row, RouterState.STARTING, probed_at=None, health_failures=0, started_with=started_with)
+    s.move_router(
+        row,
+        RouterState.STARTING,
+        probed_at=None,
+        health_failures=0,
+        started_with=started_with,
+        started_at=now,
+    )
     for engine in s.engines():
         if engine.model == row.model:
             s.set(engine, registered=engine.id in started_with)
@@ -809,7 +831,9 @@ def _router_lost(s: _Scratch, row: RouterRow, reason: str, policy: Policy, now: 
         )
         return
     workers = tuple(e.id for e in s.engines() if e.model == row.model and e.registered and _in_service(e))
-    s.move_router(row, RouterState.RESTARTING, restarts=row.restarts + 1)
+    # A new generation: work still out for the old process comes back stale and is dropped, so none of it may
+    # stay pending (a poll out when the router died would otherwise block every poll of the new process).
+    s.move_router(row, RouterState.RESTARTING, restarts=row.restarts + 1, pending=frozenset())
     s.start_router(row, "restart", details={"workers": workers})
 
 
@@ -827,7 +851,21 @@ def _router_ready(s: _Scratch, row: RouterRow, now: float) -> None:
         )
 
 
+def _router_overdue(row: RouterRow, policy: Policy, now: float) -> bool:
+    """A restarted router that is still not ready at its deadline."""
+    return (
+        row.lost_at is not None
+        and row.started_at is not None
+        and row.state in (RouterState.STARTING, RouterState.LIVE)
+        and now - row.started_at >= policy.router_ready_timeout_s
+    )
+
+
 def _advance_router(s: _Scratch, row: RouterRow, policy: Policy, now: float, phase: str) -> None:
+    if phase == "serving" and _router_overdue(row, policy, now):
+        waited = now - (row.started_at or now)
+        _router_lost(s, row, f"not ready {waited:.1f} s after its restart", policy, now)
+        return
     if row.state is RouterState.STARTING:
         interval = policy.poll_interval_s if row.lost_at is None else RESTART_POLL_S
         if "probe" not in row.pending and _due(row.probed_at, interval, now):
@@ -890,12 +928,21 @@ def _draining_due(row: EngineRow, now: float) -> float | None:
 
 
 def _router_due(row: RouterRow, policy: Policy, now: float, phase: str) -> float | None:
+    deadline = (
+        row.started_at + policy.router_ready_timeout_s
+        if row.lost_at is not None
+        and row.started_at is not None
+        and row.state in (RouterState.STARTING, RouterState.LIVE)
+        else None
+    )
     if row.pending & {"probe", "list", "restart"}:
-        return None
+        return deadline
     if row.state is RouterState.STARTING:
-        return (row.probed_at or now) + (policy.poll_interval_s if row.lost_at is None else RESTART_POLL_S)
+        poll = (row.probed_at or now) + (policy.poll_interval_s if row.lost_at is None else RESTART_POLL_S)
+        return poll if deadline is None else min(poll, deadline)
     if row.state is RouterState.LIVE:
-        return (row.probed_at or now) + RESTART_POLL_S
+        poll = (row.probed_at or now) + RESTART_POLL_S
+        return poll if deadline is None else min(poll, deadline)
     if row.state is RouterState.READY and policy.supervise and phase == "serving":
         return (row.probed_at or now) + policy.health_interval_s
     return None

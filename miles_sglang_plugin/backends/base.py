@@ -136,6 +136,11 @@ class Backend(abc.ABC):
         restart: tried again after the backoff, while the restart budget lasts)."""
         return None
 
+    def release(self, before: PreparedDeployment, after: PreparedDeployment) -> None:  # noqa: B027
+        """A change of a running deployment (``Deployment.apply``) took it from ``before`` to ``after``, and
+        every process of ``before`` that ``after`` lacks has stopped: give back what only those held (port
+        claims, placement). Called once per change that ended; nothing by default."""
+
     def close(self) -> None:  # noqa: B027 - optional hook: nothing to give back by default
         """Give back what :meth:`prepare` took (port claims, placement); idempotent."""
 

@@ -30,7 +30,7 @@ from miles_sglang_plugin.backends.visible_gpus import (
 from miles_sglang_plugin.config.schema import EngineKind, SGLangDeployConf
 from miles_sglang_plugin.planning.plan import DeploymentPlan
 from miles_sglang_plugin.rendering.launch_specs import EngineProcessLaunch
-from miles_sglang_plugin.rendering.ports import PortAssignment, PortClaims, default_lock_dir
+from miles_sglang_plugin.rendering.ports import PortAssignment, PortClaims, default_lock_dir, ports_held
 from miles_sglang_plugin.rendering.prepared import PreparedDeployment, prepare_deployment
 
 
@@ -151,11 +151,14 @@ class LocalBackend(Backend):
     def stop(self, processes: Sequence[EngineProcess], *, grace_s: float) -> None:
         stop_processes([p.process for p in processes if isinstance(p, LocalEngineProcess)], grace_s=grace_s)
 
-    def release_ports(self, ports: Sequence[int]) -> None:
-        """Give back the claims of ports a running deployment's change no longer uses."""
-        if self.claims is not None:
-            for port in ports:
-                self.claims.drop(port)
+    def release(self, before: PreparedDeployment, after: PreparedDeployment) -> None:
+        """Give back the claims of every port ``before`` held that ``after`` does not (the whole runs of the
+        engines a change removed, and the routers of the models it removed)."""
+        if self.claims is None or before.ports is None:
+            return
+        kept = ports_held(after.ports, after.plan) if after.ports is not None else set()
+        for port in sorted(ports_held(before.ports, before.plan) - kept):
+            self.claims.drop(port, unlock=True)
 
     def close(self) -> None:
         if self.claims is not None:

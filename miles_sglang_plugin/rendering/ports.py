@@ -304,6 +304,20 @@ def _ports_of(ports: EnginePorts, dp_size: int) -> set[int]:
     return taken
 
 
+def ports_held(ports: PortAssignment, plan: DeploymentPlan) -> set[int]:
+    """Every port ``ports`` holds for ``plan``'s engine processes (each whole run: ``dist_init``'s
+    ``DIST_INIT_SPAN + dp_size`` ports) and routers, on whichever host."""
+    held: set[int] = set()
+    for _model, group in plan.groups():
+        for engine in group.engines:
+            for process in engine.processes:
+                engine_ports = ports.engines.get((engine.id, process.node_rank))
+                if engine_ports is not None:
+                    held |= _ports_of(engine_ports, group.dp_size)
+    held.update(p for r in ports.routers.values() for p in (r.http, r.prometheus))
+    return held
+
+
 def _fixed_by_host(
     plan: DeploymentPlan,
     fixed: PortAssignment,

@@ -38,7 +38,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
-import dataclasses
 import signal
 import threading
 import time
@@ -541,7 +540,7 @@ class Deployment:
             deadline = timeout_s if timeout_s is not None else self.settings.launch.startup_timeout_s
             done_at, removed = self.serving_loop.submit(self._converge(change, deadline)).result()
             self._removed_processes += removed
-            self._forget_ports(change)
+            self.backend.release(self.prepared, change.prepared)
             self.prepared = change.prepared
             if self.source is not None and not isinstance(config_or_plan, DeploymentPlan):
                 self.source.config = config_or_plan
@@ -626,28 +625,6 @@ class Deployment:
         self.fleet.transition_router(router.model, RouterState.STOPPED)
         self.fleet.drop_router(router.model)
         self._removed_processes.append(router.process)
-
-    def _forget_ports(self, change: elastic.Change) -> None:
-        """Give back the port claims of the engines and routers the change removed."""
-        release = getattr(self.backend, "release_ports", None)
-        if release is None or self.prepared.ports is None:
-            return
-        kept = change.prepared.ports
-        old = self.prepared.ports
-        ports = [
-            p
-            for key, e in old.engines.items()
-            if kept is None or key not in kept.engines
-            for p in dataclasses.astuple(e)
-            if p
-        ]
-        ports += [
-            p
-            for m, r in old.routers.items()
-            if kept is None or m not in kept.routers
-            for p in (r.http, r.prometheus)
-        ]
-        release(ports)
 
     def _place_again(self, engines: Sequence[str]) -> PreparedDeployment | None:
         """For the reconciler: ``engines`` lost their node; the backend places them on free capacity (None where

@@ -48,11 +48,15 @@ def test_a_poll_out_when_the_router_died_does_not_block_the_polls_of_its_new_pro
     )  # fmt: skip
     assert fleet.router("actor").state is R.STARTING
     assert router_work(actions) == ["router_probe"]
-    actions = decide(fleet, ledger, [router_done("router_probe", "actor", generation=1)], now=1.6, policy=policy)
+    actions = decide(
+        fleet, ledger, [router_done("router_probe", "actor", generation=1)], now=1.6, policy=policy
+    )
     assert fleet.router("actor").state is R.LIVE
     (listing,) = [a for a in actions if a.kind == "router_list"]
     assert tuple(listing.details["workers"]) == ("a", "b")
-    actions = decide(fleet, ledger, [router_done("router_list", "actor", generation=1)], now=1.7, policy=policy)
+    actions = decide(
+        fleet, ledger, [router_done("router_list", "actor", generation=1)], now=1.7, policy=policy
+    )
     assert fleet.router("actor").state is R.READY
     assert [kind for kind, _m in events(actions)] == ["router_recovered"]
 
@@ -118,7 +122,9 @@ def test_a_removed_engine_that_dies_is_not_restarted() -> None:
     policy = Policy(max_restarts=3)
     fleet, ledger = world(engine("a"), engine("c", retired=True, state=S.DRAINING, registered=False,
                                                drain_until=100.0))  # fmt: skip
-    actions = decide(fleet, ledger, [exited("c", 0, "process c exited with code -9", -9)], now=1.0, policy=policy)
+    actions = decide(
+        fleet, ledger, [exited("c", 0, "process c exited with code -9", -9)], now=1.0, policy=policy
+    )
     assert work(actions, "c") == ["cleanup"]
     assert "engine_restarting" not in [k for k, _m in events(actions)]
     actions = decide(fleet, ledger, [done("cleanup", "c", 0)], now=1.1, policy=policy)

@@ -1130,11 +1130,21 @@ def test_a_removed_engine_waits_for_its_own_cleanup_and_a_stopped_one_for_nothin
     assert decide(fleet, ledger, now=1.0, policy=Policy(drain_timeout_s=2.0)) == [
         T("e", S.DRAINING, drain_until=3.0, probed_at=None)
     ]
-    for state in (S.STOPPED, S.FAILED):
-        fleet, ledger = world(
-            engine("e", state=state, retired=True, registered=False), routers=[busy_router()]
-        )
-        assert decide(fleet, ledger, now=1.0) == [], state
+    fleet, ledger = world(
+        engine("e", state=S.STOPPED, retired=True, registered=False), routers=[busy_router()]
+    )
+    assert decide(fleet, ledger, now=1.0) == []
+
+
+def test_a_given_up_engine_a_change_removes_is_cleaned_up_then_stopped() -> None:
+    """A ``failed`` (given-up) engine that a later change removes or starts again: its processes are stopped
+    first, then it is ``stopped`` (and the change can drop it)."""
+    fleet, ledger = world(
+        engine("e", state=S.FAILED, retired=True, registered=False), routers=[busy_router()]
+    )
+    assert decide(fleet, ledger, now=1.0) == [U("e", pending=pending("cleanup")), W("cleanup", "e")]
+    decide(fleet, ledger, [done("cleanup", "e", 0)], now=1.5)
+    assert fleet.engine("e").state is S.STOPPED
 
 
 def test_a_drain_answer_is_only_looked_at_while_draining_and_before_the_cleanup() -> None:

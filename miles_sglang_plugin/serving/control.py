@@ -29,7 +29,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import time
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Collection, Coroutine, Mapping, Sequence
 from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 from miles_sglang_plugin.config.schema import SGLangDeployConf
@@ -213,14 +213,23 @@ class AsyncDeploymentControl:
         targets = targets or self._targets(spec, model, group)
         concerned = [*(r.id for r in targets.sent), *targets.deferred]
         reconciler = self._serving.reconciler
-        reconciler.begin_operation(concerned)
+
+        def covers(row: EngineRow) -> bool:  # an engine a change adds while the operation is out
+            return (
+                (model is None or row.model == model)
+                and (group is None or row.group == group)
+                and spec.concerns(row)
+            )
+
+        token = reconciler.begin_operation(concerned, covers if spec.records and effect is not None else None)
         try:
             sent = {r.id: r.restarts for r in targets.sent}
             answers = await self._fan_out(spec.method, route or spec.route, targets.sent, body, deadline_s)
             self._running()  # stopped while the calls were out: say so, record nothing
-            result = self._settle(spec, targets, answers, sent, effect)
+            joined = reconciler.joined(token)
+            result = self._settle(spec, targets, answers, sent, effect, joined)
         finally:
-            reconciler.end_operation(concerned)
+            reconciler.end_operation(token)
         return result.raise_for_errors() if check else result
 
     async def _fan_out(
@@ -257,12 +266,26 @@ class AsyncDeploymentControl:
         answers: Mapping[str, Answer],
         sent: Mapping[str, int],
         effect: Effect | None,
+        joined: Collection[str] = (),
     ) -> OperationResult:
         """Record what the engines accepted and sort the replies: an engine replaced while the call was out,
         or a local one whose call failed because it went down, is deferred (it gets the state by replay) when
-        some engine took it; when none did, nothing is recorded and the deferred engines failed."""
+        some engine took it; when none did, nothing is recorded and the deferred engines failed. An engine a
+        change removed while the call was out is left out (its answer no longer matters); one it added that
+        the operation covers (``joined``) is deferred: it gets the state by replay before it serves."""
         fleet = self._serving.fleet
-        now = {r.id: fleet.engine(r.id) for r in targets.sent}
+        removed = {r.id for r in targets.sent if r.id not in fleet or fleet.engine(r.id).retired}
+        now = {r.id: fleet.engine(r.id) if r.id in fleet else r for r in targets.sent}
+        answers = {e: answer for e, answer in answers.items() if e not in removed}
+        sent = {e: generation for e, generation in sent.items() if e not in removed}
+        targets = dataclasses.replace(
+            targets,
+            sent=tuple(r for r in targets.sent if r.id not in removed),
+            deferred=(
+                *(e for e in targets.deferred if e in fleet and not fleet.engine(e).retired),
+                *(e for e in sorted(joined) if e not in targets.deferred and e not in sent and e in fleet),
+            ),
+        )
         accepted = [e for e, answer in answers.items() if answer.problem() is None]
         replaced = [e for e in sent if now[e].restarts != sent[e]]
         down = [

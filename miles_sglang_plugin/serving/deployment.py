@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import contextlib
 import signal
 import threading
 import time
@@ -58,6 +59,7 @@ from miles_sglang_plugin.rendering.prepared import PreparedDeployment, prepare_d
 from miles_sglang_plugin.serving import elastic, quiet_http, signals
 from miles_sglang_plugin.serving.control import AsyncDeploymentControl, DeploymentControl
 from miles_sglang_plugin.serving.errors import (
+    ApplyTimeoutError,
     DeploymentFailedError,
     DeploymentStoppedError,
     StartupInterrupted,
@@ -72,6 +74,7 @@ from miles_sglang_plugin.serving.fleet import (
     RouterRow,
     RouterState,
     build_fleet,
+    engine_rows,
 )
 from miles_sglang_plugin.serving.ledger import Ledger, initial_state
 from miles_sglang_plugin.serving.policy import STARTUP_HEALTH_ENDPOINT
@@ -167,6 +170,7 @@ class Deployment:
             on_fail=self._fail_and_stop,
             place_again=self._place_again,
         )
+        self.reconciler.on_change_done = self._change_done
         self._control = DeploymentControl(AsyncDeploymentControl(self))
         self._started = False
         self._stopping = False
@@ -530,21 +534,30 @@ class Deployment:
         with self._apply_lock:
             self.check_running()
             started = time.monotonic()
+            deadline = timeout_s if timeout_s is not None else self.settings.launch.startup_timeout_s
+            if not dry_run:
+                self._await_earlier_changes(started + deadline)
             fresh, settings = self._resolve_change(config_or_plan)
             render = self._dry_render if dry_run else self._render
+            failed = [row.id for row in self.fleet.engines() if row.state is EngineState.FAILED]
             change = elastic.plan_change(
-                self.prepared, fresh, lambda plan, ports: render(plan, settings, ports), settings=settings
+                self.prepared,
+                fresh,
+                lambda plan, ports: render(plan, settings, ports),
+                settings=settings,
+                failed=failed,
             )
             if dry_run:
                 return elastic.result_of(change, {}, started, dry_run=True)
-            deadline = timeout_s if timeout_s is not None else self.settings.launch.startup_timeout_s
-            done_at, removed = self.serving_loop.submit(self._converge(change, deadline)).result()
-            self._removed_processes += removed
-            self.backend.release(self.prepared, change.prepared)
+            converging = self.serving_loop.submit(self._begin_change(change)).result()
+            # From here the deployment's desired state is the new plan, whether or not this call waits it out.
             self.prepared = change.prepared
             if self.source is not None and not isinstance(config_or_plan, DeploymentPlan):
                 self.source.config = config_or_plan
-            return elastic.result_of(change, done_at, started, dry_run=False)
+            outcome = self._await_change(converging, started + deadline, deadline)
+            return elastic.result_of(
+                change, outcome.done_at, started, dry_run=False, given_up=outcome.given_up
+            )
 
     def resize(
         self, model: str, group: str, num_gpus: int, *, dry_run: bool = False, timeout_s: float | None = None
@@ -599,16 +612,55 @@ class Deployment:
         fields = self.source.server_arg_fields if self.source is not None else None
         return prepare_deployment(plan, settings, server_arg_fields=fields, fixed_ports=ports)
 
-    async def _converge(self, change: elastic.Change, timeout_s: float) -> tuple[dict[str, float], list[Any]]:
-        return await elastic.converge(
-            change,
+    async def _begin_change(self, change: elastic.Change) -> elastic.Converging:
+        """On the loop: the routers of added models started, the change handed to the reconcile loop."""
+        for launch in change.prepared.launch.routers:
+            if self.fleet.router(launch.model) is None:
+                await self._start_new_router(launch)
+        converging = elastic.Converging(
+            change=change,
+            before=self.prepared,
             fleet=self.fleet,
             ledger=self.ledger,
-            reconciler=self.reconciler,
-            serving=self.serving_loop,
-            timeout_s=timeout_s,
-            start_router=self._start_new_router,
-            stop_router=self._stop_old_router,
+            new_rows={row.id: row for row in engine_rows(change.prepared)},
+            started_at=self.reconciler.clock(),
+            admit=self.reconciler.admit,
+        )
+        self.reconciler.begin_change(converging)
+        return converging
+
+    def _await_change(
+        self, converging: elastic.Converging, until: float, timeout_s: float
+    ) -> elastic.ChangeOutcome:
+        try:
+            return converging.finished.result(timeout=max(0.0, until - time.monotonic()))
+        except concurrent.futures.TimeoutError:
+            raise ApplyTimeoutError(
+                f"the change did not converge within {timeout_s:g} s (apply's timeout_s, by default "
+                f"sglang_deploy.launch.startup_timeout_s); it goes on: {converging.describe()}. "
+                "deployment.plan is the new plan; deployment.state() shows each engine, and a later apply "
+                "starts from the fleet as it is then"
+            ) from None
+
+    def _await_earlier_changes(self, until: float) -> None:
+        """A change still under way (an earlier apply that timed out) ends before the next one starts."""
+        for converging in list(self.reconciler.changes):
+            with contextlib.suppress(LaunchError):
+                self._await_change(converging, until, until - time.monotonic())
+
+    async def _change_done(self, converging: elastic.Converging) -> None:
+        """On the loop, once a change is done: the routers of the models it removed stop, the fleet takes the
+        plan's order, and what only the removed engines held is given back."""
+        change = converging.change
+        models = {m.name for m in change.plan.models if m.has_router}
+        for router in [r for r in self.fleet.routers() if r.model not in models]:
+            await self._stop_old_router(router)
+        self.fleet.order(
+            [e.id for e in change.plan.engines] + [e.id for m in change.plan.models for e in m.external]
+        )
+        self._removed_processes += converging.removed_processes
+        await asyncio.get_running_loop().run_in_executor(
+            self._io, lambda: self.backend.release(converging.before, change.prepared)
         )
 
     async def _start_new_router(self, launch: RouterLaunch) -> None:

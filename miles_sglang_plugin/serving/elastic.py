@@ -13,11 +13,10 @@ cannot change while running (router, backend, engine kind, API key, supervision,
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from miles_sglang_plugin.backends.base import LaunchError
 from miles_sglang_plugin.backends.processes import ManagedProcess
@@ -27,22 +26,25 @@ from miles_sglang_plugin.planning.plan import DeploymentPlan
 from miles_sglang_plugin.planning.stable import PlanDiff, stabilize
 from miles_sglang_plugin.rendering.ports import PortAssignment
 from miles_sglang_plugin.rendering.prepared import PreparedDeployment
-from miles_sglang_plugin.serving.fleet import EngineRow, EngineState, Fleet, RouterRow, engine_rows
-from miles_sglang_plugin.serving.ledger import ControlState, Ledger, initial_state
+from miles_sglang_plugin.serving.changes import Change, ChangeOutcome, Converging
+from miles_sglang_plugin.serving.fleet import RouterRow
 from miles_sglang_plugin.serving.routers import router_command
 
-if TYPE_CHECKING:
-    from miles_sglang_plugin.serving.reconciler import Reconciler, ServingLoop
-
-__all__ = ["ApplyResult", "Change", "EngineApply", "check_settings", "converge", "plan_change"]
+__all__ = [
+    "ApplyResult",
+    "Change",
+    "ChangeOutcome",
+    "Converging",
+    "EngineApply",
+    "check_settings",
+    "plan_change",
+]
 
 #: Settings a running deployment may take from a new config: what changes its engines' command lines
 #: (those engines are replaced) and how long a change may take.
 CHANGEABLE_SETTINGS = ("server_defaults", "env", "lora", "standin", "launch.command", "launch.startup_timeout_s",
                        "launch.drain_timeout_s", "launch.live", "launch.log_dir", "launch.port_base",
                        "launch.port_max", "launch.poll_interval_s")  # fmt: skip
-#: How often converging looks at the fleet.
-CONVERGE_POLL_S = 0.02
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,7 @@ class EngineApply:
     """What an apply did to one engine."""
 
     engine: str
-    #: kept, replaced, started, stopped.
+    #: kept, replaced, started, stopped; given_up (added or replaced, but it could not be started).
     change: str
     before: str
     after: str
@@ -90,12 +92,19 @@ class ApplyResult:
     def replaced(self) -> tuple[str, ...]:
         return self.of("replaced")
 
+    @property
+    def given_up(self) -> tuple[str, ...]:
+        """Added engines that could not be started (the rest of the change stands; they stay ``failed``)."""
+        return self.of("given_up")
+
     def lines(self) -> list[str]:
         width = max((len(e.engine) for e in self.engines), default=6)
         head = (
             f"{'would ' if self.dry_run else ''}apply: {len(self.kept)} kept, {len(self.started)} started, "
         )
         head += f"{len(self.stopped)} stopped, {len(self.replaced)} replaced"
+        if self.given_up:
+            head += f", {len(self.given_up)} given up"
         rows = [head if self.dry_run else f"{head} in {self.seconds:.2f} s"]
         for e in self.engines:
             took = f"  [{e.seconds:.2f} s]" if e.seconds is not None else ""
@@ -134,20 +143,24 @@ def check_settings(running: SGLangDeployConf, new: SGLangDeployConf) -> list[Pro
     return problems
 
 
-@dataclass(frozen=True)
-class Change:
-    """What an apply will do, worked out before anything changes."""
-
-    plan: DeploymentPlan
-    diff: PlanDiff
-    prepared: PreparedDeployment
-    #: engine id -> kept, replaced, started, stopped (kept engines whose command line changed: replaced).
-    changes: Mapping[str, str]
-    #: engine id -> why it is replaced.
-    reasons: Mapping[str, str] = dataclasses.field(default_factory=dict)
-
-    def engines(self, change: str) -> tuple[str, ...]:
-        return tuple(e for e, c in self.changes.items() if c == change)
+def router_mode_problems(running: DeploymentPlan, new: DeploymentPlan) -> list[Problem]:
+    """Models that would change between PD and regular serving: their router runs in one mode, and a running
+    deployment does not switch it (one problem each)."""
+    problems = []
+    old = {m.name: m for m in running.models if m.has_router}
+    for model in new.models:
+        before = old.get(model.name)
+        if before is None or not model.has_router or before.is_pd == model.is_pd:
+            continue
+        mode = {True: "prefill/decode (PD)", False: "regular"}
+        problems.append(
+            Problem(
+                f"sglang.{model.name}",
+                f"cannot change from {mode[before.is_pd]} to {mode[model.is_pd]} serving on a running "
+                "deployment: its router runs in one mode; stop the deployment and start the new one",
+            )
+        )
+    return problems
 
 
 def kept_ports(running: PreparedDeployment, plan: DeploymentPlan, diff: PlanDiff) -> PortAssignment:
@@ -168,11 +181,20 @@ def _same_launch(running: PreparedDeployment, new: PreparedDeployment, engine: s
 
 
 def plan_change(
-    running: PreparedDeployment, fresh: DeploymentPlan, render: Any, *, settings: SGLangDeployConf
+    running: PreparedDeployment,
+    fresh: DeploymentPlan,
+    render: Any,
+    *,
+    settings: SGLangDeployConf,
+    failed: Collection[str] = (),
 ) -> Change:
     """The stable plan for ``fresh``, rendered by ``render(plan, fixed_ports)`` (the backend's prepare, or a
-    dry run's rendering without probing), and each engine's change."""
+    dry run's rendering without probing), and each engine's change. ``failed``: engines given up by an
+    earlier change; one the new plan keeps is started again (replaced)."""
     problems = check_settings(running.settings, settings)
+    if problems:
+        raise DeploymentConfigError(problems, source="the new config")
+    problems = router_mode_problems(running.plan, fresh)
     if problems:
         raise DeploymentConfigError(problems, source="the new config")
     plan, diff = stabilize(running.plan, fresh)
@@ -183,6 +205,9 @@ def plan_change(
         if not _same_launch(running, prepared, engine):
             changes[engine] = "replaced"  # the same GPUs, another command line (overrides, server defaults)
             reasons[engine] = "another command line"
+        elif engine in failed:
+            changes[engine] = "replaced"
+            reasons[engine] = "it was given up: started again"
     old_external = {e.id: e.url for m in running.plan.models for e in m.external}
     new_external = {e.id: e.url for m in plan.models for e in m.external}
     for engine in old_external:
@@ -196,7 +221,13 @@ def plan_change(
     return Change(plan, diff, prepared, changes, reasons)
 
 
-def result_of(change: Change, done_at: Mapping[str, float], started: float, dry_run: bool) -> ApplyResult:
+def result_of(
+    change: Change,
+    done_at: Mapping[str, float],
+    started: float,
+    dry_run: bool,
+    given_up: tuple[str, ...] = (),
+) -> ApplyResult:
     diff = change.diff
     by_engine = {c.engine: c for c in diff.changes}
     rows = []
@@ -206,125 +237,15 @@ def result_of(change: Change, done_at: Mapping[str, float], started: float, dry_
         after = diff.where(c.new_slots) if c else "-"
         took = done_at.get(engine)
         seconds = None if took is None else took - started
-        rows.append(EngineApply(engine, what, before, after, seconds, change.reasons.get(engine, "")))
+        reason = change.reasons.get(engine, "")
+        if engine in given_up:
+            what, reason = "given_up", "it could not be started within its restart budget; it stays failed"
+        rows.append(EngineApply(engine, what, before, after, seconds, reason))
     elapsed = (max(done_at.values(), default=started) - started) if not dry_run else 0.0
     return ApplyResult(change.plan, diff, tuple(rows), dry_run, elapsed)
 
 
 # --------------------------------------------------------------------------------------------- converging
-def desired_for(row: EngineRow, fleet: Fleet, ledger: Ledger, initial: ControlState) -> ControlState:
-    """What an added engine should have: what the engines of its model and group have (else of its model:
-    weights, version, adapters, pause; memory released only from a group that offloads as it does)."""
-    peers = [r for r in fleet.engines() if r.model == row.model and not r.retired and r.id != row.id]
-    same_group = [r for r in peers if r.group == row.group]
-    if same_group:
-        return ledger.desired(same_group[0].id)
-    if not peers:
-        return initial
-    peer = peers[0]
-    want = ledger.desired(peer.id)
-    released = want.released if peer.needs_offload == row.needs_offload else frozenset()
-    return dataclasses.replace(want, released=released)
-
-
-@dataclass
-class _Converging:
-    """One apply under way on the serving loop."""
-
-    change: Change
-    fleet: Fleet
-    ledger: Ledger
-    reconciler: Reconciler
-    serving: ServingLoop
-    new_rows: dict[str, EngineRow]
-    started_at: float
-    done_at: dict[str, float] = dataclasses.field(default_factory=dict)
-    leaving: set[str] = dataclasses.field(default_factory=set)
-    coming: set[str] = dataclasses.field(default_factory=set)
-    retired_processes: list[Any] = dataclasses.field(default_factory=list)
-
-    def add(self, engine: str) -> None:
-        row = self.new_rows[engine]
-        initial = initial_state(row.initial_lora)
-        if self.change.changes[engine] == "replaced":
-            desired = self.ledger.desired(engine)  # the same engine: what it should have stays
-        else:
-            desired = desired_for(row, self.fleet, self.ledger, initial)
-        self.ledger.add_engine(engine, initial, desired)
-        row.state = EngineState.NEW
-        row.catch_up = "new"
-        row.cleaned_up = row.external
-        self.fleet.add_engine(row)
-        self.coming.add(engine)
-
-    def settle(self, now: float) -> None:
-        """Drop the removed engines that stopped (putting a replacement in their place), note the added ones
-        that serve."""
-        for engine in sorted(self.leaving):
-            if self.fleet.engine(engine).state is EngineState.STOPPED:
-                row = self.fleet.drop_engine(engine)
-                self.retired_processes += list(row.processes)
-                self.leaving.discard(engine)
-                self.done_at[engine] = now
-                if self.change.changes[engine] == "replaced":
-                    self.add(engine)
-                else:
-                    self.ledger.drop_engine(engine)
-        for engine in sorted(self.coming):
-            state = self.fleet.engine(engine).state
-            if state in (EngineState.SERVING, EngineState.PENDING_WEIGHTS):
-                self.coming.discard(engine)
-                self.done_at[engine] = now
-
-
-async def converge(
-    change: Change,
-    *,
-    fleet: Fleet,
-    ledger: Ledger,
-    reconciler: Reconciler,
-    serving: ServingLoop,
-    timeout_s: float,
-    start_router: Any,
-    stop_router: Any,
-) -> tuple[dict[str, float], list[Any]]:
-    """On the serving loop: bring the fleet to ``change`` (see the module docstring); the time each engine's
-    change was done, and the processes of the engines removed. Raises :class:`LaunchError` when it does not
-    converge within ``timeout_s``."""
-    clock = reconciler.clock
-    new_rows = {row.id: row for row in engine_rows(change.prepared)}
-    work = _Converging(change, fleet, ledger, reconciler, serving, new_rows, clock())
-    for launch in change.prepared.launch.routers:
-        if fleet.router(launch.model) is None:
-            await start_router(launch)
-    for engine, what in change.changes.items():
-        if what in ("stopped", "replaced"):
-            fleet.update(engine, retired=True)
-            work.leaving.add(engine)
-        elif what == "started":
-            work.add(engine)
-    reconciler.poke_here()
-    deadline = clock() + timeout_s
-    while work.leaving or work.coming:
-        work.settle(clock())
-        if reconciler.failure is not None or reconciler.phase != "serving":
-            raise LaunchError(
-                f"the deployment failed or stopped while it changed: {reconciler.failure or 'stopped'}"
-            )
-        if clock() > deadline:
-            left = sorted(work.leaving | work.coming)
-            raise LaunchError(
-                f"the change did not converge within {timeout_s:g} s (sglang_deploy.launch.startup_timeout_s): "
-                + ", ".join(f"{e} {fleet.engine(e).state.value}" for e in left)
-            )
-        await asyncio.sleep(CONVERGE_POLL_S)
-    models = {m.name for m in change.plan.models if m.has_router}
-    for router in [r for r in fleet.routers() if r.model not in models]:
-        await stop_router(router)
-    fleet.order([e.id for e in change.plan.engines] + [e.id for m in change.plan.models for e in m.external])
-    return work.done_at, work.retired_processes
-
-
 def new_router_row(launch: Any, log_dir: Any) -> RouterRow:
     argv, env = router_command(launch.spec)
     process = ManagedProcess(

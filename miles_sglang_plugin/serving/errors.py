@@ -9,6 +9,7 @@ from typing import Protocol
 from miles_sglang_plugin.backends.base import LaunchError
 
 __all__ = [
+    "ApplyTimeoutError",
     "ControlError",
     "DeploymentFailedError",
     "DeploymentStoppedError",
@@ -25,6 +26,12 @@ class DeploymentFailedError(LaunchError):
 class DeploymentStoppedError(LaunchError):
     """A control operation on a deployment that stopped (normally: not failed): one called once it stops, or one
     still in flight when it stopped (its engines were stopped under it)."""
+
+
+class ApplyTimeoutError(LaunchError):
+    """``apply`` stopped waiting before the change converged. The change goes on in the reconcile loop and is
+    neither undone nor lost: ``deployment.plan`` is its plan, ``deployment.state()`` shows where each engine
+    stands, and a later ``apply`` first waits for it to end, then starts from the fleet as it is."""
 
 
 class StartupInterrupted(LaunchError):

@@ -336,6 +336,9 @@ def _on_spawn(
         s.move(row, EngineState.STARTING, started_at=now, probed_at=None, health_failures=0)
         return
     if o.fatal:
+        if _never_served(row):
+            _give_up(s, row, o.problem or "it could not be started")
+            return
         s.end("fail", f"engine {row.id} lost ({row.lost_reason}) and {o.problem}")
         return
     _restart_failed(s, row, o.problem or "it could not be started", policy, now)
@@ -445,6 +448,9 @@ def _lose(s: _Scratch, row: EngineRow, reason: str, policy: Policy, now: float) 
         return
     s.start(row, "cleanup")
     used = budget_used(row, policy, now)
+    if used >= policy.max_restarts and _never_served(row):
+        _give_up(s, row, reason)
+        return
     if used >= policy.max_restarts:
         why = (
             "supervision.max_restarts=0 (fail fast)"
@@ -454,6 +460,29 @@ def _lose(s: _Scratch, row: EngineRow, reason: str, policy: Policy, now: float) 
         s.end("fail", f"engine {row.id} ({row.url}) lost: {reason}; {why}")
         return
     _schedule_restart(s, row, used, policy, now)
+
+
+def _never_served(row: EngineRow) -> bool:
+    """An engine a change added that has not served yet (its first start, or the restarts of it)."""
+    return row.catch_up == "new" and not row.external
+
+
+def _give_up(s: _Scratch, row: EngineRow, problem: str) -> None:
+    """An added engine that could not be started within its restart budget: it alone is given up (``failed``,
+    its processes stopped, its GPUs still its own), and the deployment serves on with what it had. A later
+    change starts it again."""
+    if row.state is not EngineState.LOST:
+        s.move(row, EngineState.LOST, lost_reason=problem, cleaned_up=False)
+    if not row.cleaned_up and "cleanup" not in row.pending:
+        s.start(row, "cleanup")
+    s.move(row, EngineState.FAILED, restart_at=None)
+    s.emit(
+        "engine_given_up",
+        row.id,
+        f"added engine {row.id} could not be started ({problem}); it is given up and stays failed, the "
+        "deployment serves on without it (apply the config again to start it again)",
+        reason=problem,
+    )
 
 
 def _schedule_restart(s: _Scratch, row: EngineRow, used: int, policy: Policy, now: float) -> None:
@@ -482,6 +511,9 @@ def _restart_failed(s: _Scratch, row: EngineRow, problem: str, policy: Policy, n
     s.move(row, EngineState.LOST, lost_reason=problem, cleaned_up=False, health_failures=0)
     s.start(row, "cleanup")
     used = budget_used(row, policy, now)
+    if used >= policy.max_restarts and _never_served(row):
+        _give_up(s, row, problem)
+        return
     if used >= policy.max_restarts:
         s.end(
             "fail",
@@ -524,7 +556,10 @@ def _advance_retired(s: _Scratch, row: EngineRow, policy: Policy, now: float) ->
     if state is EngineState.NEW:
         s.move(row, EngineState.STOPPED)  # never started
         return
-    if state in (EngineState.STOPPED, EngineState.FAILED) or row.pending & _WINDING:
+    if state is EngineState.STOPPED or row.pending & _WINDING:
+        return
+    if state is EngineState.FAILED:  # a given-up engine a later change removes or starts again
+        _retire_failed(s, row)
         return
     if state is not EngineState.DRAINING:
         s.move(row, EngineState.DRAINING, drain_until=now + policy.drain_timeout_s, probed_at=None)
@@ -538,6 +573,14 @@ def _advance_retired(s: _Scratch, row: EngineRow, policy: Policy, now: float) ->
     elif _due(row.probed_at, RESTART_POLL_S * 2, now):
         s.set(row, probed_at=now)
         s.start(row, "drain")
+
+
+def _retire_failed(s: _Scratch, row: EngineRow) -> None:
+    if row.external or row.cleaned_up:
+        s.move(row, EngineState.STOPPED)
+        s.emit("engine_removed", row.id, f"engine {row.id} ({row.url}) is out of the deployment")
+    elif "cleanup" not in row.pending:
+        s.start(row, "cleanup")
 
 
 def _on_drain(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -29,6 +30,7 @@ from miles_sglang_plugin.config.schema import SGLangDeployConf
 from miles_sglang_plugin.errors import DeploymentConfigError, first_line
 from miles_sglang_plugin.rendering.prepared import PreparedDeployment
 from miles_sglang_plugin.serving import router_client
+from miles_sglang_plugin.serving.changes import Converging
 from miles_sglang_plugin.serving.events import EventLog
 from miles_sglang_plugin.serving.fleet import (
     EngineRow,
@@ -201,6 +203,14 @@ class Reconciler:
         self._inbox: list[Observation] = []
         self._wake: asyncio.Event | None = None
         self._startup_deadline: float | None = None
+        #: Changes of the deployment under way (``apply``), settled on each pass until done.
+        self.changes: list[Converging] = []
+        #: Called on the loop when a change is done (routers of removed models stopped, resources given back).
+        self.on_change_done: Callable[[Converging], Coroutine[Any, Any, None]] | None = None
+        #: Control operations in flight: each one's engines, and which rows it covers (an engine added while
+        #: it is out joins it: it gets the operation's state by replay before it serves).
+        self._operations: dict[int, _Operation] = {}
+        self._next_operation = 0
 
     # ----------------------------------------------------------------------------------------- intake
     def observe(self, observation: Observation) -> None:
@@ -224,6 +234,7 @@ class Reconciler:
             observations, self._inbox = self._inbox, []
             try:
                 self._apply(self._decide(observations))
+                self._settle_changes()
             except Exception:  # the loop outlives any surprise; it is logged
                 log.exception("supervision: a decision failed")
             if self._inbox or self.phase not in ("starting", "serving"):
@@ -255,6 +266,40 @@ class Reconciler:
         """No more decisions (from any thread); what is under way is cancelled by the loop's close."""
         self.phase = "stopping"
         self._serving.call_soon(self.poke_here)
+        self._serving.call_soon(self._end_changes, "the deployment stopped while it changed")
+
+    # ----------------------------------------------------------------------------------------- changes
+    def begin_change(self, change: Converging) -> None:
+        """On the loop: a change of the deployment starts; the loop settles it from now on."""
+        change.begin()
+        self.changes.append(change)
+        self.poke_here()
+
+    def _settle_changes(self) -> None:
+        for change in list(self.changes):
+            if change.settle(self.clock()):
+                self.changes.remove(change)
+                self._serving.create_task(self._finish_change(change))
+                self.poke_here()  # replacements were added: decide for them
+
+    async def _finish_change(self, change: Converging) -> None:
+        try:
+            if self.on_change_done is not None:
+                await self.on_change_done(change)
+        except Exception as exc:  # the change itself is done: what failed after it is reported with it
+            log.exception("supervision: finishing a change failed")
+            if not change.finished.done():
+                change.finished.set_exception(LaunchError(f"the change ended, but {first_line(exc)}"))
+            return
+        if not change.finished.done():
+            change.finished.set_result(change.outcome())
+
+    def _end_changes(self, why: str) -> None:
+        """The deployment fails or stops: every change still under way ends with ``why``."""
+        for change in self.changes:
+            if not change.finished.done():
+                change.finished.set_exception(LaunchError(f"{why}: {change.describe()}"))
+        self.changes.clear()
 
     # ----------------------------------------------------------------------------------------- applying
     def _apply(self, actions: Iterable[Action]) -> None:
@@ -312,6 +357,7 @@ class Reconciler:
             return
         self.failure = a.message
         self.phase = "stopping"
+        self._end_changes(f"the deployment failed while it changed ({a.message})")
         self.events.emit(
             "deployment_failed",
             "deployment",
@@ -588,15 +634,56 @@ class Reconciler:
         self.observe(router_done("router_list", row.model, None if ok else detail, generation=generation))
 
     # ----------------------------------------------------------------------------------------- control
-    def begin_operation(self, engines: Iterable[str]) -> None:
-        """On the loop: an operation concerning ``engines`` is out (none of them is caught up meanwhile)."""
+    def begin_operation(
+        self, engines: Iterable[str], covers: Callable[[EngineRow], bool] | None = None
+    ) -> int:
+        """On the loop: an operation concerning ``engines`` is out (none of them is caught up meanwhile); an
+        engine added meanwhile that it ``covers`` joins it. Its token, for :meth:`end_operation`."""
+        token = self._next_operation
+        self._next_operation += 1
+        operation = _Operation(set(), covers)
+        self._operations[token] = operation
         for engine in engines:
+            self._hold(operation, engine)
+        return token
+
+    def _hold(self, operation: _Operation, engine: str) -> None:
+        if engine in self.fleet and engine not in operation.engines:
+            operation.engines.add(engine)
             self.fleet.update(engine, ops_in_flight=self.fleet.engine(engine).ops_in_flight + 1)
 
-    def end_operation(self, engines: Iterable[str]) -> None:
-        for engine in engines:
-            self.fleet.update(engine, ops_in_flight=max(0, self.fleet.engine(engine).ops_in_flight - 1))
+    def admit(self, row: EngineRow) -> None:
+        """On the loop: ``row`` was added to the fleet (a change): it joins the operations out that cover it."""
+        for operation in self._operations.values():
+            if operation.covers is not None and operation.covers(row):
+                # a fresh row (also one that replaces a row of the same id): it counts from none
+                operation.engines.add(row.id)
+                operation.joined.add(row.id)
+                self.fleet.update(row.id, ops_in_flight=self.fleet.engine(row.id).ops_in_flight + 1)
+
+    def joined(self, token: int) -> set[str]:
+        """The engines of an operation that were added while it was out."""
+        operation = self._operations.get(token)
+        return set() if operation is None else set(operation.joined)
+
+    def end_operation(self, token: int) -> None:
+        operation = self._operations.pop(token, None)
+        if operation is None:
+            return
+        for engine in operation.engines:
+            if engine in self.fleet:  # not one a change removed meanwhile
+                row = self.fleet.engine(engine)
+                self.fleet.update(engine, ops_in_flight=max(0, row.ops_in_flight - 1))
         self.poke_here()
+
+
+@dataclass
+class _Operation:
+    """A control operation in flight: the engines it holds out of catch-up, and which added rows join it."""
+
+    engines: set[str]
+    covers: Callable[[EngineRow], bool] | None
+    joined: set[str] = dataclasses.field(default_factory=set)
 
 
 _APPLY: dict[str, Callable[[Reconciler, Action], None]] = {

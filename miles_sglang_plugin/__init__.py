@@ -78,6 +78,7 @@ _EXPORTS: dict[str, str] = {
     "EngineReply": "miles_sglang_plugin.serving.results",
     "WeightUpdateGroup": "miles_sglang_plugin.serving.results",
     "WeightUpdateRank": "miles_sglang_plugin.serving.results",
+    "ApplyTimeoutError": "miles_sglang_plugin.serving.errors",
     "ControlError": "miles_sglang_plugin.serving.errors",
     "DeploymentFailedError": "miles_sglang_plugin.serving.errors",
     "DeploymentStoppedError": "miles_sglang_plugin.serving.errors",
@@ -115,6 +116,7 @@ _EXPORTS: dict[str, str] = {
 
 __all__ = [
     "ApplyResult",
+    "ApplyTimeoutError",
     "AsyncDeploymentControl",
     "Backend",
     "BackgroundControl",
@@ -243,6 +245,7 @@ if TYPE_CHECKING:  # what static tools see; at run time the names load lazily th
     from miles_sglang_plugin.serving.deployment import Deployment
     from miles_sglang_plugin.serving.elastic import ApplyResult
     from miles_sglang_plugin.serving.errors import (
+        ApplyTimeoutError,
         ControlError,
         DeploymentFailedError,
         DeploymentStoppedError,

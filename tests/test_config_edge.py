@@ -354,15 +354,17 @@ class _Workers(BaseHTTPRequestHandler):
 
 
 def test_the_launchers_own_requests_stay_out_of_the_apps_log(caplog):
-    from miles_sglang_plugin.serving.routers import router_workers
+    from miles_sglang_plugin.serving import quiet_http
+    from tests.router_helpers import router_workers
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Workers)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{server.server_address[1]}"
     try:
+        quiet_http.install()  # as a deployment's start does
         with caplog.at_level(logging.INFO, logger="httpx"):
-            assert router_workers(url) == []  # the package's request
+            assert router_workers(url) == []  # the package's router client, on its kept clients
             httpx.get(f"{url}/workers", timeout=5)  # the app's own
     finally:
         server.shutdown()
@@ -371,20 +373,18 @@ def test_the_launchers_own_requests_stay_out_of_the_apps_log(caplog):
     assert lines == [f'HTTP Request: GET {url}/workers "HTTP/1.1 200 OK"']
 
 
-def test_the_request_filter_comes_with_the_first_request_not_with_an_import() -> None:
-    """Importing what a Hydra app imports leaves the app's logging as it is; the package's first request
-    (a router helper, called on its own here) installs the filter, once."""
+def test_the_request_filter_comes_with_a_start_not_with_an_import() -> None:
+    """Importing what a Hydra app imports, the router client included, leaves the app's logging as it is; a
+    deployment's start installs the filter (``quiet_http.install``), once however often it is called."""
     code = textwrap.dedent(
         """
         import logging
         import miles_sglang_plugin.app.hydra_edge
-        from miles_sglang_plugin.serving.routers import RouterRequestError, router_workers
+        import miles_sglang_plugin.serving.router_client
+        from miles_sglang_plugin.serving import quiet_http
         print(logging.getLogger("httpx").filters)
         for _ in range(2):
-            try:
-                router_workers("http://127.0.0.1:9", timeout_s=1)
-            except RouterRequestError:
-                pass
+            quiet_http.install()
         print([type(f).__name__ for f in logging.getLogger("httpx").filters])
         """
     )

@@ -20,9 +20,9 @@ from miles_sglang_plugin.app.hydra_edge import launch_from_config
 from miles_sglang_plugin.errors import DeploymentConfigError
 from miles_sglang_plugin.serving.deployment import Deployment
 from miles_sglang_plugin.serving.elastic import check_settings
-from miles_sglang_plugin.serving.routers import router_workers
 from tests.conftest_launch import leak_check  # noqa: F401  (fixture)
 from tests.launch_helpers import LeakTracker, compose, generate_body, process_alive, random_port_base
+from tests.router_helpers import router_workers
 
 FAST = [
     "sglang_deploy.supervision.health_interval_s=0.3",

@@ -16,9 +16,9 @@ import pytest
 
 from miles_sglang_plugin.app.hydra_edge import launch_from_config
 from miles_sglang_plugin.backends.base import LaunchError
-from miles_sglang_plugin.serving.routers import router_workers
 from tests.conftest_launch import leak_check  # noqa: F401  (fixture)
 from tests.launch_helpers import LeakTracker, compose, generate_body
+from tests.router_helpers import router_workers
 from tests.test_standin import Proc, spawn, start_standin, wait_http  # noqa: F401  (the spawn fixture)
 
 

@@ -20,7 +20,6 @@ import pytest
 from miles_sglang_plugin.app.hydra_edge import launch_from_config
 from miles_sglang_plugin.serving.deployment import Deployment
 from miles_sglang_plugin.serving.registry import ROUTING_KEY_HEADER, UnknownModelError
-from miles_sglang_plugin.serving.routers import router_workers
 from tests.conftest_launch import leak_check  # noqa: F401  (fixture)
 from tests.launch_helpers import (
     REPO,
@@ -32,6 +31,7 @@ from tests.launch_helpers import (
     process_alive,
     random_port_base,
 )
+from tests.router_helpers import router_workers
 
 # A PD actor and a regular reference model, worked out by hand (debug_rollout_only=true: rollout from slot 0,
 # 8 GPUs per node, groups placed one after the other: actor prefill, actor decode, ref regular):

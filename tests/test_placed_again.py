@@ -21,9 +21,9 @@ from miles_sglang_plugin.rendering.launch_specs import EngineProcessLaunch
 from miles_sglang_plugin.rendering.ports import PortAssignment
 from miles_sglang_plugin.rendering.prepared import PreparedDeployment
 from miles_sglang_plugin.serving.errors import DeploymentFailedError
-from miles_sglang_plugin.serving.routers import router_workers
 from tests.conftest_launch import leak_check  # noqa: F401  (fixture)
 from tests.launch_helpers import LeakTracker, compose, generate_body
+from tests.router_helpers import router_workers
 
 FAST = [
     "sglang.actor.regular.num_gpus=2",

@@ -1,13 +1,17 @@
-"""routers.py / router_main.py: unit tests, then integration tests against a REAL sglang-router 0.3.2.
+"""routers.py / router_main.py / router_client.py: unit tests, then integration tests against a REAL router
+(sglang-router 0.3.2, or SMG 1.13.0 with ``--gateway smg``).
 
 Integration tests start the router through ``router_command`` (``python -m miles_sglang_plugin.serving.router_main``)
 and stand-in engines (``python -m miles_sglang_plugin.standin``) on 127.0.0.1 with ports found free by binding
-port 0. Every process gets its own session (process group) and is killed by group and reaped in a fixture
-finalizer; the last test checks that nothing is left.
+port 0, and talk to the router through the client the reconciler uses (``serving/router_client.py`` on a
+``ClientPool``, each call on an event loop of its own: ``tests/router_helpers.py``). Every process gets its
+own session (process group) and is killed by group and reaped in a fixture finalizer; the last test checks
+that nothing is left.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib
 import json
@@ -39,18 +43,10 @@ from miles_sglang_plugin.rendering.router_specs import (
 )
 from miles_sglang_plugin.serving import router_main
 from miles_sglang_plugin.serving.registry import ModelRoute, RouterRegistry
-from miles_sglang_plugin.serving.routers import (
-    API_KEY_ENV,
-    RouterRequestError,
-    deregister_workers,
-    register_workers,
-    remove_worker,
-    replace_worker,
-    router_command,
-    router_ready,
-    router_workers,
-    wait_router_ready,
-)
+from miles_sglang_plugin.serving.router_client import SharedReads, deregister, listed, register, workers_of
+from miles_sglang_plugin.serving.routers import API_KEY_ENV, router_command
+from miles_sglang_plugin.serving.wire import ClientPool
+from tests.router_helpers import on_router, router_workers
 
 REPO = Path(__file__).resolve().parent.parent
 SECRET = "s3cr3t-router-key-do-not-leak"
@@ -604,17 +600,50 @@ def test_router_main_needs_key_when_spec_says_so(
     assert router_main.main(["--spec-json", "{not json"]) == 2
 
 
-def test_helpers_report_unreachable_router() -> None:
+def _register(router_url: str, *workers: WorkerRegistration, api_key: str | None = None) -> list[str | None]:
+    """``router_client.register`` of every worker at once, reading the router through shared reads as the
+    reconciler does; ``api_key`` is the router's (in the pool's headers) and the workers' (in each POST), as
+    a deployment's one key is. Each registration's problem, or None."""
+
+    async def step(pool: ClientPool) -> list[str | None]:
+        reads = SharedReads(pool, asyncio.ensure_future)
+        return list(await asyncio.gather(*(register(reads, router_url, w, api_key) for w in workers)))
+
+    return on_router(step, api_key)
+
+
+def _listed(
+    router_url: str, expected: list[WorkerRegistration], api_key: str | None = None
+) -> tuple[bool, str]:
+    return on_router(lambda pool: listed(pool, router_url, expected), api_key)
+
+
+def _deregister(router_url: str, url: str) -> str | None:
+    return on_router(lambda pool: deregister(pool, router_url, url))
+
+
+def _urls(router_url: str) -> list[str]:
+    return sorted(str(w["url"]) for w in router_workers(router_url))
+
+
+def _urls_become(router_url: str, urls: list[str], timeout_s: float = 30.0) -> list[str]:
+    """The router's listed URLs, read until they are ``urls`` (a removal is queued) or ``timeout_s`` passed."""
+    deadline = time.monotonic() + timeout_s
+    while (seen := _urls(router_url)) != sorted(urls) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return seen
+
+
+def test_the_client_reports_an_unreachable_router() -> None:
     port = _free_ports(1)[0]
     url = f"http://127.0.0.1:{port}"
-    ok, detail = router_ready(url, [WorkerRegistration("http://127.0.0.1:1")], timeout_s=1)
-    assert not ok and "not reachable" in detail
-    with pytest.raises(RouterRequestError, match="failed"):
-        register_workers(url, [WorkerRegistration("http://127.0.0.1:1")], timeout_s=1)
-    with pytest.raises(TimeoutError, match="not ready after"):
-        wait_router_ready(url, [], timeout_s=0.3, interval_s=0.05)
-    with pytest.raises(RuntimeError, match="exited before it was ready"):
-        wait_router_ready(url, [], timeout_s=5, alive=lambda: False)
+    worker = WorkerRegistration("http://127.0.0.1:1")
+    ok, detail = _listed(url, [worker])
+    assert not ok and detail.startswith(f"GET {url}/workers: ConnectError: "), detail
+    (problem,) = _register(url, worker)  # refused at once: no wait for the registration deadline
+    assert problem is not None and problem.startswith(f"POST {url}/workers: ConnectError: "), problem
+    problem = _deregister(url, worker.url)
+    assert problem is not None and problem.startswith(f"GET {url}/workers: ConnectError: "), problem
 
 
 # ==========================================================================================================
@@ -776,14 +805,15 @@ def test_regular_round_robin(launcher: Launcher) -> None:
     t0 = time.monotonic()
     router, live_s = launcher.router(spec)
     workers = [WorkerRegistration(e1.url), WorkerRegistration(e2.url + "/")]  # trailing '/' is normalised
-    ok, detail = router_ready(spec.url, workers)
-    assert not ok and "not registered yet" in detail
-    answers = register_workers(spec.url, workers)
-    assert [a["status"] for a in answers] == ["accepted", "accepted"] and all(a["worker_id"] for a in answers)
-    detail = wait_router_ready(spec.url, workers, timeout_s=30, alive=lambda: router.popen.poll() is None)
+    assert _listed(spec.url, workers) == (
+        False,
+        f"waiting for 2 of 2 workers: {e1.url} (regular) not registered yet; "
+        f"{e2.url} (regular) not registered yet",
+    )
+    assert _register(spec.url, *workers) == [None, None]  # each returns once the router lists it healthy
     ready_s = time.monotonic() - t0
-    print(f"\nrouter /liveness after {live_s:.2f}s, ready (2 workers) {ready_s:.2f}s after Popen: {detail}")
-    assert detail.startswith("ready: 2/2 workers healthy")
+    print(f"\nrouter /liveness after {live_s:.2f}s, ready (2 workers) {ready_s:.2f}s after Popen")
+    assert _listed(spec.url, workers) == (True, "ready: 2 workers healthy")
 
     listed = router_workers(spec.url)
     assert sorted(w["url"] for w in listed) == sorted([e1.url, e2.url])
@@ -800,9 +830,12 @@ def test_regular_round_robin(launcher: Launcher) -> None:
     assert sorted(set(ports)) == sorted(int(e.url.rsplit(":", 1)[1]) for e in (e1, e2))
     assert ports[0] != ports[1]  # round robin alternates
 
-    # a type mismatch is reported, not hidden
-    ok, detail = router_ready(spec.url, [WorkerRegistration(e1.url, "decode")])
-    assert not ok and "registered as 'regular', expected 'decode'" in detail
+    # a type mismatch is reported, not hidden, and the workers not asked about are named
+    assert _listed(spec.url, [WorkerRegistration(e1.url, "decode")]) == (
+        False,
+        f"waiting for 1 of 1 workers: {e1.url} registered as 'regular', expected 'decode'; "
+        f"also registered: {e2.url}",
+    )
 
     # the start line names model, url, policy and pd
     assert f"router for model 'actor' at {spec.url} policy=round_robin pd=False" in router.tail()
@@ -828,13 +861,38 @@ def test_pd_mode_passes_bootstrap_fields(launcher: Launcher) -> None:
         WorkerRegistration(decode.url, "decode"),
     ]
 
-    register_workers(spec.url, workers[:1])
-    time.sleep(0.3)
-    ok, detail = router_ready(spec.url, workers)
-    assert not ok and "decode) not registered yet" in detail
+    async def prefill_first(pool: ClientPool) -> dict[str, object]:
+        """The prefill worker registered alone: listed healthy, yet its registration waits for /readiness,
+        which in PD mode wants a decode worker too; the decode worker's registration completes both."""
+        reads = SharedReads(pool, asyncio.ensure_future)
+        prefill_in = asyncio.ensure_future(register(reads, spec.url, workers[0], None))
+        async with asyncio.timeout(30):
+            while True:
+                entries, _ = await workers_of(pool, spec.url)
+                if any(w.get("is_healthy") for w in entries or []):
+                    break
+                await asyncio.sleep(0.02)
+        seen = {
+            "prefill alone": await listed(pool, spec.url, workers[:1]),
+            "both": await listed(pool, spec.url, workers),
+            "prefill's registration done": prefill_in.done(),
+        }
+        seen["decode's registration"] = await register(reads, spec.url, workers[1], None)
+        seen["prefill's registration"] = await prefill_in
+        seen["both, after"] = await listed(pool, spec.url, workers)
+        return seen
 
-    register_workers(spec.url, workers[1:])
-    wait_router_ready(spec.url, workers, timeout_s=30, alive=lambda: router.popen.poll() is None)
+    seen = on_router(prefill_first)
+    # PD mode's /readiness (both gateways): 503 until a prefill and a decode worker are healthy
+    not_ready = '{"status": "not ready", "reason": "insufficient healthy workers"}'
+    assert seen == {
+        "prefill alone": (False, f"all 1 expected workers registered, but /readiness: HTTP 503: {not_ready}"),
+        "both": (False, f"waiting for 1 of 2 workers: {decode.url} (decode) not registered yet"),
+        "prefill's registration done": False,
+        "decode's registration": None,
+        "prefill's registration": None,
+        "both, after": (True, "ready: 2 workers healthy"),
+    }
     by_type = {w["worker_type"]: w for w in router_workers(spec.url)}
     assert by_type["prefill"]["bootstrap_port"] == bootstrap and "bootstrap_port" not in by_type["decode"]
 
@@ -856,8 +914,7 @@ def test_consistent_hashing_pins_routing_key(launcher: Launcher) -> None:
     spec = _router_spec("actor", policy="consistent_hashing", disable_circuit_breaker=True)
     router, _ = launcher.router(spec)
     workers = [WorkerRegistration(e.url) for e in engines]
-    register_workers(spec.url, workers)
-    wait_router_ready(spec.url, workers, timeout_s=30, alive=lambda: router.popen.poll() is None)
+    assert _register(spec.url, *workers) == [None, None]
 
     registry = RouterRegistry.from_env(RouterRegistry([ModelRoute.from_launch_spec(spec)]).to_env())
     with pytest.raises(ValueError, match="needs a routing key"):
@@ -885,14 +942,13 @@ def test_api_key(launcher: Launcher) -> None:
     assert SECRET.encode() not in cmdline
 
     workers = [WorkerRegistration(engine.url)]
-    with pytest.raises(RouterRequestError) as info:
-        register_workers(spec.url, workers)  # no key
-    assert info.value.status_code == 401 and "answered 401" in str(info.value)
-    ok, detail = router_ready(spec.url, workers)
-    assert not ok and "401" in detail
+    (problem,) = _register(spec.url, *workers)  # no key: refused at once
+    assert problem is not None and problem.startswith(f"POST {spec.url}/workers: HTTP 401"), problem
+    ok, detail = _listed(spec.url, workers)
+    assert not ok and detail.startswith(f"GET {spec.url}/workers: HTTP 401"), detail
 
-    register_workers(spec.url, workers, api_key=SECRET)  # also the worker's key
-    wait_router_ready(spec.url, workers, api_key=SECRET, timeout_s=30)
+    assert _register(spec.url, *workers, api_key=SECRET) == [None]  # the router's key, also the worker's
+    assert _listed(spec.url, workers, api_key=SECRET) == (True, "ready: 1 workers healthy")
 
     assert _generate(spec.url + "/generate").status_code == 401
     assert _generate(spec.url + "/generate", {"Authorization": "Bearer wrong"}).status_code == 401
@@ -903,20 +959,31 @@ def test_api_key(launcher: Launcher) -> None:
 
 def test_deregister_workers(launcher: Launcher) -> None:
     engines = [launcher.engine(), launcher.engine()]
+    first, second = sorted(e.url for e in engines)
     spec = _router_spec("critic", policy="random")
-    router, _ = launcher.router(spec)
-    workers = [WorkerRegistration(e.url) for e in engines]
-    register_workers(spec.url, workers)
-    wait_router_ready(spec.url, workers, timeout_s=30, alive=lambda: router.popen.poll() is None)
-    assert len(router_workers(spec.url)) == 2
+    launcher.router(spec)
+    workers = [WorkerRegistration(first), WorkerRegistration(second)]
+    assert _register(spec.url, *workers) == [None, None]
+    assert _urls(spec.url) == [first, second]
 
-    removed = deregister_workers(spec.url)
-    assert sorted(removed) == sorted(e.url for e in engines)
-    assert router_workers(spec.url) == []
-    ok, detail = router_ready(spec.url, workers)
-    assert not ok and detail.startswith("waiting for 2 of 2 workers")
-    assert httpx.get(spec.url + "/readiness").status_code == 503
-    assert deregister_workers(spec.url) == []
+    assert _deregister(spec.url, first) is None
+    assert _urls_become(spec.url, [second]) == [second]  # the removal is queued (202)
+    assert _listed(spec.url, workers) == (
+        False,
+        f"waiting for 1 of 2 workers: {first} (regular) not registered yet",
+    )
+    assert _listed(spec.url, workers[1:]) == (True, "ready: 1 workers healthy")
+
+    assert _deregister(spec.url, second) is None
+    assert _urls_become(spec.url, []) == []
+    assert _listed(spec.url, workers) == (
+        False,
+        f"waiting for 2 of 2 workers: {first} (regular) not registered yet; {second} (regular) not registered yet",
+    )
+    assert httpx.get(spec.url + "/readiness", timeout=10).status_code == 503
+    # nothing expected: listed as it should be, /readiness not asked (a router with no engine to serve)
+    assert _listed(spec.url, []) == (True, "ready: 0 workers healthy")
+    assert _deregister(spec.url, first) is None  # not listed: nothing to take out
 
 
 def test_router_main_port_in_use(launcher: Launcher) -> None:
@@ -941,16 +1008,12 @@ def _labels_listed(entry: dict, gateway: str) -> dict[str, str]:
     return entry["labels"] if gateway == "smg" else entry["metadata"]
 
 
-def test_a_registered_url_is_registered_again_by_replace_worker(
-    launcher: Launcher, test_gateway: str
-) -> None:
+def test_a_registered_url_registered_again(launcher: Launcher, test_gateway: str) -> None:
     engine = launcher.engine()
     spec = _router_spec("actor", policy="round_robin")
-    router, _ = launcher.router(spec)
-    alive = lambda: router.popen.poll() is None  # noqa: E731
+    launcher.router(spec)
     first = WorkerRegistration(engine.url, labels={"engine_id": "actor.regular.0", "restarts": "0"})
-    register_workers(spec.url, [first])
-    wait_router_ready(spec.url, [first], timeout_s=30, alive=alive)
+    assert _register(spec.url, first) == [None]
 
     # A second POST of the URL: SMG refuses it, sglang-router 0.3.2 accepts it and keeps the old entry.
     again = WorkerRegistration(engine.url, labels={"engine_id": "actor.regular.0", "restarts": "1"})
@@ -962,48 +1025,40 @@ def test_a_registered_url_is_registered_again_by_replace_worker(
         time.sleep(0.5)  # its job runs (and fails) in the background
     (entry,) = router_workers(spec.url)
     assert _labels_listed(entry, test_gateway)["restarts"] == "0"
-    # register_workers answers SMG's 409 by registering the worker afresh; sglang-router keeps its entry
-    (answer,) = register_workers(spec.url, [again])
-    assert answer["status"] == "accepted"
-    wait_router_ready(spec.url, [again], timeout_s=30, alive=alive)
+
+    # register answers SMG's 409 by taking the listed entry out and posting again; sglang-router keeps its
+    # entry (the same URL, type and bootstrap port: the plan's labels of an engine do not change)
+    assert _register(spec.url, again) == [None]
     if test_gateway == "sglang_router":
         time.sleep(0.5)
     (entry,) = router_workers(spec.url)
     assert _labels_listed(entry, test_gateway)["restarts"] == ("1" if test_gateway == "smg" else "0")
 
-    # replace_worker: one entry, the new registration's, with either gateway
-    newer = WorkerRegistration(engine.url, labels={"engine_id": "actor.regular.0", "restarts": "1b"})
-    answer = replace_worker(spec.url, newer, timeout_s=30)
-    assert answer["status"] == "accepted" and answer["worker_id"] != entry["id"]
-    wait_router_ready(spec.url, [newer], timeout_s=30, alive=alive)
-    (entry,) = router_workers(spec.url)
-    assert _labels_listed(entry, test_gateway)["restarts"] == "1b"
-    assert entry["url"] == engine.url and entry["worker_type"] == "regular"
-    # and register_workers(replace=True) goes the same way
-    third = WorkerRegistration(engine.url, labels={"engine_id": "actor.regular.0", "restarts": "2"})
-    (answer,) = register_workers(spec.url, [third], replace=True)
-    assert answer["status"] == "accepted"
-    wait_router_ready(spec.url, [third], timeout_s=30, alive=alive)
+    # out of the router, then registered: one entry, the new registration's, with either gateway
+    newer = WorkerRegistration(engine.url, labels={"engine_id": "actor.regular.0", "restarts": "2"})
+    assert _deregister(spec.url, engine.url) is None
+    assert _urls_become(spec.url, []) == []
+    assert _register(spec.url, newer) == [None]
     (entry,) = router_workers(spec.url)
     assert _labels_listed(entry, test_gateway)["restarts"] == "2"
+    assert (entry["url"], entry["worker_type"], entry["is_healthy"]) == (engine.url, "regular", True)
 
 
 def test_an_engine_restarted_on_its_url_serves_again(launcher: Launcher) -> None:
     """What supervision does with a lost engine: take it out, start it again on its port, register it."""
     engine, other = launcher.engine(), launcher.engine()
     spec = _router_spec("actor", policy="round_robin", disable_circuit_breaker=True)
-    router, _ = launcher.router(spec)
-    alive = lambda: router.popen.poll() is None  # noqa: E731
+    launcher.router(spec)
     workers = [WorkerRegistration(engine.url), WorkerRegistration(other.url)]
-    register_workers(spec.url, workers)
-    wait_router_ready(spec.url, workers, timeout_s=30, alive=alive)
+    assert _register(spec.url, *workers) == [None, None]
 
     port = int(engine.url.rsplit(":", 1)[1])
     _stop(engine)
-    assert remove_worker(spec.url, engine.url) == 1
+    assert _deregister(spec.url, engine.url) is None
+    assert _urls_become(spec.url, [other.url]) == [other.url]
     restarted = launcher.engine(port=port)
-    replace_worker(spec.url, workers[0], timeout_s=30)
-    wait_router_ready(spec.url, workers, timeout_s=30, alive=alive)
+    assert _register(spec.url, workers[0]) == [None]
+    assert _listed(spec.url, workers) == (True, "ready: 2 workers healthy")
     ports = {_generate(spec.url + "/generate").json()["meta_info"]["stand_in"]["port"] for _ in range(4)}
     assert ports == {port, int(other.url.rsplit(":", 1)[1])}
     assert restarted.popen.poll() is None
@@ -1012,7 +1067,7 @@ def test_an_engine_restarted_on_its_url_serves_again(launcher: Launcher) -> None
 def test_registration_labels_are_listed(launcher: Launcher, test_gateway: str) -> None:
     engine = launcher.engine()
     spec = _router_spec("actor", policy="round_robin")
-    router, _ = launcher.router(spec)
+    launcher.router(spec)
     worker = WorkerRegistration(
         engine.url,
         labels={
@@ -1024,26 +1079,31 @@ def test_registration_labels_are_listed(launcher: Launcher, test_gateway: str) -
             "update_weights": "true",
         },
     )
-    register_workers(spec.url, [worker])
-    wait_router_ready(spec.url, [worker], timeout_s=30, alive=lambda: router.popen.poll() is None)
+    assert _register(spec.url, worker) == [None]
     (entry,) = router_workers(spec.url)
-    listed = _labels_listed(entry, test_gateway)
-    assert {key: listed[key] for key in worker.label_map} == worker.label_map
+    shown = _labels_listed(entry, test_gateway)
+    assert {key: shown[key] for key in worker.label_map} == {
+        "model": "actor",
+        "group": "regular",
+        "worker_type": "regular",
+        "engine_id": "actor.regular.0",
+        "needs_offload": "true",
+        "update_weights": "true",
+    }
 
 
 @pytest.mark.skipif(not gateway_installed("smg"), reason="SMG is not installed (the [smg] extra)")
 def test_smg_rl_workers_show_the_labels_and_select_by_them(launcher: Launcher) -> None:
     engines = [launcher.engine(), launcher.engine()]
     spec = _router_spec("actor", gateway="smg", policy="round_robin", extra={"enable_rl": True})
-    router, _ = launcher.router(spec)
+    launcher.router(spec)
     workers = [
         WorkerRegistration(e.url, labels={"model": "actor", "group": group, "engine_id": f"actor.{group}.0"})
         for e, group in zip(engines, ("regular", "small"), strict=True)
     ]
-    register_workers(spec.url, workers)
-    wait_router_ready(spec.url, workers, timeout_s=30, alive=lambda: router.popen.poll() is None)
-    listed = httpx.get(spec.url + "/v1/rl/workers", timeout=10).json()["workers"]
-    assert sorted((w["url"], w["labels"]["group"], w["labels"]["engine_id"]) for w in listed) == sorted(
+    assert _register(spec.url, *workers) == [None, None]
+    shown = httpx.get(spec.url + "/v1/rl/workers", timeout=10).json()["workers"]
+    assert sorted((w["url"], w["labels"]["group"], w["labels"]["engine_id"]) for w in shown) == sorted(
         [(engines[0].url, "regular", "actor.regular.0"), (engines[1].url, "small", "actor.small.0")]
     )
     # a fan-out by label reaches exactly the engines it selects
@@ -1065,21 +1125,15 @@ def test_smg_keeps_a_removed_worker_draining_for_its_drain_settle_time(launcher:
         spec = _router_spec("actor", gateway="smg", policy="round_robin", drain_settle_secs=drain)
         router, _ = launcher.router(spec)
         worker = WorkerRegistration(engine.url)
-        register_workers(spec.url, [worker])
-        wait_router_ready(
-            spec.url, [worker], timeout_s=30, alive=lambda proc=router: proc.popen.poll() is None
-        )
-        assert remove_worker(spec.url, engine.url) == 1
+        assert _register(spec.url, worker) == [None]
+        assert _deregister(spec.url, engine.url) is None
         if drain:
             time.sleep(1.0)  # well within its 30 s
-            assert [w["url"] for w in router_workers(spec.url)] == [engine.url]
+            assert _urls(spec.url) == [engine.url]
             raw = httpx.post(spec.url + "/workers", json=worker.payload(), timeout=10)
             assert raw.status_code == 409 and raw.json()["code"] == "WORKER_ALREADY_EXISTS"
         else:
-            deadline = time.monotonic() + 30
-            while router_workers(spec.url) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert router_workers(spec.url) == []
+            assert _urls_become(spec.url, []) == []
             assert httpx.post(spec.url + "/workers", json=worker.payload(), timeout=10).status_code == 202
         _stop(router)
 
@@ -1089,22 +1143,19 @@ def test_dp_aware_router_lists_each_rank(launcher: Launcher, test_gateway: str) 
     registered; only SMG can take it out again (sglang-router 0.3.2's removal looks for ``url@0@``)."""
     engine = launcher.engine(dp_size=2)
     spec = _router_spec("actor", policy="round_robin", extra={"dp_aware": True})
-    router, _ = launcher.router(spec)
+    launcher.router(spec)
     worker = WorkerRegistration(engine.url)
-    register_workers(spec.url, [worker])
-    detail = wait_router_ready(spec.url, [worker], timeout_s=30, alive=lambda: router.popen.poll() is None)
-    assert sorted(w["url"] for w in router_workers(spec.url)) == [engine.url + "@0", engine.url + "@1"]
-    assert detail.startswith("ready: 2/2 workers healthy")
+    assert _register(spec.url, worker) == [None]  # both ranks' entries listed healthy
+    ranks = [engine.url + "@0", engine.url + "@1"]
+    assert _urls(spec.url) == ranks
+    assert _listed(spec.url, [worker]) == (True, "ready: 1 workers healthy")
     assert _generate(spec.url + "/generate").status_code == 200
-    assert remove_worker(spec.url, engine.url) == 2
+    assert _deregister(spec.url, engine.url) is None  # a DELETE of each rank's entry, each answered 202
     if test_gateway == "smg":
-        deadline = time.monotonic() + 30
-        while router_workers(spec.url) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert router_workers(spec.url) == []
+        assert _urls_become(spec.url, []) == []
     else:
         time.sleep(1.0)
-        assert len(router_workers(spec.url)) == 2  # 0.3.2 keeps them (its removal job fails)
+        assert _urls(spec.url) == ranks  # 0.3.2 keeps them (its removal job fails)
 
 
 def test_nothing_left_running() -> None:

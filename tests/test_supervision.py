@@ -24,7 +24,6 @@ import pytest
 from miles_sglang_plugin.app.hydra_edge import launch_from_config
 from miles_sglang_plugin.serving.deployment import Deployment
 from miles_sglang_plugin.serving.errors import DeploymentFailedError
-from miles_sglang_plugin.serving.routers import router_workers
 from tests.conftest_launch import leak_check  # noqa: F401  (fixture)
 from tests.launch_helpers import (
     LeakTracker,
@@ -34,6 +33,7 @@ from tests.launch_helpers import (
     launch_overrides,
     process_alive,
 )
+from tests.router_helpers import router_workers
 
 #: Quick supervision: polls every 0.3 s answering within 0.5 s, 2 failed polls make a loss.
 FAST = [

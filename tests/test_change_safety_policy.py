@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from miles_sglang_plugin.serving.fleet import EngineState, RouterState
 from miles_sglang_plugin.serving.policy import Policy, done, exited, router_done
-from tests.test_reconciler_policy import decide, engine, events, router, work, world
+from tests.test_reconciler_policy import decide, engine, events, work, world
 
 S = EngineState
 R = RouterState

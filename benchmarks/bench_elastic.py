@@ -7,8 +7,12 @@ for minutes) and the real sglang-router.
     (stop the deployment, start the changed one until ready). Goal: apply <= (c / K + 0.1) x the restart.
 (2) requests under an apply: ``--requests`` (2,000) ``/generate`` at concurrency ``--concurrency`` (32) through
     the router while the deployment shrinks by c engines and grows back. Goal: 0 failed.
+(3) churn: a weight update (version v1), then ``--applies`` (20) applies back and forth (K + c <-> K) while 6
+    client threads send without pause. Goals: 0 failed requests, 0 samples with two live engine processes on
+    one GPU (every engine process's CUDA_VISIBLE_DEVICES read from its own environment), every engine on v1
+    after each apply, this process's descriptors after the last apply within 5 % of after the launch.
 
-    python benchmarks/bench_elastic.py [--k 8] [--c 2] [--start-delay 2] [--requests 2000] [--json]
+    python benchmarks/bench_elastic.py [--k 8] [--c 2] [--start-delay 2] [--requests 2000] [--applies 20] [--json]
     python benchmarks/bench_elastic.py --smoke    # one quick run at the smallest sizes (run by the tests)
 """
 
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import sys
 import tempfile
@@ -126,6 +131,80 @@ def under_load(k: int, c: int, total: int, concurrency: int, tmp: Path, verbose:
     }
 
 
+def _gpu_overlaps() -> int:
+    """GPUs held by more than one live engine process started by this process (read from /proc)."""
+    holders: dict[str, int] = {}
+    me = str(os.getpid())
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if (entry / "stat").read_text().rsplit(")", 1)[1].split()[1] != me:
+                continue
+            if b"miles_sglang_plugin.standin" not in (entry / "cmdline").read_bytes():
+                continue
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError):
+            continue
+        for item in environ:
+            if item.startswith(b"CUDA_VISIBLE_DEVICES="):
+                for gpu in item.split(b"=", 1)[1].decode().split(","):
+                    holders[gpu] = holders.get(gpu, 0) + 1
+    return sum(1 for count in holders.values() if count > 1)
+
+
+def churn(k: int, c: int, applies: int, tmp: Path, verbose: bool) -> dict[str, Any]:
+    base = random.randrange(20000, 28000)
+    full, less = (compose_config(overrides(k + c, 0.2, base)), compose_config(overrides(k, 0.2, base)))
+    failures: list[str] = []
+    overlaps: list[int] = []
+    off_version = 0
+    stop = threading.Event()
+    with quiet(verbose), launch_from_config(full, log_dir=tmp / "churn") as d:
+        d.control.update_weights_from_disk("/ckpt/step1", weight_version="v1")
+        fds_launch = len(os.listdir("/proc/self/fd"))
+        url = d.registry.get_model_url("actor")
+
+        def client() -> None:
+            with httpx.Client(timeout=120) as http:
+                while not stop.is_set():
+                    try:
+                        r = http.post(url, json=GEN_BODY)
+                        if r.status_code != 200:
+                            failures.append(f"HTTP {r.status_code}: {r.text[:100]}")
+                    except httpx.HTTPError as exc:
+                        failures.append(type(exc).__name__)
+
+        def sampler() -> None:
+            while not stop.is_set():
+                overlaps.append(_gpu_overlaps())
+                time.sleep(0.02)
+
+        threads = [threading.Thread(target=client) for _ in range(6)] + [threading.Thread(target=sampler)]
+        for thread in threads:
+            thread.start()
+        try:
+            for i in range(applies):
+                d.apply(less if i % 2 == 0 else full)
+                versions = d.control.weight_versions()
+                off_version += sum(1 for v in versions.values() if v != "v1")
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join()
+        fds_after = len(os.listdir("/proc/self/fd"))
+    return {
+        "applies": applies,
+        "failed": len(failures),
+        "failures": sorted(set(failures))[:5],
+        "gpu_overlap_samples": sum(1 for n in overlaps if n),
+        "samples": len(overlaps),
+        "engines_off_version": off_version,
+        "fds_after_launch": fds_launch,
+        "fds_after_applies": fds_after,
+    }
+
+
 async def _all(worker: Any, n: int) -> None:
     await asyncio.gather(*(worker() for _ in range(n)))
 
@@ -137,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--start-delay", type=float, default=2.0)
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--applies", type=int, default=20)
     parser.add_argument("--smoke", action="store_true", help="one quick run at the smallest sizes")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--verbose", action="store_true")
@@ -154,11 +234,12 @@ def main(argv: list[str] | None = None) -> int:
                 tmp,
                 args.verbose,
             ),
+            "churn": churn(k, c, 4 if args.smoke else args.applies, tmp, args.verbose),
         }
     if args.json:
         print(json.dumps(results, indent=2))
         return 0
-    t, load = results["timing"], results["load"]
+    t, load, ch = results["timing"], results["load"], results["churn"]
     print(
         f"(1) apply adding {t['c']} engines to {t['k']} (start {t['start_delay_s']:g} s each): {t['apply_add_s']:.2f} s; "
         f"removing them: {t['apply_remove_s']:.2f} s; stopping and starting all {t['k'] + t['c']}: {t['restart_s']:.2f} s "
@@ -167,6 +248,13 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"(2) {load['requests']} requests at concurrency {load['concurrency']} while {load['changed']} of "
         f"{load['engines']} engines are removed and added back: failed {load['failed']} (goal 0) {load['failures']}"
+    )
+    print(
+        f"(3) {ch['applies']} applies back and forth under 6 clients after a weight update: failed requests "
+        f"{ch['failed']} (goal 0) {ch['failures']}; samples with two engines on a GPU {ch['gpu_overlap_samples']} "
+        f"of {ch['samples']} (goal 0); engines off v1 after an apply {ch['engines_off_version']} (goal 0); "
+        f"descriptors {ch['fds_after_launch']} after the launch, {ch['fds_after_applies']} after the applies "
+        "(goal within 5 %)"
     )
     return 0
 

@@ -15,7 +15,7 @@ from typing import Any
 from miles_sglang_plugin.planning.plan import DeploymentPlan
 from miles_sglang_plugin.planning.stable import PlanDiff
 from miles_sglang_plugin.rendering.prepared import PreparedDeployment
-from miles_sglang_plugin.serving.fleet import EngineRow, EngineState, Fleet
+from miles_sglang_plugin.serving.fleet import CatchUp, EngineRow, EngineState, Fleet
 from miles_sglang_plugin.serving.ledger import ControlState, Ledger, initial_state
 
 __all__ = ["Change", "ChangeOutcome", "Converging", "desired_for"]
@@ -115,7 +115,7 @@ class Converging:
                 desired = desired_for(row, self.fleet, self.ledger, initial)
             self.ledger.add_engine(engine, initial, desired)
             row.state = EngineState.NEW
-            row.catch_up = "new"
+            row.catch_up = CatchUp.NEW
             row.cleaned_up = row.external
             self.fleet.add_engine(row)
             self.admit(row)

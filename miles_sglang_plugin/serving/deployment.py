@@ -38,7 +38,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
-import contextlib
 import signal
 import threading
 import time
@@ -643,10 +642,19 @@ class Deployment:
             ) from None
 
     def _await_earlier_changes(self, until: float) -> None:
-        """A change still under way (an earlier apply that timed out) ends before the next one starts."""
+        """A change still under way (an earlier apply that timed out) ends before the next one starts; one
+        still under way at ``until`` refuses the next (nothing of it started)."""
         for converging in list(self.reconciler.changes):
-            with contextlib.suppress(LaunchError):
-                self._await_change(converging, until, until - time.monotonic())
+            try:
+                converging.finished.result(timeout=max(0.0, until - time.monotonic()))
+            except concurrent.futures.TimeoutError:
+                raise ApplyTimeoutError(
+                    f"an earlier change is still under way ({converging.describe()}); nothing of this one was "
+                    "started: apply it again once deployment.state() shows the earlier one done"
+                ) from None
+            except LaunchError:
+                pass  # it ended badly: the deployment says why (check_running)
+        self.check_running()
 
     async def _change_done(self, converging: elastic.Converging) -> None:
         """On the loop, once a change is done: the routers of the models it removed stop, the fleet takes the

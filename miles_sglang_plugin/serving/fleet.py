@@ -56,6 +56,7 @@ __all__ = [
     "ENGINE_TRANSITIONS",
     "EXTERNAL_GROUP",
     "ROUTER_TRANSITIONS",
+    "CatchUp",
     "DeploymentState",
     "EngineInfo",
     "EngineRow",
@@ -108,6 +109,24 @@ ENGINE_TRANSITIONS: Mapping[EngineState, frozenset[EngineState]] = MappingProxyT
         _E.STOPPED: frozenset(),
     }
 )
+
+
+class CatchUp(enum.StrEnum):
+    """Why an engine is caught up (or waits for weights); ``""`` once it serves."""
+
+    NONE = ""
+    #: its first start (the deployment's start-up)
+    START = "start"
+    #: restarted after a loss
+    RESTART = "restart"
+    #: an external engine that answers again
+    EXTERNAL_BACK = "external_back"
+    #: it waits for weights from a weights update group (and is admitted once it has them)
+    PENDING = "pending"
+    #: it serves, but disagrees with the ledger
+    DIVERGENCE = "divergence"
+    #: added by a change of the deployment (given up, not failing the deployment, if it never starts)
+    NEW = "new"
 
 
 class RouterState(enum.Enum):
@@ -247,7 +266,7 @@ class EngineRow:
     pending: frozenset[str] = frozenset()
     #: Why it is catching up (or waits for weights): start, restart, external_back, pending (its weights),
     #: divergence (it disagrees with the ledger); "" once it serves.
-    catch_up: str = "start"
+    catch_up: CatchUp = CatchUp.START
     #: An external engine's GPUs and LoRA serving were read from its /server_info.
     learned: bool = False
     #: Its processes are stopped and it is out of its router (a lost engine may restart only then).

@@ -15,17 +15,20 @@ without that operation's state.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from miles_sglang_plugin.config.schema import SGLangDeployConf
-from miles_sglang_plugin.serving.fleet import EngineRow, EngineState, Fleet, RouterRow, RouterState
+from miles_sglang_plugin.serving.fleet import CatchUp, EngineRow, EngineState, Fleet, RouterRow, RouterState
 from miles_sglang_plugin.serving.ledger import Ledger, ReplayCall
 
 __all__ = [
     "Action",
+    "ActionKind",
     "Observation",
+    "ObservationKind",
     "Policy",
     "plan_actions",
 ]
@@ -40,6 +43,52 @@ RESTART_POLL_S = 0.05
 #: list the engines it was given as healthy) is lost again: restarted while its budget lasts. Its own start
 #: takes seconds; the deadline leaves room for a saturated machine.
 ROUTER_READY_TIMEOUT_S = 60.0
+
+
+class ActionKind(enum.StrEnum):
+    """What an :class:`Action` is: a state change the reconciler applies at once (``transition``, ``update``,
+    ``router_transition``, ``router_update``, ``emit``), the end of start-up or of the deployment (``ready``,
+    ``startup_failed``, ``fail``), or work whose outcome comes back as an :class:`Observation` of the same
+    name (every other kind)."""
+
+    TRANSITION = "transition"
+    UPDATE = "update"
+    ROUTER_TRANSITION = "router_transition"
+    ROUTER_UPDATE = "router_update"
+    EMIT = "emit"
+    READY = "ready"
+    STARTUP_FAILED = "startup_failed"
+    FAIL = "fail"
+    PROBE = "probe"
+    SPAWN = "spawn"
+    CLEANUP = "cleanup"
+    REPLAY = "replay"
+    REGISTER = "register"
+    DEREGISTER = "deregister"
+    LEARN = "learn"
+    DRAIN = "drain"
+    ROUTER_PROBE = "router_probe"
+    ROUTER_RESTART = "router_restart"
+    ROUTER_LIST = "router_list"
+
+
+class ObservationKind(enum.StrEnum):
+    """What an :class:`Observation` tells: a process exited (``exited``, ``router_exited``), or the outcome of
+    the work action of the same name."""
+
+    EXITED = "exited"
+    PROBE = "probe"
+    SPAWN = "spawn"
+    CLEANUP = "cleanup"
+    REPLAY = "replay"
+    REGISTER = "register"
+    DEREGISTER = "deregister"
+    LEARN = "learn"
+    DRAIN = "drain"
+    ROUTER_PROBE = "router_probe"
+    ROUTER_RESTART = "router_restart"
+    ROUTER_LIST = "router_list"
+    ROUTER_EXITED = "router_exited"
 
 
 @dataclass(frozen=True)
@@ -94,7 +143,7 @@ class Observation:
     """Something observed of one engine (``engine``) or router (``router``: its model); ``generation`` is
     the engine's restarts when what is observed began (an older one's observation is stale)."""
 
-    kind: str
+    kind: ObservationKind
     engine: str | None = None
     router: str | None = None
     generation: int = 0
@@ -108,16 +157,20 @@ class Observation:
 
 
 def exited(engine: str, generation: int, problem: str, code: int) -> Observation:
-    return Observation("exited", engine=engine, generation=generation, ok=False, problem=problem, code=code)
+    return Observation(
+        ObservationKind.EXITED, engine=engine, generation=generation, ok=False, problem=problem, code=code
+    )
 
 
-def done(kind: str, engine: str, generation: int, problem: str | None = None, **kw: Any) -> Observation:
+def done(
+    kind: ObservationKind, engine: str, generation: int, problem: str | None = None, **kw: Any
+) -> Observation:
     """The outcome of an engine action (``probe``, ``spawn``, ``cleanup``, ``replay``, ``register``,
     ``deregister``, ``learn``)."""
     return Observation(kind, engine=engine, generation=generation, ok=problem is None, problem=problem, **kw)
 
 
-def router_done(kind: str, model: str, problem: str | None = None, **kw: Any) -> Observation:
+def router_done(kind: ObservationKind, model: str, problem: str | None = None, **kw: Any) -> Observation:
     """The outcome of a router action or an exit (``router_probe``, ``router_restart``, ``router_list``,
     ``router_exited``)."""
     return Observation(kind, router=model, ok=problem is None, problem=problem, **kw)
@@ -131,7 +184,7 @@ class Action:
     ``register``, ``deregister``, ``learn``, ``router_probe``, ``router_restart``, ``router_list``); or
     the end of start-up (``ready``, ``startup_failed``) or of the deployment (``fail``)."""
 
-    kind: str
+    kind: ActionKind
     engine: str | None = None
     router: str | None = None
     state: EngineState | RouterState | None = None
@@ -147,7 +200,18 @@ class Action:
 
 
 #: Actions whose outcome is awaited; while one is out for an engine, no second one of its kind starts.
-PENDING_KINDS = frozenset({"probe", "spawn", "cleanup", "replay", "register", "deregister", "learn", "drain"})
+PENDING_KINDS = frozenset(
+    {
+        ObservationKind.PROBE,
+        ObservationKind.SPAWN,
+        ObservationKind.CLEANUP,
+        ObservationKind.REPLAY,
+        ObservationKind.REGISTER,
+        ObservationKind.DEREGISTER,
+        ObservationKind.LEARN,
+        ObservationKind.DRAIN,
+    }
+)
 
 
 # -------------------------------------------------------------------------------------------- the scratch
@@ -187,14 +251,14 @@ class _Scratch:
         row.state = state
         for name, value in changes.items():
             setattr(row, name, value)
-        self.actions.append(Action("transition", engine=row.id, state=state, changes=changes))
+        self.actions.append(Action(ActionKind.TRANSITION, engine=row.id, state=state, changes=changes))
 
     def set(self, row: EngineRow, **changes: Any) -> None:
         for name, value in changes.items():
             setattr(row, name, value)
-        self.actions.append(Action("update", engine=row.id, changes=changes))
+        self.actions.append(Action(ActionKind.UPDATE, engine=row.id, changes=changes))
 
-    def start(self, row: EngineRow, kind: str, **kw: Any) -> None:
+    def start(self, row: EngineRow, kind: ActionKind, **kw: Any) -> None:
         """Start work ``kind`` for ``row`` (marking it pending)."""
         self.set(row, pending=row.pending | {kind})
         self.actions.append(Action(kind, engine=row.id, **kw))
@@ -203,24 +267,27 @@ class _Scratch:
         row.state = state
         for name, value in changes.items():
             setattr(row, name, value)
-        self.actions.append(Action("router_transition", router=row.model, state=state, changes=changes))
+        self.actions.append(
+            Action(ActionKind.ROUTER_TRANSITION, router=row.model, state=state, changes=changes)
+        )
 
     def set_router(self, row: RouterRow, **changes: Any) -> None:
         for name, value in changes.items():
             setattr(row, name, value)
-        self.actions.append(Action("router_update", router=row.model, changes=changes))
+        self.actions.append(Action(ActionKind.ROUTER_UPDATE, router=row.model, changes=changes))
 
-    def start_router(self, row: RouterRow, kind: str, **kw: Any) -> None:
-        """Start work ``kind`` (probe, restart, list) for the router (action ``router_<kind>``)."""
-        self.set_router(row, pending=row.pending | {kind})
-        self.actions.append(Action(f"router_{kind}", router=row.model, **kw))
+    def start_router(self, row: RouterRow, kind: ActionKind, **kw: Any) -> None:
+        """Start work ``kind`` (``router_probe``, ``router_restart``, ``router_list``) for the router (pending
+        as ``probe``, ``restart``, ``list``)."""
+        self.set_router(row, pending=row.pending | {kind.removeprefix("router_")})
+        self.actions.append(Action(kind, router=row.model, **kw))
 
     def emit(self, kind: str, subject: str, message: str, **details: Any) -> None:
         self.actions.append(
-            Action("emit", event=kind, message=message, details={"subject": subject, **details})
+            Action(ActionKind.EMIT, event=kind, message=message, details={"subject": subject, **details})
         )
 
-    def end(self, kind: str, message: str = "", **details: Any) -> None:
+    def end(self, kind: ActionKind, message: str = "", **details: Any) -> None:
         self.actions.append(Action(kind, message=message, details=details))
 
 
@@ -250,7 +317,7 @@ def plan_actions(
         return []
     for observation in observations:
         _observe(scratch, observation, ledger, policy, now, phase)
-    if any(a.kind in ("fail", "startup_failed") for a in scratch.actions):
+    if any(a.kind in (ActionKind.FAIL, ActionKind.STARTUP_FAILED) for a in scratch.actions):
         return scratch.actions
     # Retired engines first: one that stops in this pass frees its GPUs for an added engine in the same pass.
     rows = scratch.engines()
@@ -294,12 +361,12 @@ def _on_exit(
         # removed engine does; its GPUs are free for an added engine only once that is done.
         if row.state not in (EngineState.STOPPED, EngineState.NEW) and "cleanup" not in row.pending:
             s.set(row, cleaned_up=False)
-            s.start(row, "cleanup")
+            s.start(row, ActionKind.CLEANUP)
         return
     if row.state not in _ACTIVE or (phase == "serving" and not policy.supervise):
         return  # without supervision nothing is watched once it serves (deployment.exited() tells)
     if phase == "starting":
-        s.end("startup_failed", o.problem or "", cause="exited", engine=row.id)
+        s.end(ActionKind.STARTUP_FAILED, o.problem or "", cause="exited", engine=row.id)
         return
     _lose(s, row, o.problem or "its process exited", policy, now)
 
@@ -313,7 +380,7 @@ def _on_probe(
         return
     if row.state is EngineState.LOST and row.external:
         if o.ok and phase == "serving":
-            s.move(row, EngineState.CATCHING_UP, catch_up="external_back", health_failures=0)
+            s.move(row, EngineState.CATCHING_UP, catch_up=CatchUp.EXTERNAL_BACK, health_failures=0)
         return
     if not row.state.up:
         return
@@ -339,7 +406,7 @@ def _on_spawn(
         if _never_served(row):
             _give_up(s, row, o.problem or "it could not be started")
             return
-        s.end("fail", f"engine {row.id} lost ({row.lost_reason}) and {o.problem}")
+        s.end(ActionKind.FAIL, f"engine {row.id} lost ({row.lost_reason}) and {o.problem}")
         return
     _restart_failed(s, row, o.problem or "it could not be started", policy, now)
 
@@ -357,8 +424,8 @@ def _on_replay(
         return
     problem = f"it did not take the control state back: {o.problem}"
     if phase == "starting":
-        s.end("startup_failed", f"engine {row.id}: {problem}", cause="replay", engine=row.id)
-    elif row.catch_up == "restart":
+        s.end(ActionKind.STARTUP_FAILED, f"engine {row.id}: {problem}", cause="replay", engine=row.id)
+    elif row.catch_up == CatchUp.RESTART:
         _restart_failed(s, row, problem, policy, now)
     else:
         _lose(s, row, problem, policy, now)
@@ -375,12 +442,12 @@ def _on_register(
     problem = f"its router refused it: {o.problem}"
     if phase == "starting":
         s.end(
-            "startup_failed",
+            ActionKind.STARTUP_FAILED,
             f"router of model {row.model!r} refused engine {row.id}: {o.problem}",
             cause="register",
             engine=row.id,
         )
-    elif row.catch_up == "restart":
+    elif row.catch_up == CatchUp.RESTART:
         _restart_failed(s, row, problem, policy, now)
     else:
         _lose(s, row, problem, policy, now)
@@ -400,7 +467,7 @@ def _on_learn(
         return
     if phase == "starting":
         s.end(
-            "startup_failed",
+            ActionKind.STARTUP_FAILED,
             f"external engine {row.id} ({row.url}): {o.problem}",
             cause="learn",
             engine=row.id,
@@ -410,14 +477,14 @@ def _on_learn(
 
 
 _ENGINE_OBSERVERS = {
-    "exited": _on_exit,
-    "probe": _on_probe,
-    "spawn": _on_spawn,
-    "cleanup": _on_cleanup,
-    "replay": _on_replay,
-    "register": _on_register,
-    "deregister": _on_deregister,
-    "learn": _on_learn,
+    ObservationKind.EXITED: _on_exit,
+    ObservationKind.PROBE: _on_probe,
+    ObservationKind.SPAWN: _on_spawn,
+    ObservationKind.CLEANUP: _on_cleanup,
+    ObservationKind.REPLAY: _on_replay,
+    ObservationKind.REGISTER: _on_register,
+    ObservationKind.DEREGISTER: _on_deregister,
+    ObservationKind.LEARN: _on_learn,
 }
 
 
@@ -446,7 +513,7 @@ def _lose(s: _Scratch, row: EngineRow, reason: str, policy: Policy, now: float) 
     s.emit(kind, row.id, f"engine {row.id} ({row.url}) lost: {reason}", reason=reason)
     if row.external:
         return
-    s.start(row, "cleanup")
+    s.start(row, ActionKind.CLEANUP)
     used = budget_used(row, policy, now)
     if used >= policy.max_restarts and _never_served(row):
         _give_up(s, row, reason)
@@ -457,14 +524,14 @@ def _lose(s: _Scratch, row: EngineRow, reason: str, policy: Policy, now: float) 
             if policy.max_restarts == 0
             else f"its {policy.max_restarts} restarts (supervision.max_restarts) are used up"
         )
-        s.end("fail", f"engine {row.id} ({row.url}) lost: {reason}; {why}")
+        s.end(ActionKind.FAIL, f"engine {row.id} ({row.url}) lost: {reason}; {why}")
         return
     _schedule_restart(s, row, used, policy, now)
 
 
 def _never_served(row: EngineRow) -> bool:
     """An engine a change added that has not served yet (its first start, or the restarts of it)."""
-    return row.catch_up == "new" and not row.external
+    return row.catch_up == CatchUp.NEW and not row.external
 
 
 def _give_up(s: _Scratch, row: EngineRow, problem: str) -> None:
@@ -474,7 +541,7 @@ def _give_up(s: _Scratch, row: EngineRow, problem: str) -> None:
     if row.state is not EngineState.LOST:
         s.move(row, EngineState.LOST, lost_reason=problem, cleaned_up=False)
     if not row.cleaned_up and "cleanup" not in row.pending:
-        s.start(row, "cleanup")
+        s.start(row, ActionKind.CLEANUP)
     s.move(row, EngineState.FAILED, restart_at=None)
     s.emit(
         "engine_given_up",
@@ -504,19 +571,19 @@ def _restart_failed(s: _Scratch, row: EngineRow, problem: str, policy: Policy, n
     once the budget is used up."""
     attempt = (
         f"the start of added engine {row.id}"  # never served yet: its first start is no restart
-        if row.catch_up == "new" and not row.restarts
+        if row.catch_up == CatchUp.NEW and not row.restarts
         else f"restart {row.restarts_in_budget} of engine {row.id}"
     )
     s.emit("engine_restart_failed", row.id, f"{attempt} failed: {problem}")
     s.move(row, EngineState.LOST, lost_reason=problem, cleaned_up=False, health_failures=0)
-    s.start(row, "cleanup")
+    s.start(row, ActionKind.CLEANUP)
     used = budget_used(row, policy, now)
     if used >= policy.max_restarts and _never_served(row):
         _give_up(s, row, problem)
         return
     if used >= policy.max_restarts:
         s.end(
-            "fail",
+            ActionKind.FAIL,
             f"engine {row.id} could not be brought back after {used} restart(s) "
             f"(supervision.max_restarts={policy.max_restarts}); last problem: {problem}",
         )
@@ -569,10 +636,10 @@ def _advance_retired(s: _Scratch, row: EngineRow, policy: Policy, now: float) ->
         s.move(row, EngineState.STOPPED)
         s.emit("engine_removed", row.id, f"engine {row.id} ({row.url}) is out of the deployment")
     elif row.drain_until is not None and now >= row.drain_until:
-        s.start(row, "cleanup")
+        s.start(row, ActionKind.CLEANUP)
     elif _due(row.probed_at, RESTART_POLL_S * 2, now):
         s.set(row, probed_at=now)
-        s.start(row, "drain")
+        s.start(row, ActionKind.DRAIN)
 
 
 def _retire_failed(s: _Scratch, row: EngineRow) -> None:
@@ -580,7 +647,7 @@ def _retire_failed(s: _Scratch, row: EngineRow) -> None:
         s.move(row, EngineState.STOPPED)
         s.emit("engine_removed", row.id, f"engine {row.id} ({row.url}) is out of the deployment")
     elif "cleanup" not in row.pending:
-        s.start(row, "cleanup")
+        s.start(row, ActionKind.CLEANUP)
 
 
 def _on_drain(
@@ -588,10 +655,10 @@ def _on_drain(
 ) -> None:
     """A draining engine reported how many requests it still has (``ok``: none, or it does not answer)."""
     if row.state is EngineState.DRAINING and o.ok and "cleanup" not in row.pending:
-        s.start(row, "cleanup")
+        s.start(row, ActionKind.CLEANUP)
 
 
-_ENGINE_OBSERVERS["drain"] = _on_drain
+_ENGINE_OBSERVERS[ObservationKind.DRAIN] = _on_drain
 
 
 def _advance_new(s: _Scratch, row: EngineRow) -> None:
@@ -605,7 +672,7 @@ def _advance_new(s: _Scratch, row: EngineRow) -> None:
         for slot in other.slots
     }
     if not busy & set(row.slots):
-        s.start(row, "spawn")
+        s.start(row, ActionKind.SPAWN)
 
 
 def _due(probed_at: float | None, interval: float, now: float) -> bool:
@@ -625,7 +692,7 @@ def _advance_starting(s: _Scratch, row: EngineRow, policy: Policy, now: float, p
     interval = policy.poll_interval_s if phase == "starting" else min(policy.poll_interval_s, RESTART_POLL_S)
     if "probe" not in row.pending and _due(row.probed_at, interval, now):
         s.set(row, probed_at=now)
-        s.start(row, "probe", path=STARTUP_HEALTH_ENDPOINT, timeout_s=STARTUP_PROBE_TIMEOUT_S)
+        s.start(row, ActionKind.PROBE, path=STARTUP_HEALTH_ENDPOINT, timeout_s=STARTUP_PROBE_TIMEOUT_S)
 
 
 def _router_accepts(s: _Scratch, model: str) -> bool:
@@ -637,26 +704,26 @@ def _advance_catching_up(s: _Scratch, row: EngineRow, ledger: Ledger, now: float
     if row.ops_in_flight or row.pending & {"replay", "register", "deregister", "learn"}:
         return  # an operation that concerns it is out: it gets its state first
     if row.external and not row.learned:
-        s.start(row, "learn")
+        s.start(row, ActionKind.LEARN)
         return
     calls = ledger.replay(row.id)
     if calls:
-        s.start(row, "replay", calls=tuple(calls))
+        s.start(row, ActionKind.REPLAY, calls=tuple(calls))
         return
     if ledger.needs_weights(row.id):
         _await_weights(s, row, now)
         return
     if not row.registered:
         if _router_accepts(s, row.model):
-            s.start(row, "register")
+            s.start(row, ActionKind.REGISTER)
         return
     _serve(s, row, now)
 
 
 def _await_weights(s: _Scratch, row: EngineRow, now: float) -> None:
     came_from = row.catch_up
-    s.move(row, EngineState.PENDING_WEIGHTS, catch_up="pending")
-    if came_from == "pending":
+    s.move(row, EngineState.PENDING_WEIGHTS, catch_up=CatchUp.PENDING)
+    if came_from == CatchUp.PENDING:
         return
     downtime = now - row.lost_at if row.lost_at is not None else 0.0
     s.emit(
@@ -675,8 +742,8 @@ def _serve(s: _Scratch, row: EngineRow, now: float) -> None:
     downtime = now - row.lost_at if row.lost_at is not None else 0.0
     start_s = (row.healthy_at or now) - (row.started_at or now)
     back = {"downtime_s": downtime, "start_s": start_s, "restarts": row.restarts}
-    s.move(row, EngineState.SERVING, catch_up="", health_failures=0, probed_at=now, divergence="")
-    if came_from == "restart":
+    s.move(row, EngineState.SERVING, catch_up=CatchUp.NONE, health_failures=0, probed_at=now, divergence="")
+    if came_from == CatchUp.RESTART:
         s.set(row, recovered_at=now, lost_at=None)
         s.emit(
             "engine_recovered",
@@ -684,13 +751,13 @@ def _serve(s: _Scratch, row: EngineRow, now: float) -> None:
             f"engine {row.id} serves again after {downtime:.1f} s ({start_s:.1f} s of it its own start)",
             **back,
         )
-    elif came_from == "external_back":
+    elif came_from == CatchUp.EXTERNAL_BACK:
         s.set(row, lost_at=None)
         s.emit("external_engine_back", row.id, f"external engine {row.id} ({row.url}) answers again")
-    elif came_from == "pending":
+    elif came_from == CatchUp.PENDING:
         s.set(row, recovered_at=now, lost_at=None)
         s.emit("engine_admitted", row.id, f"engine {row.id} got weights and serves again", **back)
-    elif came_from == "new":
+    elif came_from == CatchUp.NEW:
         s.emit(
             "engine_added",
             row.id,
@@ -702,7 +769,7 @@ def _serve(s: _Scratch, row: EngineRow, now: float) -> None:
 def _advance_up(s: _Scratch, row: EngineRow, ledger: Ledger, policy: Policy, now: float, phase: str) -> None:
     if phase == "serving" and not row.ops_in_flight and "replay" not in row.pending:
         if row.state is EngineState.PENDING_WEIGHTS and not ledger.needs_weights(row.id):
-            s.move(row, EngineState.CATCHING_UP, catch_up="pending")  # it got its weights: admission
+            s.move(row, EngineState.CATCHING_UP, catch_up=CatchUp.PENDING)  # it got its weights: admission
             _advance_catching_up(s, row, ledger, now, phase)
             return
         calls = ledger.replay(row.id)
@@ -717,7 +784,7 @@ def _advance_up(s: _Scratch, row: EngineRow, ledger: Ledger, policy: Policy, now
                     "bringing it there",
                     missing=what,
                 )
-            keep = row.catch_up if row.state is EngineState.PENDING_WEIGHTS else "divergence"
+            keep = row.catch_up if row.state is EngineState.PENDING_WEIGHTS else CatchUp.DIVERGENCE
             s.move(row, EngineState.CATCHING_UP, catch_up=keep, divergence=what)
             _advance_catching_up(s, row, ledger, now, phase)
             return
@@ -728,7 +795,12 @@ def _advance_up(s: _Scratch, row: EngineRow, ledger: Ledger, policy: Policy, now
         and _due(row.probed_at, policy.health_interval_s, now)
     ):
         s.set(row, probed_at=now)
-        s.start(row, "probe", path=_health_endpoint(row, ledger, policy), timeout_s=policy.health_timeout_s)
+        s.start(
+            row,
+            ActionKind.PROBE,
+            path=_health_endpoint(row, ledger, policy),
+            timeout_s=policy.health_timeout_s,
+        )
 
 
 def _health_endpoint(row: EngineRow, ledger: Ledger, policy: Policy) -> str:
@@ -749,7 +821,7 @@ def _advance_lost(s: _Scratch, row: EngineRow, policy: Policy, now: float, phase
             and _due(row.probed_at, policy.health_interval_s, now)
         ):
             s.set(row, probed_at=now)
-            s.start(row, "probe", path="/health", timeout_s=policy.health_timeout_s)
+            s.start(row, ActionKind.PROBE, path="/health", timeout_s=policy.health_timeout_s)
         return
     if not row.cleaned_up or "spawn" in row.pending or row.restart_at is None or now < row.restart_at:
         return
@@ -761,11 +833,13 @@ def _advance_lost(s: _Scratch, row: EngineRow, policy: Policy, now: float, phase
         restarts=row.restarts + 1,
         restarts_in_budget=row.restarts_in_budget + 1,
         restart_at=None,
-        catch_up="new" if row.catch_up == "new" else "restart",  # an added engine serves as added
+        catch_up=CatchUp.NEW
+        if row.catch_up == CatchUp.NEW
+        else CatchUp.RESTART,  # an added engine serves as added
         registered=False,
         pending=frozenset({"spawn"}),
     )
-    s.actions.append(Action("spawn", engine=row.id))
+    s.actions.append(Action(ActionKind.SPAWN, engine=row.id))
 
 
 def _in_service(row: EngineRow) -> bool:
@@ -774,7 +848,7 @@ def _in_service(row: EngineRow) -> bool:
     if row.retired:
         return False
     return row.state is EngineState.SERVING or (
-        row.state is EngineState.CATCHING_UP and row.catch_up == "divergence"
+        row.state is EngineState.CATCHING_UP and row.catch_up == CatchUp.DIVERGENCE
     )
 
 
@@ -782,7 +856,7 @@ def _deregister_if_out(s: _Scratch, row: EngineRow) -> None:
     """An engine its router still has while it should not serve (lost, waiting for weights)."""
     wanted = row.registered and not _in_service(row) and "deregister" not in row.pending
     if wanted and s.router(row.model) is not None and _router_accepts(s, row.model):
-        s.start(row, "deregister")
+        s.start(row, ActionKind.DEREGISTER)
 
 
 # -------------------------------------------------------------------------------------------- routers
@@ -805,7 +879,7 @@ def _on_router_exit(
     if phase == "serving" and not policy.supervise:
         return
     if phase == "starting":
-        s.end("startup_failed", o.problem or "", cause="router_exited", router=row.model)
+        s.end(ActionKind.STARTUP_FAILED, o.problem or "", cause="router_exited", router=row.model)
     else:
         _router_lost(s, row, o.problem or "its process exited", policy, now)
 
@@ -816,7 +890,7 @@ def _on_router_restart(
     if row.state is not RouterState.RESTARTING:
         return
     if not o.ok:
-        s.end("fail", f"router of model {row.model} could not be brought back: {o.problem}")
+        s.end(ActionKind.FAIL, f"router of model {row.model} could not be brought back: {o.problem}")
         return
     started_with = tuple(o.details.get("workers", ()))
     s.move_router(
@@ -856,10 +930,10 @@ def _on_router_probe(
 
 
 _ROUTER_OBSERVERS = {
-    "router_exited": _on_router_exit,
-    "router_probe": _on_router_probe,
-    "router_restart": _on_router_restart,
-    "router_list": _on_router_list,
+    ObservationKind.ROUTER_EXITED: _on_router_exit,
+    ObservationKind.ROUTER_PROBE: _on_router_probe,
+    ObservationKind.ROUTER_RESTART: _on_router_restart,
+    ObservationKind.ROUTER_LIST: _on_router_list,
 }
 
 
@@ -868,7 +942,7 @@ def _router_lost(s: _Scratch, row: RouterRow, reason: str, policy: Policy, now: 
     s.emit("router_lost", row.name, f"router of model {row.model} lost: {reason}", reason=reason)
     if row.restarts >= policy.router_max_restarts:
         s.end(
-            "fail",
+            ActionKind.FAIL,
             f"router of model {row.model} lost: {reason}; its {policy.router_max_restarts} restarts "
             "(supervision.router_max_restarts) are used up",
         )
@@ -877,7 +951,7 @@ def _router_lost(s: _Scratch, row: RouterRow, reason: str, policy: Policy, now: 
     # A new generation: work still out for the old process comes back stale and is dropped, so none of it may
     # stay pending (a poll out when the router died would otherwise block every poll of the new process).
     s.move_router(row, RouterState.RESTARTING, restarts=row.restarts + 1, pending=frozenset())
-    s.start_router(row, "restart", details={"workers": workers})
+    s.start_router(row, ActionKind.ROUTER_RESTART, details={"workers": workers})
 
 
 def _router_ready(s: _Scratch, row: RouterRow, now: float) -> None:
@@ -913,7 +987,7 @@ def _advance_router(s: _Scratch, row: RouterRow, policy: Policy, now: float, pha
         interval = policy.poll_interval_s if row.lost_at is None else RESTART_POLL_S
         if "probe" not in row.pending and _due(row.probed_at, interval, now):
             s.set_router(row, probed_at=now)
-            s.start_router(row, "probe")
+            s.start_router(row, ActionKind.ROUTER_PROBE)
         return
     if row.state is RouterState.LIVE:
         engines = [e for e in s.engines() if e.model == row.model]
@@ -921,12 +995,12 @@ def _advance_router(s: _Scratch, row: RouterRow, policy: Policy, now: float, pha
         if settled and "list" not in row.pending and _due(row.probed_at, RESTART_POLL_S, now):
             expected = tuple(e.id for e in engines if e.registered)
             s.set_router(row, probed_at=now)
-            s.start_router(row, "list", details={"workers": expected})
+            s.start_router(row, ActionKind.ROUTER_LIST, details={"workers": expected})
         return
     watched = row.state is RouterState.READY and policy.supervise and phase == "serving"
     if watched and "probe" not in row.pending and _due(row.probed_at, policy.health_interval_s, now):
         s.set_router(row, probed_at=now)
-        s.start_router(row, "probe")
+        s.start_router(row, ActionKind.ROUTER_PROBE)
 
 
 # -------------------------------------------------------------------------------------------- start-up
@@ -935,9 +1009,9 @@ def _end_of_startup(s: _Scratch, now: float, deadline: float | None) -> None:
     if all(e.state is EngineState.SERVING for e in engines) and all(
         r.state is RouterState.READY for r in routers
     ):
-        s.end("ready")
+        s.end(ActionKind.READY)
     elif deadline is not None and now > deadline:
-        s.end("startup_failed", "", cause="timeout")
+        s.end(ActionKind.STARTUP_FAILED, "", cause="timeout")
 
 
 def _engine_due(row: EngineRow, policy: Policy, now: float, phase: str) -> float | None:

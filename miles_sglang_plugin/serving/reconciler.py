@@ -43,7 +43,9 @@ from miles_sglang_plugin.serving.fleet import (
 from miles_sglang_plugin.serving.ledger import Ledger
 from miles_sglang_plugin.serving.policy import (
     Action,
+    ActionKind,
     Observation,
+    ObservationKind,
     Policy,
     done,
     exited,
@@ -376,11 +378,13 @@ class Reconciler:
             log.exception("supervision: %s of %s failed", a.kind, a.engine or a.router)
             problem = f"{type(exc).__name__}: {exc}"
             if a.engine is not None and a.engine in self.fleet:
-                self.observe(done(a.kind, a.engine, self.fleet.engine(a.engine).restarts, problem))
+                self.observe(
+                    done(ObservationKind(a.kind), a.engine, self.fleet.engine(a.engine).restarts, problem)
+                )
             elif a.router is not None:
                 row = self.fleet.router(a.router)
                 generation = row.restarts if row is not None else 0
-                self.observe(router_done(a.kind, a.router, problem, generation=generation))
+                self.observe(router_done(ObservationKind(a.kind), a.router, problem, generation=generation))
 
     async def _blocking(self, function: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._io, lambda: function(*args))
@@ -396,7 +400,7 @@ class Reconciler:
             problem = f"{a.path} failed ({answer.error.split(':')[0]})"
         elif answer.status != 200:
             problem = f"{a.path} answered {answer.status}"
-        self.observe(done("probe", row.id, generation, problem))
+        self.observe(done(ObservationKind.PROBE, row.id, generation, problem))
 
     async def _do_cleanup(self, a: Action) -> None:
         row = self.fleet.engine(a.engine or "")
@@ -406,7 +410,7 @@ class Reconciler:
                 lambda: self.backend.stop(row.processes, grace_s=self.settings.supervision.kill_grace_s)
             )
         await self._forget_client(row.url)
-        self.observe(done("cleanup", row.id, generation))
+        self.observe(done(ObservationKind.CLEANUP, row.id, generation))
 
     async def _forget_client(self, base_url: str) -> None:
         client = self.pool.forget(base_url)
@@ -422,7 +426,7 @@ class Reconciler:
             problem, fatal = await self._blocking(self._place_elsewhere, row.id, blocker)
             if problem is not None:
                 # no room now: a failed restart, tried again after the backoff while the budget lasts
-                self.observe(done("spawn", row.id, generation, problem, fatal=fatal))
+                self.observe(done(ObservationKind.SPAWN, row.id, generation, problem, fatal=fatal))
                 return
             row = self.fleet.engine(row.id)
         self.ledger.reset(row.id)
@@ -431,7 +435,7 @@ class Reconciler:
             problem = await asyncio.wrap_future(self._spawner.submit(self._start_processes, row, generation))
         except RuntimeError as exc:  # the spawner was shut down: the deployment stops
             problem = f"it could not be started: {exc}"
-        self.observe(done("spawn", row.id, generation, problem))
+        self.observe(done(ObservationKind.SPAWN, row.id, generation, problem))
 
     def _restart_blocker(self, row: EngineRow) -> str | None:
         """Why the backend cannot start ``row`` again where the plan put it (its node is gone), or None."""
@@ -521,7 +525,7 @@ class Reconciler:
                 break
             if self.fleet.engine(row.id).restarts == generation:
                 self.ledger.accepted(row.id, call.effect)
-        self.observe(done("replay", row.id, generation, problem))
+        self.observe(done(ObservationKind.REPLAY, row.id, generation, problem))
 
     async def _do_drain(self, a: Action) -> None:
         """How many requests a draining engine still has (its /metrics: running and queued); done when none,
@@ -530,7 +534,9 @@ class Reconciler:
         generation = row.restarts
         answer = await self.pool.call(row.url, "GET", "/metrics", deadline_s=self.policy.health_timeout_s)
         left = requests_left(answer.body) if answer.ok else 0
-        self.observe(done("drain", row.id, generation, None if not left else f"{left} request(s) left"))
+        self.observe(
+            done(ObservationKind.DRAIN, row.id, generation, None if not left else f"{left} request(s) left")
+        )
 
     async def _do_register(self, a: Action) -> None:
         row = self.fleet.engine(a.engine or "")
@@ -540,7 +546,7 @@ class Reconciler:
             problem = await router_client.register(
                 self.router_reads, router.url, row.registration, self.settings.api_key
             )
-        self.observe(done("register", row.id, generation, problem))
+        self.observe(done(ObservationKind.REGISTER, row.id, generation, problem))
 
     async def _do_deregister(self, a: Action) -> None:
         row = self.fleet.engine(a.engine or "")
@@ -549,7 +555,7 @@ class Reconciler:
             problem = await router_client.deregister(self.pool, router.url, row.url)
             if problem is not None:
                 log.warning("could not take %s out of the router of %s: %s", row.id, row.model, problem)
-        self.observe(done("deregister", row.id, generation))
+        self.observe(done(ObservationKind.DEREGISTER, row.id, generation))
 
     async def _do_learn(self, a: Action) -> None:
         row = self.fleet.engine(a.engine or "")
@@ -567,7 +573,7 @@ class Reconciler:
                 if problem is None:
                     self.fleet.update(row.id, num_gpus=gpus, serves_lora=serves_lora)
                 break
-        self.observe(done("learn", row.id, generation, problem))
+        self.observe(done(ObservationKind.LEARN, row.id, generation, problem))
 
     async def _do_router_probe(self, a: Action) -> None:
         row = self._router(a)
@@ -575,7 +581,7 @@ class Reconciler:
         timeout = self.policy.health_timeout_s
         answer = await self.pool.call(row.url, "GET", "/liveness", deadline_s=timeout, max_bytes=HEALTH_BYTES)
         problem = None if answer.status == 200 and answer.error is None else (answer.problem() or "no answer")
-        self.observe(router_done("router_probe", row.model, problem, generation=generation))
+        self.observe(router_done(ObservationKind.ROUTER_PROBE, row.model, problem, generation=generation))
 
     def _router(self, a: Action) -> RouterRow:
         row = self.fleet.router(a.router or "")
@@ -611,7 +617,11 @@ class Reconciler:
             self.watch_router(row.model, generation, process)
         self.observe(
             router_done(
-                "router_restart", row.model, problem, generation=generation, details={"workers": workers}
+                ObservationKind.ROUTER_RESTART,
+                row.model,
+                problem,
+                generation=generation,
+                details={"workers": workers},
             )
         )
 
@@ -620,7 +630,10 @@ class Reconciler:
             code = process.exit_code()
             self.observe(
                 router_done(
-                    "router_exited", model, f"its process exited with code {code}", generation=generation
+                    ObservationKind.ROUTER_EXITED,
+                    model,
+                    f"its process exited with code {code}",
+                    generation=generation,
                 )
             )
 
@@ -631,7 +644,9 @@ class Reconciler:
         generation = row.restarts
         expected = [self.fleet.engine(engine).registration for engine in a.details.get("workers", ())]
         ok, detail = await router_client.listed(self.router_reads, row.url, expected)
-        self.observe(router_done("router_list", row.model, None if ok else detail, generation=generation))
+        self.observe(
+            router_done(ObservationKind.ROUTER_LIST, row.model, None if ok else detail, generation=generation)
+        )
 
     # ----------------------------------------------------------------------------------------- control
     def begin_operation(
@@ -686,15 +701,15 @@ class _Operation:
     joined: set[str] = dataclasses.field(default_factory=set)
 
 
-_APPLY: dict[str, Callable[[Reconciler, Action], None]] = {
-    "transition": Reconciler._transition,
-    "update": Reconciler._update,
-    "router_transition": Reconciler._router_transition,
-    "router_update": Reconciler._router_update,
-    "emit": Reconciler._emit,
-    "ready": Reconciler._ready,
-    "startup_failed": Reconciler._startup_failed,
-    "fail": Reconciler._fail,
+_APPLY: dict[ActionKind, Callable[[Reconciler, Action], None]] = {
+    ActionKind.TRANSITION: Reconciler._transition,
+    ActionKind.UPDATE: Reconciler._update,
+    ActionKind.ROUTER_TRANSITION: Reconciler._router_transition,
+    ActionKind.ROUTER_UPDATE: Reconciler._router_update,
+    ActionKind.EMIT: Reconciler._emit,
+    ActionKind.READY: Reconciler._ready,
+    ActionKind.STARTUP_FAILED: Reconciler._startup_failed,
+    ActionKind.FAIL: Reconciler._fail,
 }
 
 

@@ -719,7 +719,8 @@ class Deployment:
                 self._teardown(self.settings.launch.shutdown_grace_s)
 
     def _engine_processes(self) -> list[EngineProcess]:
-        return [process for row in self.fleet.engines() for process in row.processes]
+        in_rows = [process for row in self.fleet.engines() for process in row.processes]
+        return [*in_rows, *(p for p in self.reconciler.starting_processes() if p not in in_rows)]
 
     def _teardown(self, grace: float) -> None:
         self.serving_loop.close(before=self.pool.aclose, timeout_s=STOP_LOOP_TIMEOUT_S)

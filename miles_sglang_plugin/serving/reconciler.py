@@ -213,6 +213,9 @@ class Reconciler:
         #: it is out joins it: it gets the operation's state by replay before it serves).
         self._operations: dict[int, _Operation] = {}
         self._next_operation = 0
+        #: Processes a spawn started that are not in their row yet (the teardown stops them too).
+        self._starting: list[EngineProcess] = []
+        self._starting_lock = threading.Lock()
 
     # ----------------------------------------------------------------------------------------- intake
     def observe(self, observation: Observation) -> None:
@@ -421,9 +424,13 @@ class Reconciler:
     async def _do_spawn(self, a: Action) -> None:
         row = self.fleet.engine(a.engine or "")
         generation = row.restarts
+        if row.retired:  # removed meanwhile: never started again (its GPUs may be promised to another)
+            self.observe(done(ObservationKind.SPAWN, row.id, generation, "it is being removed"))
+            return
         blocker = await self._blocking(self._restart_blocker, row)
         if blocker is not None:
-            problem, fatal = await self._blocking(self._place_elsewhere, row.id, blocker)
+            problem, fatal, moved = await self._blocking(self._place_elsewhere, row.id, blocker)
+            self._take_new_places(moved)
             if problem is not None:
                 # no room now: a failed restart, tried again after the backoff while the budget lasts
                 self.observe(done(ObservationKind.SPAWN, row.id, generation, problem, fatal=fatal))
@@ -431,10 +438,21 @@ class Reconciler:
             row = self.fleet.engine(row.id)
         self.ledger.reset(row.id)
         self.fleet.update(row.id, processes=(), started_at=self.clock())
+        started: list[EngineProcess] = []
         try:
-            problem = await asyncio.wrap_future(self._spawner.submit(self._start_processes, row, generation))
+            problem = await asyncio.wrap_future(
+                self._spawner.submit(self._start_processes, row, generation, started)
+            )
         except RuntimeError as exc:  # the spawner was shut down: the deployment stops
             problem = f"it could not be started: {exc}"
+        if row.id in self.fleet:  # recorded here, on the loop: the spawner thread writes no row
+            self.fleet.update(row.id, processes=tuple(started))
+        with self._starting_lock:
+            for process in started:
+                self._starting.remove(process)
+        gone = [p for p in started if p.exit_code() is not None]
+        if problem is None and gone:  # exited before it was watched as started: a failed start, not a hang
+            problem = f"process {gone[0].name} exited at once with code {gone[0].exit_code()}"
         self.observe(done(ObservationKind.SPAWN, row.id, generation, problem))
 
     def _restart_blocker(self, row: EngineRow) -> str | None:
@@ -445,45 +463,52 @@ class Reconciler:
                 return reason
         return None
 
-    def _place_elsewhere(self, engine: str, blocker: str) -> tuple[str | None, bool]:
+    def _place_elsewhere(
+        self, engine: str, blocker: str
+    ) -> tuple[str | None, bool, list[tuple[EngineRow, str]]]:
         """``engine`` cannot start where it was (its node left the cluster): have the backend place it on free
-        capacity, and take its new launches (and those of the other engines that were on the same node) into
-        the fleet. (problem, fatal): (None, False) once placed; fatal where the backend cannot place it
-        anywhere else."""
+        capacity (off the loop: it may ask Ray). (problem, fatal, moved): (None, False, moved) once placed, with
+        the rows of the engines whose launches changed (it, and the others that were on the same node) as the
+        new plan renders them, and each one's old URL, for the loop to take in (:meth:`_take_new_places`); fatal
+        where the backend cannot place it anywhere else."""
         if self._place_again is None:
-            return blocker, True
+            return blocker, True, []
         with self._placing:
             try:
                 prepared = self._place_again([engine])
             except (LaunchError, DeploymentConfigError) as exc:
-                return f"{blocker}; it could not be placed on another node: {first_line(exc)}", False
+                return f"{blocker}; it could not be placed on another node: {first_line(exc)}", False, []
             if prepared is None:
-                return blocker, True
+                return blocker, True, []
             moved = []
             for new in engine_rows(prepared):
                 if new.id not in self.fleet or new.external:
                     continue
                 row = self.fleet.engine(new.id)
-                if tuple(p.argv for p in row.launches) == tuple(p.argv for p in new.launches):
-                    continue
-                old_url = row.url
-                self.fleet.update(
-                    new.id, url=new.url, launches=new.launches, registration=new.registration, gpus=new.gpus
-                )
-                moved.append((new.id, old_url, new.url))
-        for engine_id, old_url, new_url in moved:
+                if tuple(p.argv for p in row.launches) != tuple(p.argv for p in new.launches):
+                    moved.append((new, row.url))
+        return None, False, moved
+
+    def _take_new_places(self, moved: Sequence[tuple[EngineRow, str]]) -> None:
+        """On the loop: the engines placed again get their new URLs, launches and GPUs."""
+        for new, old_url in moved:
+            if new.id not in self.fleet:
+                continue
+            self.fleet.update(
+                new.id, url=new.url, launches=new.launches, registration=new.registration, gpus=new.gpus
+            )
             self.events.emit(
                 "engine_placed_again",
-                engine_id,
-                f"engine {engine_id} placed again: {new_url} (was {old_url}, on a node that left the cluster)",
-                url=new_url,
+                new.id,
+                f"engine {new.id} placed again: {new.url} (was {old_url}, on a node that left the cluster)",
+                url=new.url,
                 was=old_url,
             )
-        return None, False
 
-    def _start_processes(self, row: EngineRow, generation: int) -> str | None:
-        """On the spawner thread: start ``row``'s processes, each one in its row (and watched) as soon as it
-        runs, so that the teardown finds it whatever happens next; one that fails leaves those before it to be
+    def _start_processes(self, row: EngineRow, generation: int, started: list[EngineProcess]) -> str | None:
+        """On the spawner thread: start ``row``'s processes, each one watched and in :meth:`starting_processes`
+        as soon as it runs, so that the teardown finds it whatever happens next (the loop puts them in the row
+        once this returns; the spawner thread writes no row); one that fails leaves those before it to be
         stopped with the engine. The problem, or None."""
         for launch in row.launches:
             if self.phase not in ("starting", "serving"):
@@ -492,9 +517,16 @@ class Reconciler:
                 process = self.backend.start(launch, log_path=self.log_dir / f"{launch.name}.log")
             except (OSError, LaunchError) as exc:
                 return f"it could not be started: {exc}"
-            self.fleet.update(row.id, processes=(*self.fleet.engine(row.id).processes, process))
+            with self._starting_lock:
+                self._starting.append(process)
+            started.append(process)
             self.watch_engine(row.id, generation, process)
         return None
+
+    def starting_processes(self) -> list[EngineProcess]:
+        """Engine processes started by a spawn whose outcome the loop has not taken in yet (from any thread)."""
+        with self._starting_lock:
+            return list(self._starting)
 
     def watch_engine(self, engine: str, generation: int, process: EngineProcess) -> None:
         """Tell the loop when ``process`` (of ``engine``'s processes of ``generation``) exits."""

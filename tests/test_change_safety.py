@@ -22,7 +22,6 @@ import httpx
 import pytest
 
 from miles_sglang_plugin.app.hydra_edge import launch_from_config
-from miles_sglang_plugin.errors import DeploymentConfigError
 from miles_sglang_plugin.serving.deployment import Deployment
 from miles_sglang_plugin.serving.errors import ApplyTimeoutError
 from tests.conftest_launch import leak_check  # noqa: F401  (fixture)
@@ -34,6 +33,7 @@ from tests.launch_helpers import (
     generate_body,
     random_port_base,
 )
+from tests.router_helpers import router_workers
 
 FAST = [
     "sglang_deploy.supervision.health_interval_s=0.3",
@@ -238,21 +238,37 @@ def test_an_apply_that_times_out_goes_on_and_the_plan_describes_the_fleet(
         assert [e.id for e in d.engines()] == ["actor.regular.0", "actor.regular.1"]
 
 
-def test_a_change_between_pd_and_regular_serving_is_refused_and_nothing_changes(
+def test_a_change_between_pd_and_regular_serving_replaces_the_router(
     tmp_path: Path, leak_check: LeakTracker
 ) -> None:
-    """PD -> 8 regular engines of the same model needs another router mode: refused before anything changes
-    (before: accepted, the regular engines never healthy in the PD router, restarted for ever)."""
+    """PD 2 + 2 -> the same model as 4 regular engines, and back: the router is replaced in the other mode on
+    the same address once the old engines are gone, the new engines register with it and serve (before: the
+    change was accepted, the PD router never listed a regular worker as healthy, every regular engine was
+    restarted for ever)."""
     base = random_port_base()
-    with launch_from_config(compose(*PD_4_4, *FAST, port_base=base), log_dir=tmp_path / "logs") as d:
-        engines = [e.id for e in d.engines()]
-        regular = compose("sglang=default", "sglang.actor.num_gpus_per_engine=1", "rollout_num_gpus=8", *FAST,
-                          port_base=base)  # fmt: skip
-        with pytest.raises(DeploymentConfigError) as refused:
-            d.apply(regular)
-        assert "sglang.actor: cannot change from prefill/decode (PD) to regular serving" in str(refused.value)
-        assert [e.id for e in d.engines()] == engines
+    pd = ["sglang=pd", "sglang.actor.num_gpus_per_engine=1", "sglang.actor.prefill.num_gpus=2",
+          "sglang.actor.decode.num_gpus=2", *FAST]  # fmt: skip
+    regular = ["sglang=default", "sglang.actor.num_gpus_per_engine=1", "rollout_num_gpus=4", *FAST]
+    with launch_from_config(compose(*pd, port_base=base), log_dir=tmp_path / "logs") as d:
+        url = d.registry.get_model_url("actor")
+        result = d.apply(compose(*regular, port_base=base))
+        assert result.stopped == ("actor.prefill.0", "actor.prefill.1", "actor.decode.0", "actor.decode.1")
+        assert result.started == tuple(f"actor.regular.{i}" for i in range(4))
+        assert result.routers_replaced == ("actor",)
+        assert d.registry.get_model_url("actor") == url
+        listed = router_workers(d.registry["actor"].base_url)
+        assert sorted((w["url"], w["worker_type"], w["is_healthy"]) for w in listed) == sorted(
+            (e.url, "regular", True) for e in d.engines()
+        )
+        assert httpx.post(url, json=generate_body(), timeout=30).status_code == 200
+        assert [e.kind for e in d.events() if e.kind == "router_replaced"] == ["router_replaced"]
+        back = d.apply(compose(*pd, port_base=base))
+        assert back.routers_replaced == ("actor",)
+        types = sorted(w["worker_type"] for w in router_workers(d.registry["actor"].base_url))
+        assert types == ["decode", "decode", "prefill", "prefill"]
+        assert httpx.post(url, json=generate_body(), timeout=30).status_code == 200
         assert d.state().status == "serving"
+        assert [r.restarts for r in d.state().routers] == [0]
 
 
 def test_an_added_engine_that_cannot_start_is_given_up_alone(tmp_path: Path, leak_check: LeakTracker) -> None:

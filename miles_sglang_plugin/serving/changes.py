@@ -32,6 +32,9 @@ class Change:
     changes: Mapping[str, str]
     #: engine id -> why it is replaced.
     reasons: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    #: Models that change between PD and regular serving: their router is replaced (in the new mode, on the
+    #: same address) once their old engines are gone, and their new engines start after that.
+    router_swaps: frozenset[str] = frozenset()
 
     def engines(self, change: str) -> tuple[str, ...]:
         return tuple(e for e, c in self.changes.items() if c == change)
@@ -79,6 +82,8 @@ class Converging:
     started_at: float
     #: Called on the loop to add a row (it joins the control operations in flight that cover it).
     admit: Callable[[EngineRow], None]
+    #: Called on the loop to replace a model's router (``router_swaps``); calls back ``swapped(model)``.
+    swap_router: Callable[[str], None] | None = None
     done_at: dict[str, float] = dataclasses.field(default_factory=dict)
     leaving: set[str] = dataclasses.field(default_factory=set)
     coming: set[str] = dataclasses.field(default_factory=set)
@@ -88,6 +93,8 @@ class Converging:
     #: What a replaced engine should have, kept from its old row's ledger entry for its new one.
     kept_desired: dict[str, ControlState] = dataclasses.field(default_factory=dict)
     removed_processes: list[Any] = dataclasses.field(default_factory=list)
+    #: model -> where its router's replacement stands: waiting (its old engines leave), swapping, done.
+    swaps: dict[str, str] = dataclasses.field(default_factory=dict)
     finished: concurrent.futures.Future[ChangeOutcome] = dataclasses.field(
         default_factory=concurrent.futures.Future
     )
@@ -100,12 +107,15 @@ class Converging:
                 self.leaving.add(engine)
             if what in ("started", "replaced"):
                 self.waiting.add(engine)
+        self.swaps = {model: "waiting" for model in self.change.router_swaps}
         self._add_waiting()
 
     def _add_waiting(self) -> None:
         for engine in sorted(self.waiting):
             if engine in self.fleet:
                 continue  # the engine it replaces is still there
+            if self.swaps.get(self.new_rows[engine].model, "done") != "done":
+                continue  # its model's router is replaced first
             self.waiting.discard(engine)
             row = self.new_rows[engine]
             initial = initial_state(row.initial_lora)
@@ -136,6 +146,7 @@ class Converging:
                 if engine in self.waiting:  # replaced: the new process should have what the old one should
                     self.kept_desired[engine] = self.ledger.desired(engine)
                 self.ledger.drop_engine(engine)
+        self._swap_routers()
         self._add_waiting()
         for engine in sorted(self.coming):
             state = self.fleet.engine(engine).state
@@ -146,7 +157,21 @@ class Converging:
                 self.coming.discard(engine)
                 self.given_up.add(engine)
                 self.done_at[engine] = now
-        return not (self.leaving or self.coming or self.waiting)
+        return not (self.leaving or self.coming or self.waiting or set(self.swaps.values()) - {"done"})
+
+    def _swap_routers(self) -> None:
+        """A model whose old engines are all gone gets its router replaced."""
+        for model, where in self.swaps.items():
+            if where == "waiting" and not any(row.model == model for row in self.fleet.engines()):
+                self.swaps[model] = "swapping"
+                if self.swap_router is None:
+                    self.swaps[model] = "done"
+                else:
+                    self.swap_router(model)
+
+    def swapped(self, model: str) -> None:
+        """On the loop: ``model``'s router runs in its new mode."""
+        self.swaps[model] = "done"
 
     def outcome(self) -> ChangeOutcome:
         return ChangeOutcome(dict(self.done_at), tuple(sorted(self.given_up)), tuple(self.removed_processes))
@@ -156,4 +181,5 @@ class Converging:
         parts = [f"{e} {self.fleet.engine(e).state.value}" for e in sorted(self.leaving) if e in self.fleet]
         parts += [f"{e} {self.fleet.engine(e).state.value}" for e in sorted(self.coming) if e in self.fleet]
         parts += [f"{e} waiting for the engine it replaces" for e in sorted(self.waiting)]
+        parts += [f"router of {m} {where}" for m, where in sorted(self.swaps.items()) if where != "done"]
         return ", ".join(parts) or "nothing left"

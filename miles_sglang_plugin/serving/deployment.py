@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import contextlib
 import signal
 import threading
 import time
@@ -76,7 +77,7 @@ from miles_sglang_plugin.serving.fleet import (
     engine_rows,
 )
 from miles_sglang_plugin.serving.ledger import Ledger, initial_state
-from miles_sglang_plugin.serving.policy import STARTUP_HEALTH_ENDPOINT
+from miles_sglang_plugin.serving.policy import STARTUP_HEALTH_ENDPOINT, ObservationKind, router_done
 from miles_sglang_plugin.serving.reconciler import Reconciler, ServingLoop, StartupFailure
 from miles_sglang_plugin.serving.registry import ModelRoute, RouterRegistry
 from miles_sglang_plugin.serving.wire import ClientPool
@@ -625,8 +626,46 @@ class Deployment:
             started_at=self.reconciler.clock(),
             admit=self.reconciler.admit,
         )
+        converging.swap_router = lambda model: self._swap_router_soon(converging, model)
         self.reconciler.begin_change(converging)
         return converging
+
+    def _swap_router_soon(self, converging: elastic.Converging, model: str) -> None:
+        self.serving_loop.create_task(self._swap_router(converging, model))
+
+    async def _swap_router(self, converging: elastic.Converging, model: str) -> None:
+        """On the loop, once ``model``'s old engines are gone: its router is replaced by one in the new plan's
+        mode, on the same address (the old one out of the fleet first, so its exit is no router's loss)."""
+        old = self.fleet.router(model)
+        row = elastic.new_router_row(converging.change.prepared.launch.router(model), self.log_dir)
+        if old is not None:
+            self.fleet.transition_router(model, RouterState.STOPPED)
+            self.fleet.drop_router(model)
+            self._removed_processes.append(old.process)
+        self.fleet.add_router(row)
+        if old is not None:
+            grace = self.settings.launch.shutdown_grace_s
+            await asyncio.get_running_loop().run_in_executor(
+                self._io, lambda: stop_processes([old.process], grace)
+            )
+            client = self.pool.forget(old.url)
+            if client is not None:
+                with contextlib.suppress(Exception):
+                    await client.aclose()
+        try:
+            await asyncio.wrap_future(self._spawner.submit(row.process.start))
+        except (OSError, RuntimeError) as exc:  # lost at once: restarted while its budget lasts
+            self.reconciler.observe(
+                router_done(ObservationKind.ROUTER_EXITED, model, f"it could not be started: {exc}")
+            )
+        else:
+            self.reconciler.watch_router(model, 0, row.process)
+        mode = "prefill/decode (PD)" if row.launch.spec.pd_disaggregation else "regular"
+        self.event_log.emit(
+            "router_replaced", row.name, f"router of model {model} replaced: it serves {mode} engines now"
+        )
+        converging.swapped(model)
+        self.reconciler.poke_here()
 
     def _await_change(
         self, converging: elastic.Converging, until: float, timeout_s: float

@@ -72,6 +72,8 @@ class ApplyResult:
     engines: tuple[EngineApply, ...]
     dry_run: bool
     seconds: float = 0.0
+    #: Models whose router was replaced (they changed between PD and regular serving).
+    routers_replaced: tuple[str, ...] = ()
 
     def of(self, change: str) -> tuple[str, ...]:
         return tuple(e.engine for e in self.engines if e.change == change)
@@ -113,6 +115,11 @@ class ApplyResult:
         rows += [
             f"  {line}" for line in self.diff.lines() if line.startswith(("model ", "placed ", "no free"))
         ]
+        rows += [
+            f"  router of {model} {'would be ' if self.dry_run else ''}replaced (PD <-> regular serving; the "
+            "model is unavailable from its old engines' stop until its new engines serve)"
+            for model in self.routers_replaced
+        ]
         return rows
 
 
@@ -143,24 +150,14 @@ def check_settings(running: SGLangDeployConf, new: SGLangDeployConf) -> list[Pro
     return problems
 
 
-def router_mode_problems(running: DeploymentPlan, new: DeploymentPlan) -> list[Problem]:
-    """Models that would change between PD and regular serving: their router runs in one mode, and a running
-    deployment does not switch it (one problem each)."""
-    problems = []
+def router_swaps(running: DeploymentPlan, new: DeploymentPlan) -> frozenset[str]:
+    """Models that change between PD and regular serving: a router runs in one mode, so theirs is replaced."""
     old = {m.name: m for m in running.models if m.has_router}
-    for model in new.models:
-        before = old.get(model.name)
-        if before is None or not model.has_router or before.is_pd == model.is_pd:
-            continue
-        mode = {True: "prefill/decode (PD)", False: "regular"}
-        problems.append(
-            Problem(
-                f"sglang.{model.name}",
-                f"cannot change from {mode[before.is_pd]} to {mode[model.is_pd]} serving on a running "
-                "deployment: its router runs in one mode; stop the deployment and start the new one",
-            )
-        )
-    return problems
+    return frozenset(
+        model.name
+        for model in new.models
+        if model.has_router and model.name in old and old[model.name].is_pd != model.is_pd
+    )
 
 
 def kept_ports(running: PreparedDeployment, plan: DeploymentPlan, diff: PlanDiff) -> PortAssignment:
@@ -194,9 +191,7 @@ def plan_change(
     problems = check_settings(running.settings, settings)
     if problems:
         raise DeploymentConfigError(problems, source="the new config")
-    problems = router_mode_problems(running.plan, fresh)
-    if problems:
-        raise DeploymentConfigError(problems, source="the new config")
+    swaps = router_swaps(running.plan, fresh)
     plan, diff = stabilize(running.plan, fresh)
     prepared = render(plan, kept_ports(running, plan, diff))
     changes = {c.engine: c.change for c in diff.changes}
@@ -208,17 +203,34 @@ def plan_change(
         elif engine in failed:
             changes[engine] = "replaced"
             reasons[engine] = "it was given up: started again"
-    old_external = {e.id: e.url for m in running.plan.models for e in m.external}
+    _external_changes(running.plan, plan, swaps, changes, reasons)
+    return Change(plan, diff, prepared, changes, reasons, swaps)
+
+
+def _external_changes(
+    running: DeploymentPlan,
+    plan: DeploymentPlan,
+    swaps: frozenset[str],
+    changes: dict[str, str],
+    reasons: dict[str, str],
+) -> None:
+    """External engines: out of the router (stopped: they keep running where they run), another URL
+    (replaced), new (started); those of a model whose router is replaced are registered with the new one."""
+    old_external = {e.id: e.url for m in running.models for e in m.external}
     new_external = {e.id: e.url for m in plan.models for e in m.external}
     for engine in old_external:
         if engine not in new_external:
-            changes[engine] = "stopped"  # out of the router; it keeps running where it runs
+            changes[engine] = "stopped"
         elif new_external[engine] != old_external[engine]:
             changes[engine] = "replaced"
             reasons[engine] = "another URL"
     for engine in new_external:
         changes.setdefault(engine, "started" if engine not in old_external else "kept")
-    return Change(plan, diff, prepared, changes, reasons)
+    for model in plan.models:
+        for external in model.external if model.name in swaps else ():
+            if changes.get(external.id) == "kept":
+                changes[external.id] = "replaced"
+                reasons[external.id] = "its router is replaced"
 
 
 def result_of(
@@ -242,7 +254,9 @@ def result_of(
             what, reason = "given_up", "it could not be started within its restart budget; it stays failed"
         rows.append(EngineApply(engine, what, before, after, seconds, reason))
     elapsed = (max(done_at.values(), default=started) - started) if not dry_run else 0.0
-    return ApplyResult(change.plan, diff, tuple(rows), dry_run, elapsed)
+    return ApplyResult(
+        change.plan, diff, tuple(rows), dry_run, elapsed, routers_replaced=tuple(sorted(change.router_swaps))
+    )
 
 
 # --------------------------------------------------------------------------------------------- converging

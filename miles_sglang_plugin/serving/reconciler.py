@@ -626,6 +626,7 @@ class Reconciler:
         workers = tuple(a.details.get("workers", ()))
         await self._blocking(stop_processes, [row.process], self.settings.supervision.kill_grace_s)
         await self._forget_client(row.url)
+        workers = tuple(engine for engine in workers if engine in self.fleet)  # not one a change dropped
         registrations = [self.fleet.engine(engine).registration for engine in workers]
         argv, env = router_command(row.launch.spec, workers=registrations)
         process = ManagedProcess(
@@ -635,14 +636,12 @@ class Reconciler:
             log_path=row.process.log_path,
             display_command=row.process.display_command,
         )
-
-        def start() -> None:  # on the spawner thread; in the row at once, so that the teardown stops it
-            self.fleet.update_router(row.model, process=process)
-            process.start()
-
+        self.fleet.update_router(
+            row.model, process=process
+        )  # in the row before it runs: the teardown stops it
         problem = None
         try:
-            await asyncio.wrap_future(self._spawner.submit(start))
+            await asyncio.wrap_future(self._spawner.submit(process.start))
         except (OSError, RuntimeError) as exc:
             problem = f"it could not be started again: {exc}"
         if problem is None:
@@ -659,6 +658,9 @@ class Reconciler:
 
     def watch_router(self, model: str, generation: int, process: ManagedProcess) -> None:
         def on_exit() -> None:
+            row = self.fleet.router(model)
+            if row is None or row.process is not process:
+                return  # a router process a change replaced: stopped on purpose
             code = process.exit_code()
             self.observe(
                 router_done(

@@ -51,7 +51,6 @@ from miles_sglang_plugin.backends.base import Backend, EngineProcess, LaunchErro
 from miles_sglang_plugin.backends.processes import ExitWatcher, ManagedProcess, Spawner, stop_processes
 from miles_sglang_plugin.backends.status_view import StatusView, SummaryRow
 from miles_sglang_plugin.config.schema import SGLangDeployConf
-from miles_sglang_plugin.masking import mask_argv
 from miles_sglang_plugin.planning.plan import DeploymentPlan
 from miles_sglang_plugin.rendering.launch_specs import RouterLaunch
 from miles_sglang_plugin.rendering.ports import PortAssignment
@@ -77,9 +76,10 @@ from miles_sglang_plugin.serving.fleet import (
     engine_rows,
 )
 from miles_sglang_plugin.serving.ledger import Ledger, initial_state
-from miles_sglang_plugin.serving.policy import STARTUP_HEALTH_ENDPOINT, ObservationKind, router_done
-from miles_sglang_plugin.serving.reconciler import Reconciler, ServingLoop, StartupFailure
+from miles_sglang_plugin.serving.policy import ObservationKind, router_done
+from miles_sglang_plugin.serving.reconciler import Reconciler, ServingLoop
 from miles_sglang_plugin.serving.registry import ModelRoute, RouterRegistry
+from miles_sglang_plugin.serving.startup_report import startup_message
 from miles_sglang_plugin.serving.wire import ClientPool
 
 __all__ = ["Deployment", "StartupInterrupted", "stop_all_active"]
@@ -443,61 +443,7 @@ class Deployment:
         self._wait(self.reconciler.startup)
         failure = self.reconciler.startup.result()
         if failure is not None:
-            raise LaunchError(self._startup_message(failure))
-
-    # ------------------------------------------------------------------------------------ start-up failures
-    def _startup_message(self, failure: StartupFailure) -> str:
-        if failure.cause == "exited" and failure.engine is not None:
-            return self._engine_exit_message(self.fleet.engine(failure.engine)) or failure.message
-        if failure.cause == "router_exited" and failure.router is not None:
-            router = self.fleet.router(failure.router)
-            if router is not None:
-                return _router_exit_message(router)
-        if failure.cause == "timeout":
-            return self._timeout_message()
-        return failure.message
-
-    def _engine_exit_message(self, row: EngineRow) -> str | None:
-        for process in row.processes:
-            code = process.exit_code()
-            if code is not None:
-                self.status.update(row.id, "failed")
-                return _exited_message(
-                    f"engine {process.name}",
-                    process.where,
-                    code,
-                    time.monotonic() - process.started_at,
-                    process.launch.display_command(),
-                    process.log_location,
-                    process.tail(15),
-                    reason=process.exit_reason(),
-                )
-        return None
-
-    def _timeout_message(self) -> str:
-        timeout_s = self.settings.launch.startup_timeout_s
-        lines = [
-            f"the deployment was not ready after {timeout_s:g} s (sglang_deploy.launch.startup_timeout_s):"
-        ]
-        for row in self.fleet.engines():
-            if row.state is EngineState.STARTING and row.external:
-                lines.append(
-                    f"  external engine {row.id} never answered {STARTUP_HEALTH_ENDPOINT} at {row.url} within "
-                    "the start-up deadline (it runs elsewhere: is it up, reachable from here, and answering?)"
-                )
-            elif row.state is EngineState.STARTING and row.processes:
-                process = row.processes[0]
-                lines.append(
-                    f"  engine {row.id} never answered {STARTUP_HEALTH_ENDPOINT} at {row.url} "
-                    f"({process.where}, still running); last log lines of {process.log_location}:"
-                )
-                lines += [f"    | {line}" for line in process.tail(10).splitlines()]
-            elif row.state is not EngineState.SERVING:
-                lines.append(f"  engine {row.id} at {row.url}: {row.state.value}")
-        for router in self.fleet.routers():
-            if router.state is not RouterState.READY:
-                lines.append(f"  router of {router.model} at {router.url}: {router.state.value}")
-        return "\n".join(lines)
+            raise LaunchError(startup_message(self.fleet, self.settings, self.status, failure))
 
     def _summary_rows(self) -> list[SummaryRow]:
         registry = self.registry
@@ -802,38 +748,3 @@ class Deployment:
 
 def _at(when: str) -> str:
     return f" {when}" if when else ""
-
-
-def _router_exit_message(router: RouterRow) -> str:
-    process = router.process
-    return _exited_message(
-        f"router {process.name}",
-        f"pid {process.pid} on this machine",
-        process.exit_code() or 0,
-        time.monotonic() - process.started_at,
-        process.display_command or " ".join(mask_argv(list(process.argv))),
-        str(process.log_path),
-        process.tail(15),
-    )
-
-
-def _exited_message(
-    what: str,
-    where: str,
-    code: int,
-    elapsed_s: float,
-    command: str,
-    log: str,
-    tail: str,
-    reason: str | None = None,
-) -> str:
-    why = f": {reason}" if reason else ""
-    lines = [
-        f"{what} exited with code {code} during start-up (after {elapsed_s:.1f} s){why}",
-        f"  where: {where}",
-        f"  command: {command}",
-        f"  last log lines of {log}:",
-        *(f"    | {line}" for line in tail.splitlines()),
-        *([] if tail.strip() else ["    (none: it wrote nothing there)"]),
-    ]
-    return "\n".join(lines)

@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from miles_sglang_plugin.app.hydra_edge import launch_from_config
+from miles_sglang_plugin.backends.ray_placement import BundlePlan, HeldGpus, ProcessPlacement, place_added
 from miles_sglang_plugin.config.compose import compose_config
 from miles_sglang_plugin.serving.deployment import Deployment
 from miles_sglang_plugin.serving.routers import router_workers
@@ -25,8 +26,6 @@ from tests.conftest_ray import clean_cluster, ray_cluster  # noqa: F401 - fixtur
 from tests.launch_helpers import generate_body, process_alive
 from tests.ray_helpers import FakeCluster
 from tests.test_ray_backend import ray_overrides
-
-pytestmark = pytest.mark.ray
 
 FAST = [
     "sglang_deploy.supervision.health_interval_s=0.3",
@@ -69,6 +68,47 @@ def free_gpus(cluster: FakeCluster, expected: float, timeout_s: float = 20.0) ->
         time.sleep(0.2)
 
 
+# ---------------------------------------------------------------------------- where added processes go (pure)
+def _process(engine: str, node: int, gpus: tuple[int, ...]) -> ProcessPlacement:
+    return ProcessPlacement(engine, 0, engine, node, tuple(node * 8 + g for g in gpus), gpus)
+
+
+def test_added_processes_go_onto_the_actor_whose_bundle_holds_their_gpus() -> None:
+    """Node 0's actor holds local GPUs 0-3 (engines 0-1 at TP 2, engine 1 removed): an engine added at 2,3 goes
+    onto it; one at 4,5 and one at 6,7 get one new actor for node 0 (a bundle of 4,5,6,7); one on node 1 gets
+    its own. One actor per process: each a bundle of its own. An engine at 3,4 would split the bundle."""
+    held = [HeldGpus("node 0", 0, (0, 1, 2, 3))]
+    added = [_process("a.2", 0, (2, 3)), _process("a.3", 0, (4, 5)), _process("a.4", 0, (6, 7)),
+             _process("a.5", 1, (0, 1))]  # fmt: skip
+    per_node = place_added(added, held, per_node=True, in_trainer_group=False)
+    assert per_node.onto == {("a.2", 0): "node 0"} and per_node.problems == ()
+    assert per_node.new == (
+        BundlePlan(0, (4, 5, 6, 7), (("a.3", 0), ("a.4", 0))),
+        BundlePlan(1, (0, 1), (("a.5", 0),)),
+    )
+    per_process = place_added(
+        added[1:3], [HeldGpus("a.1", 0, (2, 3))], per_node=False, in_trainer_group=False
+    )
+    assert per_process.new == (BundlePlan(0, (4, 5), (("a.3", 0),)), BundlePlan(0, (6, 7), (("a.4", 0),)))
+    split = place_added([_process("a.6", 0, (3, 4))], held, per_node=True, in_trainer_group=False)
+    assert (split.onto, split.new) == ({}, ())
+    assert split.problems == (
+        "a.6: its local GPUs 3,4 of node 0 are in part (GPUs 3) held by node 0, whose bundle cannot be split",
+    )
+
+
+def test_added_processes_in_the_trainers_group_join_their_nodes_actor() -> None:
+    held = [HeldGpus("node 1", 1)]
+    added = [_process("a.2", 1, (4, 5)), _process("a.3", 2, (0, 1))]
+    per_node = place_added(added, held, per_node=True, in_trainer_group=True)
+    assert per_node.onto == {("a.2", 0): "node 1"}
+    assert per_node.new == (BundlePlan(2, (0, 1), (("a.3", 0),)),)
+    per_process = place_added(added, held, per_node=False, in_trainer_group=True)
+    assert per_process.onto == {} and [b.processes for b in per_process.new] == [(("a.2", 0),), (("a.3", 0),)]
+
+
+# ------------------------------------------------------------------------------------------------ on the cluster
+@pytest.mark.ray
 def test_resize_grows_onto_a_second_node_and_shrinks_back_giving_every_gpu_back(
     clean_cluster: FakeCluster,  # noqa: F811
     tmp_path: Path,
@@ -142,6 +182,7 @@ def test_resize_grows_onto_a_second_node_and_shrinks_back_giving_every_gpu_back(
     assert free_gpus(clean_cluster, 32) == 32
 
 
+@pytest.mark.ray
 def test_move_gpus_and_a_model_added_and_removed_with_one_actor_per_process(
     clean_cluster: FakeCluster,  # noqa: F811
     tmp_path: Path,
@@ -217,3 +258,53 @@ def test_move_gpus_and_a_model_added_and_removed_with_one_actor_per_process(
         assert free_gpus(clean_cluster, 28) == 28
         assert not {ref_router.http, ref_router.prometheus} & set(claims.fds)
         assert d.registry.names() == ("actor",)
+
+
+@pytest.mark.ray
+def test_resize_in_the_trainers_placement_group_keeps_its_bundles(
+    clean_cluster: FakeCluster,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """The trainer's group of 16 one-GPU bundles (0-7 on node 1, 8-15 on node 0; Miles' order puts node 0
+    first), not colocated: the rollout's slots 8-15 are bundles 0-7 on node 1. Regular 4 at TP 2: engines 0-1
+    on GPUs 0,1 and 2,3 of node 1 under one actor. Resized to 8: engines 2-3 take slots 12-15 = GPUs 4,5 and
+    6,7 of node 1, started by the same actor; resized back to 4, the group (the trainer's) stays whole and the
+    cluster's free GPUs stay 16 throughout."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    node0, node1 = clean_cluster.node_id(0), clean_cluster.node_id(1)
+    pg = placement_group(
+        [{"GPU": 1}] * 16,
+        bundle_label_selector=[{"ray.io/node-id": node1}] * 8 + [{"ray.io/node-id": node0}] * 8,
+    )
+    order = list(range(8, 16)) + list(range(8))
+    overrides = ray_overrides("sglang.actor.num_gpus_per_engine=2", *FAST)
+    try:
+        cfg = compose_config([*overrides, "sglang.actor.regular.num_gpus=4"])
+        with launch_from_config(
+            cfg, log_dir=tmp_path / "logs", placement_group=pg, bundle_indices=order
+        ) as d:
+            first = placed(d)
+            actors = actor_of(d)
+            assert [(node, gpus) for node, gpus, _ in first.values()] == [(node1, "0,1"), (node1, "2,3")]
+            grown = d.resize("actor", "regular", 8)
+            assert grown.started == ("actor.regular.2", "actor.regular.3")
+            now = placed(d)
+            assert {e: (node, gpus) for e, (node, gpus, _) in now.items()} == {
+                "actor.regular.0": (node1, "0,1"),
+                "actor.regular.1": (node1, "2,3"),
+                "actor.regular.2": (node1, "4,5"),
+                "actor.regular.3": (node1, "6,7"),
+            }
+            assert set(actor_of(d).values()) == set(actors.values()) and len(set(actors.values())) == 1
+            assert free_gpus(clean_cluster, 16) == 16
+            assert listed(d) == sorted(e.url for e in d.engines())
+            shrunk = d.resize("actor", "regular", 4)
+            assert shrunk.stopped == ("actor.regular.2", "actor.regular.3")
+            assert not any(process_alive(now[e][2]) for e in shrunk.stopped)
+            assert placed(d) == first and actor_of(d) == actors
+            assert free_gpus(clean_cluster, 16) == 16
+            assert clean_cluster.live_placement_groups() == [pg.id.hex()]
+        clean_cluster.assert_clean(keep_groups=[pg.id.hex()])
+    finally:
+        remove_placement_group(pg)

@@ -564,6 +564,16 @@ class RayBackend(Backend):
             raise grant_error(list(where.problems), "A change can place new engines on GPUs no engine holds, or on "
                               "all GPUs of one that it removes.")  # fmt: skip
         by_key = {p.key: p for p in placements}
+        if in_trainer:  # the bundles of the added slots (and a plan that outgrew the group is refused here)
+            specs = list(self.placement_group.bundle_specs)
+            slots = sorted({s for p in [*self._placements, *placements] for s in p.gpu_slots})
+            self._bundle_of = slot_bundles(len(specs), self.bundle_indices, slots)
+            wide = sorted({self._bundle_of[s] for s in slots if specs[self._bundle_of[s]].get("GPU") != 1})
+            if wide:
+                raise PlacementError(
+                    f"bundles {wide[:4]} of the placement group handed over do not hold one GPU each (Miles' "
+                    "and slime's layout)"
+                )
         new_names = self._new_hosts(plan, where.new, by_key, node_of_plan)
         assigned = {**where.onto, **new_names}
         # Every host runs what the plan gives it: kept processes stay, added ones join.
@@ -601,10 +611,6 @@ class RayBackend(Backend):
             for b in bundles
         ]
         if self.placement_group is not None:
-            specs = list(self.placement_group.bundle_specs)
-            slots = sorted({s for p in self._placements for s in p.gpu_slots} | {
-                s for b in bundles for key in b.processes for s in by_key[key].gpu_slots})  # fmt: skip
-            self._bundle_of = slot_bundles(len(specs), self.bundle_indices, slots)
             for name, b in zip(names, bundles, strict=True):
                 first = by_key[b.processes[0]].gpu_slots[0]
                 host = HostPlan(name, b.node, b.processes)

@@ -7,8 +7,8 @@ The ray backend creates one per plan node, for all engine processes of that node
 actor (``ray.remote(EngineHost)``): its methods run on one event-loop thread that lives as long as the actor,
 which is the thread the parent-death signal is tied to. Calls may start in any order, so each names the
 process (by its launch name) and the run of it that it is about. The backend keeps the actor until the
-deployment is closed, so that a restart runs the same command on the same GPUs. The first actor of each
-node also finds and claims the ports of the engine processes on that node.
+deployment is closed, so that a restart runs the same command on the same GPUs. Each actor also finds and
+claims the ports of its engine processes on its node (the claims end with the actor).
 
 This module does not import Ray at the top: it is imported on the driver to define the actor, and by Ray on
 the nodes to run it.

@@ -14,8 +14,12 @@
    holds the GPUs of its processes and starts and watches them; what Ray gave (node, GPU ids) is checked
    against the plan, with one message for every mismatch.
 3. **Address and ports**: each plan node's address is its Ray node's IP (``--host``, worker URLs,
-   ``--dist-init-addr``); the engine ports of a node are found free and claimed on that node by its first
+   ``--dist-init-addr``); each engine process's ports are found free and claimed on its node by its own
    actor; routers run on this (the driver's) node, with ports found and claimed here.
+
+A running deployment can change (``Deployment.apply``): :meth:`RayBackend.prepare` with ``fixed_ports`` keeps
+what runs and places what is added, :meth:`RayBackend.release` gives back what only removed engines held
+(actors, placement groups, port claims) once they have stopped.
 
 :meth:`RayBackend.start` runs the engine command through its actor (returns at once), with
 ``CUDA_VISIBLE_DEVICES`` from Ray's assignment. A dead actor or a lost node is an exited process (every process
@@ -422,18 +426,13 @@ class RayBackend(Backend):
         return self._render(plan, settings, fixed=None)
 
     def _render(
-        self,
-        plan: DeploymentPlan,
-        settings: SGLangDeployConf,
-        fixed: PortAssignment | None,
-        *,
-        own_ports: bool = False,
+        self, plan: DeploymentPlan, settings: SGLangDeployConf, fixed: PortAssignment | None
     ) -> PreparedDeployment:
-        """The launch specs of ``plan`` on the nodes its processes were granted (ports found on them).
-        ``own_ports``: each process's ports are found and claimed by its own actor (a change: the claims end
-        with the actor that runs the process), the ports of ``fixed`` processes never handed out."""
+        """The launch specs of ``plan`` on the nodes its processes were granted: each process's ports found and
+        claimed on its node by its own actor (the claims end with the actor that runs the process), the ports
+        of ``fixed`` processes kept and never handed out."""
         address = {p.node: self._grants[p.key].node.address for p in self._placements}
-        finder = self._find_node_ports if not own_ports else self._process_port_finder(plan, fixed)
+        finder = self._process_port_finder(plan, fixed)
         return prepare_deployment(
             plan,
             settings,
@@ -482,7 +481,7 @@ class RayBackend(Backend):
                 if found:
                     raise grant_error(found, self._mismatch_hint())
                 self._server_arg_fields = server_arg_fields
-                prepared = self._render(plan, settings, fixed, own_ports=True)
+                prepared = self._render(plan, settings, fixed)
             except BaseException:
                 self._undo(saved)
                 raise
@@ -984,21 +983,6 @@ class RayBackend(Backend):
                     f"{by_key[key].name}: its actor came back on {where['address']} with GPUs {','.join(gpus)}, "
                     f"not on {grant.node.short} with GPUs {','.join(grant.gpu_ids)} as planned"
                 )
-
-    def _find_node_ports(self, requests: Mapping[int, Sequence[Sequence[int]]]) -> dict[int, list[list[int]]]:
-        assert self._settings is not None
-        launch = self._settings.launch
-        first_on: dict[int, tuple[str, int]] = {}
-        for p in self._placements:
-            first_on.setdefault(p.node, p.key)
-        nodes = list(requests)
-        refs = [
-            self._hosts[self._host_of[first_on[n]]].actor.find_ports.remote(
-                self._grants[first_on[n]].node.address, requests[n], launch.port_base, launch.port_max
-            )
-            for n in nodes
-        ]
-        return dict(zip(nodes, self._wait(refs, "finding free ports on the nodes"), strict=True))
 
     def check(self, prepared: PreparedDeployment) -> list[str]:
         nodes: dict[int, RayNodeInfo] = {}

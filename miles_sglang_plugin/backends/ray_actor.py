@@ -7,8 +7,8 @@ The ray backend creates one per plan node, for all engine processes of that node
 actor (``ray.remote(EngineHost)``): its methods run on one event-loop thread that lives as long as the actor,
 which is the thread the parent-death signal is tied to. Calls may start in any order, so each names the
 process (by its launch name) and the run of it that it is about. The backend keeps the actor until the
-deployment is closed, so that a restart runs the same command on the same GPUs. The first actor of each
-node also finds and claims the ports of the engine processes on that node.
+deployment is closed, so that a restart runs the same command on the same GPUs. Each actor also finds and
+claims the ports of its engine processes on its node (the claims end with the actor).
 
 This module does not import Ray at the top: it is imported on the driver to define the actor, and by Ray on
 the nodes to run it.
@@ -62,13 +62,36 @@ class EngineHost:
         }
 
     async def find_ports(
-        self, host: str, runs: Sequence[Sequence[int]], port_base: int, port_max: int
+        self,
+        host: str,
+        runs: Sequence[Sequence[int]],
+        port_base: int,
+        port_max: int,
+        reserved: Sequence[int] = (),
     ) -> list[list[int]]:
         """Free ports on this node for the engine processes here (see ``free_port_runs``), claimed by this
-        actor until :meth:`release_ports` or its death."""
+        actor until :meth:`drop_ports`, :meth:`release_ports` or its death. ``reserved``: ports of processes
+        that run on this node already (a change of a running deployment keeps them), never handed out, even
+        where no claim holds them any more (they are claimed for the search and let go after it)."""
         if self.claims is None:
             self.claims = PortClaims(default_lock_dir())
-        return free_port_runs(host, runs, port_base=port_base, port_max=port_max, claims=self.claims)
+        held_for_search = PortClaims(default_lock_dir())
+        try:
+            for port in reserved:
+                if port not in self.claims.fds:
+                    held_for_search.try_claim(port)  # taken elsewhere already: skipped by the search anyway
+            return free_port_runs(host, runs, port_base=port_base, port_max=port_max, claims=self.claims)
+        finally:
+            held_for_search.release()
+
+    async def drop_ports(self, ports: Sequence[int]) -> list[int]:
+        """Give back this actor's claims of ``ports`` (those of processes a change removed); the ports it held."""
+        if self.claims is None:
+            return []
+        held = [port for port in ports if port in self.claims.fds]
+        for port in held:
+            self.claims.drop(port, unlock=True)
+        return held
 
     async def release_ports(self) -> None:
         if self.claims is not None:

@@ -14,8 +14,12 @@
    holds the GPUs of its processes and starts and watches them; what Ray gave (node, GPU ids) is checked
    against the plan, with one message for every mismatch.
 3. **Address and ports**: each plan node's address is its Ray node's IP (``--host``, worker URLs,
-   ``--dist-init-addr``); the engine ports of a node are found free and claimed on that node by its first
+   ``--dist-init-addr``); each engine process's ports are found free and claimed on its node by its own
    actor; routers run on this (the driver's) node, with ports found and claimed here.
+
+A running deployment can change (``Deployment.apply``): :meth:`RayBackend.prepare` with ``fixed_ports`` keeps
+what runs and places what is added, :meth:`RayBackend.release` gives back what only removed engines held
+(actors, placement groups, port claims) once they have stopped.
 
 :meth:`RayBackend.start` runs the engine command through its actor (returns at once), with
 ``CUDA_VISIBLE_DEVICES`` from Ray's assignment. A dead actor or a lost node is an exited process (every process
@@ -28,6 +32,7 @@ Actors are owned by this process (not detached): if it dies, Ray kills them too.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import socket
@@ -45,6 +50,7 @@ from miles_sglang_plugin.backends.ray_actor import EngineHost, gpu_probe
 from miles_sglang_plugin.backends.ray_placement import (
     NODE_ID_LABEL,
     BundlePlan,
+    HeldGpus,
     HostPlan,
     PlacementError,
     ProcessGrant,
@@ -57,6 +63,8 @@ from miles_sglang_plugin.backends.ray_placement import (
     gpus_per_plan_node,
     grant_error,
     own_bundles,
+    place_added,
+    placeholder_slots,
     process_placements,
     slot_bundles,
     spread_order,
@@ -68,7 +76,14 @@ from miles_sglang_plugin.masking import mask_text, secret_values
 from miles_sglang_plugin.planning.plan import DeploymentPlan
 from miles_sglang_plugin.rendering.deploy_checks import Bounds, bounds_problems, duration_bounds
 from miles_sglang_plugin.rendering.launch_specs import EngineProcessLaunch, check_deploy_settings
-from miles_sglang_plugin.rendering.ports import PortAssignment, PortClaims, default_lock_dir
+from miles_sglang_plugin.rendering.ports import (
+    EnginePorts,
+    NodePortFinder,
+    PortAssignment,
+    PortClaims,
+    default_lock_dir,
+    ports_held,
+)
 from miles_sglang_plugin.rendering.prepared import PreparedDeployment, prepare_deployment
 
 #: What a user installs to get this backend.
@@ -173,6 +188,17 @@ class _Host:
     num_cpus: float
     #: The plan's local GPU ids of its bundle in the backend's own group (empty in the trainer's group).
     bundle_gpus: tuple[int, ...] = ()
+
+
+def _engine_ports_by_address(prepared: PreparedDeployment) -> dict[str, set[int]]:
+    """Node address -> every port the engine processes of ``prepared`` hold there (whole runs)."""
+    ports = prepared.ports or PortAssignment(engines={}, routers={})
+    by_host: dict[str, dict[tuple[str, int], EnginePorts]] = {}
+    for launch in prepared.launch.engines:
+        key = (launch.engine_id, launch.node_rank)
+        if key in ports.engines:
+            by_host.setdefault(launch.host, {})[key] = ports.engines[key]
+    return {host: ports_held(PortAssignment(engines, {}), prepared.plan) for host, engines in by_host.items()}
 
 
 class RayEngineProcess(EngineProcess):
@@ -348,6 +374,11 @@ class RayBackend(Backend):
         #: Own group of pinned bundles (one actor per engine process): a lost node's bundles cannot move.
         self._pinned_groups: list[Any] = []
         self._placing = threading.Lock()
+        #: Changes prepared so far (names the actors each one made), the plan's placeholder GPU slots and the
+        #: placement groups that hold them (never removed before close).
+        self._changes = 0
+        self._placeholders: frozenset[int] = frozenset()
+        self._placeholder_groups: list[Any] = []
 
     @property
     def placement_groups(self) -> tuple[Any, ...]:
@@ -373,10 +404,7 @@ class RayBackend(Backend):
         fixed_ports: PortAssignment | None = None,
     ) -> PreparedDeployment:
         if fixed_ports is not None:
-            raise UnsupportedPlanError(
-                "the ray backend cannot change a running deployment's engines yet (Deployment.apply): stop it "
-                "and start the new one"
-            )
+            return self._prepare_change(plan, settings, server_arg_fields, fixed_ports)
         problems = ProblemCollector("sglang_deploy")
         problems.extend(check_deploy_settings(settings, server_arg_fields))
         problems.extend(ray_conf_problems(settings.launch.ray))
@@ -393,13 +421,18 @@ class RayBackend(Backend):
             raise grant_error(problems_found, self._mismatch_hint())
         self.claims = self.claims or PortClaims(default_lock_dir())
         self._server_arg_fields = server_arg_fields
+        self._placeholders = frozenset(placeholder_slots(plan))
+        self._placeholder_groups = list(self._own_groups) if self._placeholders else []
         return self._render(plan, settings, fixed=None)
 
     def _render(
         self, plan: DeploymentPlan, settings: SGLangDeployConf, fixed: PortAssignment | None
     ) -> PreparedDeployment:
-        """The launch specs of ``plan`` on the nodes its processes were granted (ports found on them)."""
+        """The launch specs of ``plan`` on the nodes its processes were granted: each process's ports found and
+        claimed on its node by its own actor (the claims end with the actor that runs the process), the ports
+        of ``fixed`` processes kept and never handed out."""
         address = {p.node: self._grants[p.key].node.address for p in self._placements}
+        finder = self._process_port_finder(plan, fixed)
         return prepare_deployment(
             plan,
             settings,
@@ -408,9 +441,309 @@ class RayBackend(Backend):
             claims=self.claims,
             host_of_node=lambda node: address[node],
             router_host=self.ray.util.get_node_ip_address(),
-            find_node_ports=self._find_node_ports,
+            find_node_ports=finder,
             fixed_ports=fixed,
         )
+
+    # ------------------------------------------------------------------------ changing a running deployment
+    def _prepare_change(
+        self,
+        plan: DeploymentPlan,
+        settings: SGLangDeployConf,
+        server_arg_fields: Collection[str] | None,
+        fixed: PortAssignment,
+    ) -> PreparedDeployment:
+        """``plan`` for the running deployment (``Deployment.apply``): the processes of ``fixed`` keep their
+        actors, nodes, GPUs and ports; the others are placed (:func:`place_added`: onto a live actor whose
+        bundle holds their GPUs, else under new actors, each in a placement group of its own pinned to its plan
+        node's Ray node, or in the trainer's group), their ports found on their nodes. Nothing changes where it
+        fails: what it made is removed again, and the deployment runs on as it was."""
+        if self._closed or self._settings is None:
+            raise LaunchError("this ray backend runs no deployment to change (not prepared, or closed)")
+        problems = ProblemCollector("sglang_deploy")
+        problems.extend(check_deploy_settings(settings, server_arg_fields))
+        problems.extend(ray_conf_problems(settings.launch.ray))
+        problems.raise_if_any()
+        if settings.launch.ray.engine_actors is not self.conf.engine_actors:
+            raise UnsupportedPlanError(
+                "sglang_deploy.launch.ray.engine_actors cannot change while the deployment runs: stop it and "
+                "start the new one"
+            )
+        placements = process_placements(plan)
+        self._check_kept(plan, placements, fixed)
+        added = [p for p in placements if p.key not in fixed.engines]
+        with self._placing:
+            saved = self._snapshot()
+            self._changes += 1
+            try:
+                self._place_added(plan, placements, added)
+                found = check_grants(placements, self._grants)
+                if found:
+                    raise grant_error(found, self._mismatch_hint())
+                self._server_arg_fields = server_arg_fields
+                prepared = self._render(plan, settings, fixed)
+            except BaseException:
+                self._undo(saved)
+                raise
+        self._settings, self.conf = settings, settings.launch.ray
+        return prepared
+
+    def _check_kept(
+        self, plan: DeploymentPlan, placements: Sequence[ProcessPlacement], fixed: PortAssignment
+    ) -> None:
+        """The processes ``fixed`` keeps must be running ones, where they run; the placeholder GPUs unchanged."""
+        running = {p.key: p for p in self._placements}
+        moved = [
+            p.name
+            for p in placements
+            if p.key in fixed.engines
+            and (
+                p.key not in running
+                or (running[p.key].node, running[p.key].gpu_slots) != (p.node, p.gpu_slots)
+            )
+        ]
+        if moved:
+            raise UnsupportedPlanError(
+                f"{', '.join(moved[:4])}: kept by the change, but not where they run (or not running at all)"
+            )
+        if frozenset(placeholder_slots(plan)) != self._placeholders:
+            raise UnsupportedPlanError(
+                "the ray backend cannot move or resize placeholder GPUs of a running deployment (their bundles "
+                "stay where they were placed): stop it and start the new one"
+            )
+
+    def _snapshot(self) -> dict[str, Any]:
+        return {
+            "hosts": dict(self._hosts),
+            "plans": {name: host.plan for name, host in self._hosts.items()},
+            "host_of": dict(self._host_of),
+            "grants": dict(self._grants),
+            "placements": list(self._placements),
+            "bundle_of": dict(self._bundle_of),
+            "groups": list(self._own_groups),
+        }
+
+    def _undo(self, saved: Mapping[str, Any]) -> None:
+        """Back to ``saved`` (a failed change): the actors and placement groups made since are removed."""
+        new_actors = [h.actor for name, h in self._hosts.items() if name not in saved["hosts"]]
+        for actor in new_actors:
+            with contextlib.suppress(Exception):
+                self.ray.kill(actor, no_restart=True)
+        self._wait_dead(new_actors)
+        self._remove_groups([g for g in self._own_groups if not any(g is k for k in saved["groups"])])
+        self._hosts = dict(saved["hosts"])
+        for name, host in self._hosts.items():
+            host.plan = saved["plans"][name]
+        self._host_of, self._grants = dict(saved["host_of"]), dict(saved["grants"])
+        self._placements, self._bundle_of = list(saved["placements"]), dict(saved["bundle_of"])
+
+    def _remove_groups(self, groups: Sequence[Any]) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        for group in groups:
+            with contextlib.suppress(Exception):
+                remove_placement_group(group)
+            self._own_groups = [g for g in self._own_groups if g is not group]
+            self._pinned_groups = [g for g in self._pinned_groups if g is not group]
+
+    def _place_added(
+        self, plan: DeploymentPlan, placements: Sequence[ProcessPlacement], added: Sequence[ProcessPlacement]
+    ) -> None:
+        """Actors and grants for the ``added`` processes; every host then runs the processes of ``placements``
+        it was given (the processes of removed engines are no host's any more, though they run until stopped)."""
+        in_trainer = self.placement_group is not None
+        node_of_plan = {p.node: self._grants[p.key].node for p in self._placements}
+        held = [
+            HeldGpus(name, host.plan.node, host.bundle_gpus)
+            for name, host in self._hosts.items()
+            if host.plan.node in node_of_plan
+        ]
+        where = place_added(added, held, per_node=self._per_node, in_trainer_group=in_trainer)
+        if where.problems:
+            raise grant_error(list(where.problems), "A change can place new engines on GPUs no engine holds, or on "
+                              "all GPUs of one that it removes.")  # fmt: skip
+        by_key = {p.key: p for p in placements}
+        if in_trainer:  # the bundles of the added slots (and a plan that outgrew the group is refused here)
+            specs = list(self.placement_group.bundle_specs)
+            slots = sorted({s for p in [*self._placements, *placements] for s in p.gpu_slots})
+            self._bundle_of = slot_bundles(len(specs), self.bundle_indices, slots)
+            wide = sorted({self._bundle_of[s] for s in slots if specs[self._bundle_of[s]].get("GPU") != 1})
+            if wide:
+                raise PlacementError(
+                    f"bundles {wide[:4]} of the placement group handed over do not hold one GPU each (Miles' "
+                    "and slime's layout)"
+                )
+        new_names = self._new_hosts(plan, where.new, by_key, node_of_plan)
+        assigned = {**where.onto, **new_names}
+        # Every host runs what the plan gives it: kept processes stay, added ones join.
+        for key, name in assigned.items():
+            self._host_of[key] = name
+        keys_of: dict[str, list[tuple[str, int]]] = {name: [] for name in self._hosts}
+        for p in placements:
+            if p.key in self._host_of:
+                keys_of[self._host_of[p.key]].append(p.key)
+        for name, host in self._hosts.items():
+            host.plan = dataclasses.replace(host.plan, processes=tuple(keys_of[name]))
+        self._placements = list(placements)
+        if in_trainer:
+            self._grant_in_trainer_group([by_key[key] for key in assigned])
+        else:
+            wheres = self._wheres_of(sorted(set(assigned.values())))
+            for key, name in assigned.items():
+                w, host = wheres[name], self._hosts[name]
+                gpus = bundle_gpu_ids(host.bundle_gpus, w["gpu_ids"], by_key[key].local_gpu_ids)
+                self._grants[key] = ProcessGrant(RayNodeInfo(w["node_id"], w["address"]), gpus)
+
+    def _new_hosts(
+        self,
+        plan: DeploymentPlan,
+        bundles: Sequence[BundlePlan],
+        by_key: Mapping[tuple[str, int], ProcessPlacement],
+        node_of_plan: Mapping[int, RayNodeInfo],
+    ) -> dict[tuple[str, int], str]:
+        """New actors for ``bundles`` (each a new actor's processes); the name of each process's actor."""
+        if not bundles:
+            return {}
+        cpus = self.conf.engine_num_cpus
+        names = [
+            f"{f'node {b.node}' if self._per_node else by_key[b.processes[0]].name} (change {self._changes})"
+            for b in bundles
+        ]
+        if self.placement_group is not None:
+            for name, b in zip(names, bundles, strict=True):
+                first = by_key[b.processes[0]].gpu_slots[0]
+                host = HostPlan(name, b.node, b.processes)
+                self._create_host(
+                    host, self.placement_group, self._bundle_of[first], self.conf.bundle_gpu_share,
+                    cpus * len(b.processes),
+                )  # fmt: skip
+        else:
+            from ray.util.placement_group import placement_group
+
+            nodes = dict(node_of_plan)
+            nodes.update(
+                self._choose_new_nodes(bundles, set(node_of_plan), {n.node_id for n in nodes.values()})
+            )
+            groups = []
+            for name, b in zip(names, bundles, strict=True):
+                spec = {"GPU": float(b.gpus), **({"CPU": cpus * len(b.processes)} if cpus else {})}
+                group = placement_group(
+                    [spec], strategy="PACK", bundle_label_selector=[{NODE_ID_LABEL: nodes[b.node].node_id}]
+                )
+                self._own_groups.append(group)
+                self._pinned_groups.append(group)  # pinned: made anew elsewhere when its node is lost
+                groups.append(group)
+                self._create_host(
+                    HostPlan(name, b.node, b.processes), group, 0, spec["GPU"], spec.get("CPU", 0.0),
+                    b.local_gpu_ids,
+                )  # fmt: skip
+            self._wait([g.ready() for g in groups], f"placing {len(groups)} new engine actor(s)")
+        return {key: name for name, b in zip(names, bundles, strict=True) for key in b.processes}
+
+    def _choose_new_nodes(
+        self, bundles: Sequence[BundlePlan], placed: set[int], used: set[str]
+    ) -> dict[int, RayNodeInfo]:
+        """Ray nodes for the plan nodes of ``bundles`` that have none yet (not one of ``used``): Ray's
+        scheduler picks them (a ``STRICT_SPREAD`` group, removed at once), in address order."""
+        from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+
+        need = {n: g for n, g in gpus_per_plan_node(bundles).items() if n not in placed}
+        if not need:
+            return {}
+        cpus = self.conf.engine_num_cpus
+        specs = [
+            {"GPU": float(gpus), **({"CPU": cpus * sum(len(b.processes) for b in bundles if b.node == n)}
+                                    if cpus else {})}
+            for n, gpus in need.items()
+        ]  # fmt: skip
+        selector = [{NODE_ID_LABEL: f"!in({','.join(sorted(used))})"}] * len(specs) if used else None
+        chooser = placement_group(specs, strategy="STRICT_SPREAD", bundle_label_selector=selector)
+        try:
+            self._wait_group(
+                chooser, f"{len(need)} more node(s) with {', '.join(map(str, need.values()))} free GPU(s)"
+            )
+            chosen = placement_group_table(chooser)["bundles_to_node_id"]
+        finally:
+            remove_placement_group(chooser)
+        info = self._node_info()
+        return assign_plan_nodes(list(need), [info[chosen[i]] for i in range(len(need))])
+
+    def _grant_in_trainer_group(self, added: Sequence[ProcessPlacement]) -> None:
+        """The grants of ``added`` processes in the trainer's group: which GPU each slot's bundle holds (asked of
+        Ray), on the node of the actor that starts them."""
+        pg = self.placement_group
+        slots = sorted({s for p in added for s in p.gpu_slots})
+        probe = self.ray.remote(gpu_probe)
+        refs = [
+            probe.options(**self._in_bundle(pg, self._bundle_of[s], PROBE_GPU_SHARE)).remote() for s in slots
+        ]
+        probed = dict(zip(slots, self._wait(refs, "asking Ray which GPU each bundle holds"), strict=True))
+        wheres = self._wheres_of(sorted({self._host_of[p.key] for p in added}))
+        for p in added:
+            actor_node = wheres[self._host_of[p.key]]
+            nodes = {probed[s]["node_id"] for s in p.gpu_slots}
+            if nodes != {actor_node["node_id"]}:
+                raise PlacementError(
+                    f"{p.name}: its GPU slots {list(p.gpu_slots)} are bundles on other nodes than its actor's "
+                    f"({actor_node['address']}) and each other"
+                )
+            node = RayNodeInfo(actor_node["node_id"], actor_node["address"])
+            self._grants[p.key] = ProcessGrant(node, tuple(probed[s]["gpu_ids"][0] for s in p.gpu_slots))
+
+    def _process_port_finder(self, plan: DeploymentPlan, fixed: PortAssignment | None) -> NodePortFinder:
+        """Finds each process's ports through its own actor, the ports of ``fixed`` processes of its node kept
+        out of the search."""
+        fixed = fixed or PortAssignment(engines={}, routers={})
+        node_of = {p.key: p.node for p in self._placements}
+        # The order in which prepare_deployment asks for the processes of a node (assign_ports): the plan's.
+        order: dict[int, list[tuple[str, int]]] = {}
+        kept_on: dict[int, dict[tuple[str, int], EnginePorts]] = {}
+        for key in [(e.id, p.node_rank) for e in plan.engines for p in e.processes]:
+            if key in fixed.engines:
+                kept_on.setdefault(node_of[key], {})[key] = fixed.engines[key]
+            else:
+                order.setdefault(node_of[key], []).append(key)
+
+        def find(requests: Mapping[int, Sequence[Sequence[int]]]) -> dict[int, list[list[int]]]:
+            calls: list[tuple[int, list[int], Any]] = []  # (plan node, positions, reference)
+            for node, runs in requests.items():
+                keys = order.get(node, [])
+                if len(keys) != len(runs):  # not the order expected: the node's first actor finds them all
+                    keys = [keys[0] if keys else self._placements[0].key] * len(runs)
+                reserved = sorted(ports_held(PortAssignment(kept_on.get(node, {}), {}), plan))
+                calls += [(node, positions, ref) for positions, ref in self._ask_ports(keys, runs, reserved)]
+            values = self._wait([ref for _n, _p, ref in calls], "finding free ports on the nodes")
+            found: dict[int, list[list[int]]] = {node: [[] for _ in runs] for node, runs in requests.items()}
+            for (node, positions, _ref), starts in zip(calls, values, strict=True):
+                for position, first_ports in zip(positions, starts, strict=True):
+                    found[node][position] = first_ports
+            return found
+
+        return find
+
+    def _ask_ports(
+        self, keys: Sequence[tuple[str, int]], runs: Sequence[Sequence[int]], reserved: Sequence[int]
+    ) -> list[tuple[list[int], Any]]:
+        """One ``find_ports`` call per actor of ``keys`` (the processes of one node, each with its ``runs``):
+        the positions each call answers for, and its reference."""
+        assert self._settings is not None
+        launch = self._settings.launch
+        by_host: dict[str, list[int]] = {}
+        for position, key in enumerate(keys):
+            by_host.setdefault(self._host_of[key], []).append(position)
+        return [
+            (
+                positions,
+                self._hosts[name].actor.find_ports.remote(
+                    self._grants[keys[positions[0]]].node.address,
+                    [runs[i] for i in positions],
+                    launch.port_base,
+                    launch.port_max,
+                    reserved,
+                ),
+            )
+            for name, positions in by_host.items()
+        ]
 
     def _mismatch_hint(self) -> str:
         if self.placement_group is not None:
@@ -623,7 +956,9 @@ class RayBackend(Backend):
 
     def _wheres(self) -> dict[str, dict[str, Any]]:
         """Host name -> where its actor runs (node, address, GPU ids): waits until every actor has started."""
-        names = list(self._hosts)
+        return self._wheres_of(list(self._hosts))
+
+    def _wheres_of(self, names: Sequence[str]) -> dict[str, dict[str, Any]]:
         refs = [self._hosts[name].actor.where.remote() for name in names]
         return dict(zip(names, self._wait(refs, "starting the engine actors"), strict=True))
 
@@ -648,21 +983,6 @@ class RayBackend(Backend):
                     f"{by_key[key].name}: its actor came back on {where['address']} with GPUs {','.join(gpus)}, "
                     f"not on {grant.node.short} with GPUs {','.join(grant.gpu_ids)} as planned"
                 )
-
-    def _find_node_ports(self, requests: Mapping[int, Sequence[Sequence[int]]]) -> dict[int, list[list[int]]]:
-        assert self._settings is not None
-        launch = self._settings.launch
-        first_on: dict[int, tuple[str, int]] = {}
-        for p in self._placements:
-            first_on.setdefault(p.node, p.key)
-        nodes = list(requests)
-        refs = [
-            self._hosts[self._host_of[first_on[n]]].actor.find_ports.remote(
-                self._grants[first_on[n]].node.address, requests[n], launch.port_base, launch.port_max
-            )
-            for n in nodes
-        ]
-        return dict(zip(nodes, self._wait(refs, "finding free ports on the nodes"), strict=True))
 
     def check(self, prepared: PreparedDeployment) -> list[str]:
         nodes: dict[int, RayNodeInfo] = {}
@@ -800,6 +1120,57 @@ class RayBackend(Backend):
         log.warning(
             "%s placed again on %s (its node %s left the cluster)", host.plan.name, node.short, gone.short
         )
+
+    def release(self, before: PreparedDeployment, after: PreparedDeployment) -> None:
+        """A change from ``before`` to ``after`` ended and the processes it removed have stopped: the actors
+        that run none of ``after``'s processes are killed (and Ray waited for), the placement groups no actor
+        uses any more are removed (their GPUs are the cluster's again; the trainer's group stays, as do bundles
+        of placeholder GPUs), the ports of ``before``'s processes that ``after`` lacks are given back on their
+        nodes, and the routers' ports here."""
+        if self._closed or not self.ray.is_initialized():
+            return
+        with self._placing:
+            keys = {p.key for p in process_placements(after.plan)}
+            needed = {self._host_of[key] for key in keys if key in self._host_of}
+            gone = [name for name in self._hosts if name not in needed]
+            actors = [self._hosts[name].actor for name in gone]
+            for actor in actors:
+                with contextlib.suppress(Exception):
+                    self.ray.kill(actor, no_restart=True)
+            self._wait_dead(actors)
+            for name in gone:
+                del self._hosts[name]
+            kept_groups = [h.group for h in self._hosts.values()] + list(self._placeholder_groups)
+            self._remove_groups([g for g in self._own_groups if not any(g is k for k in kept_groups)])
+            for key in [key for key in self._host_of if key not in keys]:
+                del self._host_of[key]
+                self._grants.pop(key, None)
+                self._latest.pop(key, None)
+            self._release_ports(before, after)
+
+    def _release_ports(self, before: PreparedDeployment, after: PreparedDeployment) -> None:
+        if before.ports is None:
+            return
+        now = after.ports or PortAssignment(engines={}, routers={})
+        if self.claims is not None:
+            routers = ports_held(PortAssignment({}, before.ports.routers), before.plan)
+            for port in sorted(routers - ports_held(PortAssignment({}, now.routers), after.plan)):
+                self.claims.drop(port, unlock=True)
+        held_after = _engine_ports_by_address(after)
+        gone_on = {
+            address: ports - held_after.get(address, set())
+            for address, ports in _engine_ports_by_address(before).items()
+        }
+        refs = []
+        for (
+            host
+        ) in self._hosts.values():  # each live actor drops those it claimed (dead ones took theirs along)
+            address = self._grants[host.plan.processes[0]].node.address if host.plan.processes else None
+            if address is not None and gone_on.get(address):
+                refs.append(host.actor.drop_ports.remote(sorted(gone_on[address])))
+        if refs:
+            with contextlib.suppress(Exception):
+                self.ray.get(refs, timeout=30)
 
     def stop(self, processes: Sequence[EngineProcess], *, grace_s: float) -> None:
         if not self.ray.is_initialized():  # disconnected (Ray's own exit hook ran first): the actors and

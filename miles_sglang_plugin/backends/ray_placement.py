@@ -98,6 +98,28 @@ class ProcessGrant:
     gpu_ids: tuple[str, ...]
 
 
+@dataclass(frozen=True)
+class HeldGpus:
+    """A live engine actor of a running deployment: its plan node and the local GPUs its bundle holds (none in a
+    trainer's group, where it holds a share of one)."""
+
+    host: str
+    node: int
+    local_gpu_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class AddedPlacement:
+    """Where the processes a change adds go: onto live actors, or under new ones (see :func:`place_added`)."""
+
+    #: (engine id, node rank) -> the name of the live actor that starts it.
+    onto: dict[tuple[str, int], str]
+    #: One per new actor: its plan node, the local GPUs of its bundle (own group) and its processes.
+    new: tuple[BundlePlan, ...]
+    #: Processes that cannot be placed, one line each.
+    problems: tuple[str, ...] = ()
+
+
 class PlacementError(LaunchError):
     """The cluster cannot give what the plan needs (or gave something else); no engine was started."""
 
@@ -270,6 +292,59 @@ def check_grants(
     return problems
 
 
+def place_added(
+    added: Sequence[ProcessPlacement],
+    held: Sequence[HeldGpus],
+    *,
+    per_node: bool,
+    in_trainer_group: bool,
+) -> AddedPlacement:
+    """Where the engine processes a change of a running deployment adds go (:class:`AddedPlacement`).
+
+    ``held``: the live engine actors and the local GPUs their bundles hold. In the backend's own group, a process
+    whose GPUs one actor's bundle holds already (an engine removed from them, or never used) is started by that
+    actor; one whose GPUs another actor's bundle holds only in part cannot be placed (a problem); the others
+    get new actors, each with a bundle of its own: per node, one per plan node for all of that node's processes
+    (their GPUs together), per process, one each. In the trainer's group (one GPU per bundle), with one actor per
+    node, a plan node that has an actor keeps it for what is added there; everything else gets new actors
+    there too."""
+    onto: dict[tuple[str, int], str] = {}
+    problems: list[str] = []
+    fresh: list[ProcessPlacement] = []
+    for p in added:
+        here = [h for h in held if h.node == p.node]
+        if in_trainer_group:
+            if per_node and here:
+                onto[p.key] = here[0].host
+            else:
+                fresh.append(p)
+            continue
+        wanted = set(p.local_gpu_ids)
+        covering = [h for h in here if wanted <= set(h.local_gpu_ids)]
+        partly = [h for h in here if wanted & set(h.local_gpu_ids)]
+        if covering:
+            onto[p.key] = covering[0].host
+        elif partly:
+            shared = ",".join(map(str, sorted(wanted & {g for h in partly for g in h.local_gpu_ids})))
+            problems.append(
+                f"{p.name}: its local GPUs {','.join(map(str, p.local_gpu_ids))} of node {p.node} are in part "
+                f"(GPUs {shared}) held by {', '.join(h.host for h in partly)}, whose bundle cannot be split"
+            )
+        else:
+            fresh.append(p)
+    new: list[BundlePlan] = []
+    if per_node:
+        by_node: dict[int, list[ProcessPlacement]] = {}
+        for p in fresh:
+            by_node.setdefault(p.node, []).append(p)
+        for node, processes in sorted(by_node.items()):
+            gpus = tuple(sorted({g for p in processes for g in p.local_gpu_ids}))
+            new.append(BundlePlan(node, gpus, tuple(p.key for p in processes)))
+    else:
+        new = [BundlePlan(p.node, tuple(p.local_gpu_ids), (p.key,)) for p in fresh]
+    return AddedPlacement(onto, tuple(new), tuple(problems))
+
+
 def grant_error(problems: Sequence[str], hint: str) -> PlacementError:
     lines = ["the Ray cluster cannot give the plan's GPUs:", *(f"  - {p}" for p in problems[:12])]
     if len(problems) > 12:
@@ -280,7 +355,9 @@ def grant_error(problems: Sequence[str], hint: str) -> PlacementError:
 
 __all__ = [
     "NODE_ID_LABEL",
+    "AddedPlacement",
     "BundlePlan",
+    "HeldGpus",
     "HostPlan",
     "PlacementError",
     "ProcessGrant",
@@ -293,6 +370,7 @@ __all__ = [
     "engine_hosts",
     "gpus_per_plan_node",
     "own_bundles",
+    "place_added",
     "placeholder_slots",
     "process_placements",
     "slot_bundles",

@@ -202,3 +202,45 @@ def test_a_relative_lock_directory_stays_where_it_was_when_the_working_directory
         assert not (tmp_path / "later" / "locks").exists()
     finally:
         claims.release()
+
+
+def test_a_change_rendered_without_probing_never_hands_out_a_kept_port() -> None:
+    """``plan --diff`` and ``apply(dry_run=True)`` render a change without probing: PD prefill 2 + decode 1 at
+    port base 21000 (the router takes 21000 and 21001 first), changed to prefill 1 + decode 2. The added
+    decode.1 gets none of the ports the kept router and engines hold (before: the router's own 21000)."""
+    from miles_sglang_plugin.app.hydra_edge import resolve_config
+    from miles_sglang_plugin.config.reading import deploy_settings_from_config
+    from miles_sglang_plugin.rendering.ports import PortAssignment, ports_held
+    from miles_sglang_plugin.rendering.prepared import prepare_deployment
+    from miles_sglang_plugin.serving import elastic
+    from tests.launch_helpers import compose
+
+    def resolved(*extra: str):  # type: ignore[no-untyped-def]
+        cfg = compose("sglang=pd", "sglang.actor.num_gpus_per_engine=1", *extra, port_base=21000)
+        return resolve_config(cfg), deploy_settings_from_config(cfg)
+
+    plan, settings = resolved("sglang.actor.prefill.num_gpus=2", "sglang.actor.decode.num_gpus=1")
+    running = prepare_deployment(plan, settings)
+    fresh, new_settings = resolved("sglang.actor.prefill.num_gpus=1", "sglang.actor.decode.num_gpus=2")
+    change = elastic.plan_change(
+        running,
+        fresh,
+        lambda p, ports: prepare_deployment(p, new_settings, fixed_ports=ports),
+        settings=new_settings,
+    )
+    assert change.engines("started") == ("actor.decode.1",)
+    router = change.prepared.launch.routers[0].spec
+    assert (router.port, router.prometheus_port) == (21000, 21001)
+    assert change.prepared.ports is not None and running.ports is not None
+
+    def held(ports: PortAssignment, plan, engines: set[str], routers: bool) -> set[int]:  # type: ignore[no-untyped-def]
+        only = PortAssignment(
+            engines={k: v for k, v in ports.engines.items() if k[0] in engines},
+            routers=ports.routers if routers else {},
+        )
+        return ports_held(only, plan)
+
+    new_ports = held(change.prepared.ports, change.prepared.plan, {"actor.decode.1"}, routers=False)
+    kept = held(running.ports, running.plan, {"actor.prefill.0", "actor.decode.0"}, routers=True)
+    assert len(new_ports) == 2 + 31 + 1  # http, nccl, the dist_init run of 30 + dp_size 1, engine info
+    assert new_ports & kept == set()

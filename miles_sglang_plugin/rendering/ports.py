@@ -138,7 +138,8 @@ class _Cursor:
 
     def take(self, count: int = 1) -> int:
         """The first of ``count`` consecutive usable ports."""
-        if not self.probe and self.next + count - 1 <= self.limit:  # nothing to look at: the next ones
+        fast = not self.probe and not self.reserved.intersection(range(self.next, self.next + count))
+        if fast and self.next + count - 1 <= self.limit:  # nothing to look at: the next ones
             start, self.next = self.next, self.next + count
             return start
         while self.next + count - 1 <= self.limit:

@@ -101,3 +101,34 @@ def test_a_change_still_finishing_is_waited_for_by_the_next_apply() -> None:
         serving.loop.call_soon_threadsafe(release.set)
         rec.stop()
         serving.close(timeout_s=2.0)
+
+
+def test_an_operation_that_held_a_replaced_engines_old_row_does_not_release_its_new_row() -> None:
+    """Operation A (not recorded: ``covers`` None) holds e1's old row; an apply replaces e1 (same id, fresh
+    row), which joins the recorded operation B still out. A's end must not take B's hold off the new row:
+    the new e1 would be caught up and serve before B's state reaches it."""
+    from miles_sglang_plugin.serving.fleet import EngineState
+    from tests.test_reconciler_policy import engine
+
+    fleet = Fleet([engine("e1"), engine("e2")], [])
+    serving = ServingLoop()
+    rec = Reconciler(
+        fleet=fleet, ledger=Ledger({}), settings=SGLangDeployConf(), backend=None,  # type: ignore[arg-type]
+        log_dir=Path("/tmp"), events=EventLog(), status=None, loop=serving, pool=SimpleNamespace(),  # type: ignore[arg-type]
+        spawner=None, io=None, exits=None, on_fail=lambda _m: None,  # type: ignore[arg-type]
+    )  # fmt: skip
+    a = rec.begin_operation(["e1", "e2"], None)
+    b = rec.begin_operation(["e2"], lambda row: True)
+    # the change replaces e1
+    fleet.update("e1", retired=True)
+    fleet.transition("e1", EngineState.DRAINING)
+    fleet.transition("e1", EngineState.STOPPED)
+    fleet.drop_engine("e1")
+    new = engine("e1", state=EngineState.NEW, registered=False)
+    fleet.add_engine(new)
+    rec.admit(new)
+    assert fleet.engine("e1").ops_in_flight == 1  # B holds it
+    rec.end_operation(a)
+    assert fleet.engine("e1").ops_in_flight == 1, "A's end released B's hold on the new e1"
+    rec.end_operation(b)
+    assert fleet.engine("e1").ops_in_flight == 0

@@ -244,3 +244,62 @@ def test_a_change_rendered_without_probing_never_hands_out_a_kept_port() -> None
     kept = held(running.ports, running.plan, {"actor.prefill.0", "actor.decode.0"}, routers=True)
     assert len(new_ports) == 2 + 31 + 1  # http, nccl, the dist_init run of 30 + dp_size 1, engine info
     assert new_ports & kept == set()
+
+
+def test_ports_held_counts_every_run_of_every_process_and_router() -> None:
+    """PD, prefill 1 + decode 1 (TP 1) at port base 21000, unprobed: the router's 2 ports, the prefill engine's
+    http, nccl, dist_init run (30 + dp_size 1), engine info and disaggregation bootstrap (35), the decode
+    engine's 34: 71 ports, one block from 21000 (nothing else was in the way)."""
+    from miles_sglang_plugin.app.hydra_edge import resolve_config
+    from miles_sglang_plugin.config.reading import deploy_settings_from_config
+    from miles_sglang_plugin.rendering.ports import ports_held
+    from miles_sglang_plugin.rendering.prepared import prepare_deployment
+    from tests.launch_helpers import compose
+
+    cfg = compose("sglang=pd", "sglang.actor.num_gpus_per_engine=1", "sglang.actor.prefill.num_gpus=1",
+                  "sglang.actor.decode.num_gpus=1", port_base=21000)  # fmt: skip
+    prepared = prepare_deployment(resolve_config(cfg), deploy_settings_from_config(cfg))
+    assert prepared.ports is not None
+    assert ports_held(prepared.ports, prepared.plan) == set(range(21000, 21071))
+
+
+def test_the_local_backend_gives_back_exactly_the_claims_of_what_a_change_removed(tmp_path: Path) -> None:
+    """Two regular engines (TP 1) shrink to one: after ``release`` the backend holds the claims of the router
+    (2) and the kept engine (2 + 31 + 1 = 34), 36 in all, and none of the removed engine's 34."""
+    from miles_sglang_plugin.app.hydra_edge import resolve_config
+    from miles_sglang_plugin.backends.local import LocalBackend
+    from miles_sglang_plugin.config.reading import deploy_settings_from_config
+    from miles_sglang_plugin.rendering.ports import ports_held
+    from miles_sglang_plugin.serving import elastic
+    from tests.launch_helpers import compose, random_port_base
+
+    base = random_port_base()
+
+    def resolved(gpus: int):  # type: ignore[no-untyped-def]
+        cfg = compose(
+            "sglang.actor.num_gpus_per_engine=1", f"sglang.actor.regular.num_gpus={gpus}", port_base=base
+        )
+        return resolve_config(cfg), deploy_settings_from_config(cfg)
+
+    claims = PortClaims(tmp_path / "locks")
+    backend = LocalBackend(claims=claims, visible_devices=[str(g) for g in range(8)])
+    try:
+        plan, settings = resolved(2)
+        before = backend.prepare(plan, settings)
+        assert before.ports is not None and len(ports_held(before.ports, before.plan)) == 70
+        assert set(claims.fds) == ports_held(before.ports, before.plan)
+        fresh, new_settings = resolved(1)
+        change = elastic.plan_change(
+            before,
+            fresh,
+            lambda p, ports: backend.prepare(p, new_settings, fixed_ports=ports),
+            settings=new_settings,
+        )
+        assert change.engines("stopped") == ("actor.regular.1",)
+        backend.release(before, change.prepared)
+        assert change.prepared.ports is not None
+        kept = ports_held(change.prepared.ports, change.prepared.plan)
+        assert len(kept) == 36
+        assert set(claims.fds) == kept
+    finally:
+        backend.close()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from miles_sglang_plugin.serving.fleet import EngineState, RouterState
 from miles_sglang_plugin.serving.policy import Policy, done
-from tests.test_reconciler_policy import decide, ends, engine, events, work, world
+from tests.test_reconciler_policy import decide, ends, engine, events, world
 
 S = EngineState
 R = RouterState
@@ -51,10 +51,27 @@ def test_a_removed_engine_whose_registration_fails_does_not_fail_the_deployment(
 
 
 def test_a_late_exit_of_a_replaced_engines_old_process_does_not_hit_its_new_row() -> None:
-    """A replaced engine's new row has the old row's id and starts again at generation 0; an ``exited`` of
-    the old process (generation 0) that reaches the loop after the new process started (a polled exit
-    watcher, the Ray backend) is taken for the new process's: the brand-new engine is declared lost."""
-    fleet, ledger = world(engine("a"), engine("e1", state=S.STARTING, registered=False, catch_up="new"))
-    actions = decide(fleet, ledger, [__import__("miles_sglang_plugin.serving.policy", fromlist=["exited"])
-                                     .exited("e1", 0, "process e1 (old) exited with code -15", -15)], now=1.0)
+    """A change replaces e1 (same id, another command line): its new row goes on from the old row's generation
+    (2 -> 3), so an ``exited`` of the old process (generation 2) that reaches the loop after the new process
+    started (a polled exit watcher, the Ray backend) is stale, and the new engine is not declared lost."""
+    from types import SimpleNamespace
+
+    from miles_sglang_plugin.serving.changes import Converging
+    from miles_sglang_plugin.serving.policy import exited
+
+    old = engine("e1", state=S.STOPPED, retired=True, registered=False, restarts=2)
+    fleet, ledger = world(engine("a"), old)
+    change = SimpleNamespace(changes={"e1": "replaced"}, router_swaps=frozenset())
+    fresh = engine("e1", state=S.NEW, registered=False)
+    converging = Converging(
+        change=change, before=None, fleet=fleet, ledger=ledger, new_rows={"e1": fresh},  # type: ignore[arg-type]
+        started_at=0.0, admit=lambda row: None,
+    )  # fmt: skip
+    converging.leaving.add("e1")
+    converging.waiting.add("e1")
+    assert converging.settle(0.5) is False  # the new row is in, and on its way
+    assert fleet.engine("e1") is fresh and fresh.restarts == 3
+    fleet.transition("e1", S.STARTING)
+    actions = decide(fleet, ledger, [exited("e1", 2, "process e1 (old) exited with code -15", -15)], now=1.0)
     assert "engine_lost" not in [k for k, _m in events(actions)]
+    assert fleet.engine("e1").state is S.STARTING

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from miles_sglang_plugin.serving.control import _Targets
 from miles_sglang_plugin.serving.fleet import CatchUp, EngineState
 from miles_sglang_plugin.serving.ledger import initial_state
 from miles_sglang_plugin.serving.operations import OPERATIONS, pause_effect
 from tests.test_ledger import _control, answer
-from miles_sglang_plugin.serving.control import _Targets
 from tests.test_reconciler_policy import engine
 
 

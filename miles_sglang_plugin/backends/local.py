@@ -107,7 +107,15 @@ class LocalBackend(Backend):
             claims=self.claims,
             fixed_ports=fixed_ports,
         )
-        self.check(prepared)
+        try:
+            self.check(prepared)
+        except UnsupportedPlanError:
+            if (
+                fixed_ports is not None and prepared.ports is not None
+            ):  # a change refused: its new claims back
+                for port in sorted(ports_held(prepared.ports, plan) - ports_held(fixed_ports, plan)):
+                    self.claims.drop(port, unlock=True)
+            raise
         return restrict_to_visible(prepared, visible) if visible is not None else prepared
 
     def check(self, prepared: PreparedDeployment) -> list[str]:

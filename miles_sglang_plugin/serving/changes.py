@@ -67,7 +67,7 @@ class ChangeOutcome:
     removed_processes: tuple[Any, ...] = ()
 
 
-@dataclass
+@dataclass(eq=False)  # one change is itself, whatever it holds
 class Converging:
     """One change under way, settled by the reconcile loop on each of its passes (:meth:`settle`): the change
     goes on whether or not its caller still waits, until every removed engine stopped and every added one
@@ -92,6 +92,8 @@ class Converging:
     given_up: set[str] = dataclasses.field(default_factory=set)
     #: What a replaced engine should have, kept from its old row's ledger entry for its new one.
     kept_desired: dict[str, ControlState] = dataclasses.field(default_factory=dict)
+    #: The old row's generation (``restarts``) of a replaced engine, which its new row goes on from.
+    kept_generation: dict[str, int] = dataclasses.field(default_factory=dict)
     removed_processes: list[Any] = dataclasses.field(default_factory=list)
     #: model -> where its router's replacement stands: waiting (its old engines leave), swapping, done.
     swaps: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -126,6 +128,9 @@ class Converging:
             self.ledger.add_engine(engine, initial, desired)
             row.state = EngineState.NEW
             row.catch_up = CatchUp.NEW
+            # a replaced engine's new row goes on from the old row's generation: what is still told of the
+            # old process (a late exit, an answer to a call that was out) is stale for the new one
+            row.restarts = self.kept_generation.pop(engine, -1) + 1
             row.cleaned_up = row.external
             self.fleet.add_engine(row)
             self.admit(row)
@@ -145,6 +150,7 @@ class Converging:
                 self.done_at[engine] = now
                 if engine in self.waiting:  # replaced: the new process should have what the old one should
                     self.kept_desired[engine] = self.ledger.desired(engine)
+                    self.kept_generation[engine] = row.restarts
                 self.ledger.drop_engine(engine)
         self._swap_routers()
         self._add_waiting()

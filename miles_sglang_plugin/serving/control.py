@@ -285,9 +285,16 @@ class AsyncDeploymentControl:
                 *(e for e in targets.deferred if e in fleet and not fleet.engine(e).retired),
                 *(e for e in sorted(joined) if e not in targets.deferred and e not in sent and e in fleet),
             ),
+            why_deferred={
+                **{e: "not sent: a change added it while the operation was out" for e in joined},
+                **targets.why_deferred,
+            },
         )
         accepted = [e for e, answer in answers.items() if answer.problem() is None]
-        replaced = [e for e in sent if now[e].restarts != sent[e]]
+        rows_sent = {r.id: r for r in targets.sent}
+        # restarted while the call was out, or a fresh row of the same id a change put in (its answer is the
+        # old process's): deferred, it gets the state by replay
+        replaced = [e for e in sent if now[e].restarts != sent[e] or now[e] is not rows_sent[e]]
         down = [
             e
             for e, answer in answers.items()
@@ -298,12 +305,14 @@ class AsyncDeploymentControl:
         ]
         recorded = True
         if spec.records and effect is not None:
+            generations = {row.id: row.restarts for row in fleet.engines()}
+            generations.update({e: -1 for e in replaced})  # not the process the call went to
             recorded = self._serving.ledger.record(
                 effect,
                 sent=sent,
                 accepted=accepted,
                 deferred=[*targets.deferred, *down],
-                generations={row.id: row.restarts for row in fleet.engines()},
+                generations=generations,
             ).recorded
         late = {*replaced, *down}
         replies = [self._reply(row, answers[row.id]) for row in targets.sent if row.id not in late]

@@ -138,7 +138,11 @@ class Deployment:
         self.prepared = prepared
         #: Where a change's config is resolved (``apply(config)``, ``resize``): the app's, when it launched it.
         self.source = source
+        #: One apply at a time (held while it waits for its change); the render lock only while a plan is
+        #: rendered and handed over, so that an engine placed again meanwhile (``_place_again``) waits for no
+        #: change to converge.
         self._apply_lock = threading.Lock()
+        self._render_lock = threading.Lock()
         #: Engine processes and routers a change removed (stopped), still reported by :meth:`processes`.
         self._removed_processes: list[EngineProcess | ManagedProcess] = []
         self.backend = backend
@@ -486,18 +490,23 @@ class Deployment:
             fresh, settings = self._resolve_change(config_or_plan)
             render = self._dry_render if dry_run else self._render
             failed = [row.id for row in self.fleet.engines() if row.state is EngineState.FAILED]
-            change = elastic.plan_change(
-                self.prepared,
-                fresh,
-                lambda plan, ports: render(plan, settings, ports),
-                settings=settings,
-                failed=failed,
-            )
-            if dry_run:
-                return elastic.result_of(change, {}, started, dry_run=True)
-            converging = self.serving_loop.submit(self._begin_change(change)).result()
-            # From here the deployment's desired state is the new plan, whether or not this call waits it out.
-            self.prepared = change.prepared
+            with self._render_lock:
+                change = elastic.plan_change(
+                    self.prepared,
+                    fresh,
+                    lambda plan, ports: render(plan, settings, ports),
+                    settings=settings,
+                    failed=failed,
+                )
+                if dry_run:
+                    return elastic.result_of(change, {}, started, dry_run=True)
+                try:
+                    converging = self.serving_loop.submit(self._begin_change(change)).result()
+                except BaseException:  # nothing of it runs: what its rendering took is given back
+                    self.backend.release(change.prepared, self.prepared)
+                    raise
+                # From here the deployment's desired state is the new plan, whether or not this call waits.
+                self.prepared = change.prepared
             if self.source is not None and not isinstance(config_or_plan, DeploymentPlan):
                 self.source.config = config_or_plan
             outcome = self._await_change(converging, started + deadline, deadline)
@@ -584,6 +593,7 @@ class Deployment:
         mode, on the same address (the old one out of the fleet first, so its exit is no router's loss)."""
         old = self.fleet.router(model)
         row = elastic.new_router_row(converging.change.prepared.launch.router(model), self.log_dir)
+        row.epoch = old.generation + 1 if old is not None else 0
         if old is not None:
             self.fleet.transition_router(model, RouterState.STOPPED)
             self.fleet.drop_router(model)
@@ -602,10 +612,15 @@ class Deployment:
             await asyncio.wrap_future(self._spawner.submit(row.process.start))
         except (OSError, RuntimeError) as exc:  # lost at once: restarted while its budget lasts
             self.reconciler.observe(
-                router_done(ObservationKind.ROUTER_EXITED, model, f"it could not be started: {exc}")
+                router_done(
+                    ObservationKind.ROUTER_EXITED,
+                    model,
+                    f"it could not be started: {exc}",
+                    generation=row.generation,
+                )
             )
         else:
-            self.reconciler.watch_router(model, 0, row.process)
+            self.reconciler.watch_router(model, row.generation, row.process)
         mode = "prefill/decode (PD)" if row.launch.spec.pd_disaggregation else "regular"
         self.event_log.emit(
             "router_replaced", row.name, f"router of model {model} replaced: it serves {mode} engines now"
@@ -652,14 +667,21 @@ class Deployment:
             [e.id for e in change.plan.engines] + [e.id for m in change.plan.models for e in m.external]
         )
         self._removed_processes += converging.removed_processes
+        # after: the deployment as it runs now (the change's plan, with any engine placed again since)
+        after = self.prepared
         await asyncio.get_running_loop().run_in_executor(
-            self._io, lambda: self.backend.release(converging.before, change.prepared)
+            self._io, lambda: self.backend.release(converging.before, after)
         )
 
     async def _start_new_router(self, launch: RouterLaunch) -> None:
         row = elastic.new_router_row(launch, self.log_dir)
-        self.fleet.add_router(row)
-        await asyncio.wrap_future(self._spawner.submit(row.process.start))
+        self.fleet.add_router(row)  # in the fleet before it runs: the teardown stops it
+        try:
+            await asyncio.wrap_future(self._spawner.submit(row.process.start))
+        except BaseException:
+            if not row.process.running:  # it never ran: no router row is left behind to wait for it
+                self.fleet.drop_router(row.model)
+            raise
         self.reconciler.watch_router(row.model, 0, row.process)
 
     async def _stop_old_router(self, router: RouterRow) -> None:
@@ -674,7 +696,7 @@ class Deployment:
     def _place_again(self, engines: Sequence[str]) -> PreparedDeployment | None:
         """For the reconciler: ``engines`` lost their node; the backend places them on free capacity (None where
         it cannot), and the deployment runs from the plan rendered with their new places."""
-        with self._apply_lock:  # never while a change of the deployment is rendered
+        with self._render_lock:  # never while a change of the deployment is rendered
             prepared = self.backend.place_again(self.prepared, engines)
             if prepared is not None:
                 self.prepared = prepared

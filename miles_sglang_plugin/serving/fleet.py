@@ -329,6 +329,14 @@ class RouterRow:
     started_with: tuple[str, ...] = ()
     #: When its current process was started again after a loss (its readiness deadline counts from here).
     started_at: float | None = None
+    #: Generations before this row's (a router a change replaced in another mode): what is still told of the
+    #: old router's process is stale for this one.
+    epoch: int = 0
+
+    @property
+    def generation(self) -> int:
+        """The generation of its current process (observations of an older one are stale)."""
+        return self.epoch + self.restarts
 
     @property
     def url(self) -> str:

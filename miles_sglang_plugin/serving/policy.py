@@ -348,9 +348,36 @@ def _observe_engine(
         return  # about processes that are gone
     if o.kind in PENDING_KINDS:
         s.set(row, pending=row.pending - {o.kind})
+    if row.retired and not o.ok and o.kind in _BRINGING_BACK:
+        _retired_work_failed(s, row)
+        return
     handler = _ENGINE_OBSERVERS.get(o.kind)
     if handler is not None:
         handler(s, row, o, ledger, policy, now, phase)
+
+
+#: Work that brings an engine (back) into service: its failure makes a serving engine lost, but of a removed
+#: engine it only means that there is nothing left to drain.
+_BRINGING_BACK = frozenset(
+    {
+        ObservationKind.SPAWN,
+        ObservationKind.PROBE,
+        ObservationKind.REPLAY,
+        ObservationKind.REGISTER,
+        ObservationKind.LEARN,
+    }
+)
+
+
+def _retired_work_failed(s: _Scratch, row: EngineRow) -> None:
+    """A removed engine whose start, poll, replay, registration or reading failed: it is not lost (no restart,
+    no restart budget, never the deployment's failure), only stopped: its processes cleaned up, then it leaves
+    as every removed engine does (:func:`_advance_retired`)."""
+    if row.state in (EngineState.DRAINING, EngineState.STOPPED, EngineState.FAILED, EngineState.NEW):
+        return
+    s.move(row, EngineState.LOST, cleaned_up=row.external, health_failures=0, restart_at=None)
+    if not row.external and "cleanup" not in row.pending:
+        s.start(row, ActionKind.CLEANUP)
 
 
 def _on_exit(
@@ -863,7 +890,7 @@ def _deregister_if_out(s: _Scratch, row: EngineRow) -> None:
 def _observe_router(
     s: _Scratch, row: RouterRow, o: Observation, policy: Policy, now: float, phase: str
 ) -> None:
-    if o.generation != row.restarts:
+    if o.generation != row.generation:
         return  # about a process of the router that is gone
     s.set_router(row, pending=row.pending - {o.kind.removeprefix("router_")})
     handler = _ROUTER_OBSERVERS.get(o.kind)

@@ -205,8 +205,10 @@ class Reconciler:
         self._inbox: list[Observation] = []
         self._wake: asyncio.Event | None = None
         self._startup_deadline: float | None = None
-        #: Changes of the deployment under way (``apply``), settled on each pass until done.
+        #: Changes of the deployment under way (``apply``), settled on each pass until done, then ended (routers
+        #: of removed models stopped, resources given back: :attr:`on_change_done`) before they leave the list.
         self.changes: list[Converging] = []
+        self._finishing: set[Converging] = set()
         #: Called on the loop when a change is done (routers of removed models stopped, resources given back).
         self.on_change_done: Callable[[Converging], Coroutine[Any, Any, None]] | None = None
         #: Control operations in flight: each one's engines, and which rows it covers (an engine added while
@@ -281,9 +283,10 @@ class Reconciler:
         self.poke_here()
 
     def _settle_changes(self) -> None:
-        for change in list(self.changes):
-            if change.settle(self.clock()):
-                self.changes.remove(change)
+        for change in self.changes:
+            if change not in self._finishing and change.settle(self.clock()):
+                # it stays among the changes until its end is done too (a later apply waits for that)
+                self._finishing.add(change)
                 self._serving.create_task(self._finish_change(change))
                 self.poke_here()  # replacements were added: decide for them
 
@@ -295,9 +298,17 @@ class Reconciler:
             log.exception("supervision: finishing a change failed")
             if not change.finished.done():
                 change.finished.set_exception(LaunchError(f"the change ended, but {first_line(exc)}"))
-            return
-        if not change.finished.done():
-            change.finished.set_result(change.outcome())
+        except BaseException:  # cancelled: the deployment stops under it
+            if not change.finished.done():
+                change.finished.set_exception(LaunchError("the deployment stopped while the change ended"))
+            raise
+        else:
+            if not change.finished.done():
+                change.finished.set_result(change.outcome())
+        finally:
+            self._finishing.discard(change)
+            if change in self.changes:
+                self.changes.remove(change)
 
     def _end_changes(self, why: str) -> None:
         """The deployment fails or stops: every change still under way ends with ``why``."""
@@ -386,7 +397,7 @@ class Reconciler:
                 )
             elif a.router is not None:
                 row = self.fleet.router(a.router)
-                generation = row.restarts if row is not None else 0
+                generation = row.generation if row is not None else 0
                 self.observe(router_done(ObservationKind(a.kind), a.router, problem, generation=generation))
 
     async def _blocking(self, function: Callable[..., T], *args: Any) -> T:
@@ -609,7 +620,7 @@ class Reconciler:
 
     async def _do_router_probe(self, a: Action) -> None:
         row = self._router(a)
-        generation = row.restarts
+        generation = row.generation
         timeout = self.policy.health_timeout_s
         answer = await self.pool.call(row.url, "GET", "/liveness", deadline_s=timeout, max_bytes=HEALTH_BYTES)
         problem = None if answer.status == 200 and answer.error is None else (answer.problem() or "no answer")
@@ -622,10 +633,12 @@ class Reconciler:
 
     async def _do_router_restart(self, a: Action) -> None:
         row = self._router(a)
-        generation = row.restarts
+        generation = row.generation
         workers = tuple(a.details.get("workers", ()))
         await self._blocking(stop_processes, [row.process], self.settings.supervision.kill_grace_s)
         await self._forget_client(row.url)
+        if self.fleet.router(row.model) is not row:
+            return  # a change replaced the router meanwhile: its own process runs
         workers = tuple(engine for engine in workers if engine in self.fleet)  # not one a change dropped
         registrations = [self.fleet.engine(engine).registration for engine in workers]
         argv, env = router_command(row.launch.spec, workers=registrations)
@@ -675,7 +688,7 @@ class Reconciler:
 
     async def _do_router_list(self, a: Action) -> None:
         row = self._router(a)
-        generation = row.restarts
+        generation = row.generation
         expected = [self.fleet.engine(engine).registration for engine in a.details.get("workers", ())]
         ok, detail = await router_client.listed(self.router_reads, row.url, expected)
         self.observe(
@@ -690,7 +703,7 @@ class Reconciler:
         engine added meanwhile that it ``covers`` joins it. Its token, for :meth:`end_operation`."""
         token = self._next_operation
         self._next_operation += 1
-        operation = _Operation(set(), covers)
+        operation = _Operation({}, covers)
         self._operations[token] = operation
         for engine in engines:
             self._hold(operation, engine)
@@ -698,17 +711,18 @@ class Reconciler:
 
     def _hold(self, operation: _Operation, engine: str) -> None:
         if engine in self.fleet and engine not in operation.engines:
-            operation.engines.add(engine)
-            self.fleet.update(engine, ops_in_flight=self.fleet.engine(engine).ops_in_flight + 1)
+            row = self.fleet.engine(engine)
+            operation.engines[engine] = row
+            self.fleet.update(engine, ops_in_flight=row.ops_in_flight + 1)
 
     def admit(self, row: EngineRow) -> None:
         """On the loop: ``row`` was added to the fleet (a change): it joins the operations out that cover it."""
         for operation in self._operations.values():
             if operation.covers is not None and operation.covers(row):
                 # a fresh row (also one that replaces a row of the same id): it counts from none
-                operation.engines.add(row.id)
+                operation.engines[row.id] = row
                 operation.joined.add(row.id)
-                self.fleet.update(row.id, ops_in_flight=self.fleet.engine(row.id).ops_in_flight + 1)
+                self.fleet.update(row.id, ops_in_flight=row.ops_in_flight + 1)
 
     def joined(self, token: int) -> set[str]:
         """The engines of an operation that were added while it was out."""
@@ -719,10 +733,10 @@ class Reconciler:
         operation = self._operations.pop(token, None)
         if operation is None:
             return
-        for engine in operation.engines:
-            if engine in self.fleet:  # not one a change removed meanwhile
-                row = self.fleet.engine(engine)
-                self.fleet.update(engine, ops_in_flight=max(0, row.ops_in_flight - 1))
+        for engine, held in operation.engines.items():
+            # the row it holds, not one a change put in its place meanwhile (that one is another's to hold)
+            if engine in self.fleet and self.fleet.engine(engine) is held:
+                self.fleet.update(engine, ops_in_flight=max(0, held.ops_in_flight - 1))
         self.poke_here()
 
 
@@ -730,7 +744,8 @@ class Reconciler:
 class _Operation:
     """A control operation in flight: the engines it holds out of catch-up, and which added rows join it."""
 
-    engines: set[str]
+    #: engine id -> the row it holds (a change may put a fresh row of the same id in its place)
+    engines: dict[str, EngineRow]
     covers: Callable[[EngineRow], bool] | None
     joined: set[str] = dataclasses.field(default_factory=set)
 

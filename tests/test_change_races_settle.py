@@ -1,4 +1,4 @@
-"""Review finding: an operation out while a change replaces an engine (same id, a fresh row)."""
+"""an operation out while a change replaces an engine (same id, a fresh row)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""a change whose end-of-change work (``on_change_done``) is under way when the deployment
+"""Races between a change's end and the deployment's: a change whose end-of-change work (``on_change_done``) is under way when the deployment
 stops never has its ``finished`` future set; ``apply`` then waits out its whole timeout and says the change
 "goes on"."""
 

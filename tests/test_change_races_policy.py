@@ -1,4 +1,4 @@
-"""Review findings on the change-safety work, reduced to the pure policy (fake clock)."""
+"""Races between a change and losses, restarts and replacements, on the pure policy (fake clock)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""an operation out while a change replaces an engine (same id, a fresh row)."""
+"""An operation out while a change replaces an engine (same id, a fresh row)."""
 
 from __future__ import annotations
 

@@ -274,22 +274,8 @@ class AsyncDeploymentControl:
         change removed while the call was out is left out (its answer no longer matters); one it added that
         the operation covers (``joined``) is deferred: it gets the state by replay before it serves."""
         fleet = self._serving.fleet
-        removed = {r.id for r in targets.sent if r.id not in fleet or fleet.engine(r.id).retired}
-        now = {r.id: fleet.engine(r.id) if r.id in fleet else r for r in targets.sent}
-        answers = {e: answer for e, answer in answers.items() if e not in removed}
-        sent = {e: generation for e, generation in sent.items() if e not in removed}
-        targets = dataclasses.replace(
-            targets,
-            sent=tuple(r for r in targets.sent if r.id not in removed),
-            deferred=(
-                *(e for e in targets.deferred if e in fleet and not fleet.engine(e).retired),
-                *(e for e in sorted(joined) if e not in targets.deferred and e not in sent and e in fleet),
-            ),
-            why_deferred={
-                **{e: "not sent: a change added it while the operation was out" for e in joined},
-                **targets.why_deferred,
-            },
-        )
+        targets, answers, sent = self._as_now(targets, answers, sent, joined)
+        now = {r.id: fleet.engine(r.id) for r in targets.sent}
         accepted = [e for e, answer in answers.items() if answer.problem() is None]
         rows_sent = {r.id: r for r in targets.sent}
         # restarted while the call was out, or a fresh row of the same id a change put in (its answer is the
@@ -325,6 +311,34 @@ class AsyncDeploymentControl:
         order = {r.id: i for i, r in enumerate(fleet.engines())}
         replies.sort(key=lambda reply: order.get(reply.engine, 0))
         return OperationResult(spec.name, tuple(replies), targets.skipped, deferred)
+
+    def _as_now(
+        self,
+        targets: _Targets,
+        answers: Mapping[str, Answer],
+        sent: Mapping[str, int],
+        joined: Collection[str],
+    ) -> tuple[_Targets, dict[str, Answer], dict[str, int]]:
+        """The operation's targets as the fleet is now: an engine a change removed while the call was out is
+        left out (its answer no longer matters); one it added that the operation covers (``joined``) is
+        deferred."""
+        fleet = self._serving.fleet
+        removed = {r.id for r in targets.sent if r.id not in fleet or fleet.engine(r.id).retired}
+        answers = {e: answer for e, answer in answers.items() if e not in removed}
+        sent = {e: generation for e, generation in sent.items() if e not in removed}
+        targets = dataclasses.replace(
+            targets,
+            sent=tuple(r for r in targets.sent if r.id not in removed),
+            deferred=(
+                *(e for e in targets.deferred if e in fleet and not fleet.engine(e).retired),
+                *(e for e in sorted(joined) if e not in targets.deferred and e not in sent and e in fleet),
+            ),
+            why_deferred={
+                **{e: "not sent: a change added it while the operation was out" for e in joined},
+                **targets.why_deferred,
+            },
+        )
+        return targets, answers, sent
 
     @staticmethod
     def _reply(row: EngineRow, answer: Answer) -> EngineReply:

@@ -28,10 +28,10 @@ from miles_sglang_plugin.app.hydra_edge import launch_from_config
 from miles_sglang_plugin.backends.base import LaunchError
 from miles_sglang_plugin.config.compose import compose_config
 from miles_sglang_plugin.serving.deployment import Deployment
-from miles_sglang_plugin.serving.routers import router_workers
 from tests.conftest_ray import clean_cluster, ray_cluster  # noqa: F401 - fixtures
 from tests.launch_helpers import REPO, generate_body, process_alive, random_port_base
 from tests.ray_helpers import FakeCluster, address_of
+from tests.router_helpers import router_workers
 
 pytestmark = pytest.mark.ray
 

@@ -8,7 +8,7 @@ every other record, the app's own requests included, as it is.
 
 It is installed where the package starts making requests, not when a module is imported: when a deployment
 starts (its health polls, registrations, supervision and control fan-out; the rollout benchmark drives a
-started deployment), and by the router helpers of :mod:`.routers`, which may also be called on their own.
+started deployment).
 """
 
 from __future__ import annotations

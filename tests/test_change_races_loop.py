@@ -33,14 +33,20 @@ class _DoneChange:
         return "nothing left"
 
 
-def test_a_change_ending_when_the_deployment_stops_still_finishes() -> None:
-    serving = ServingLoop()
-    serving.start()
-    rec = Reconciler(
-        fleet=Fleet([], []), ledger=Ledger({}), settings=SGLangDeployConf(), backend=None,  # type: ignore[arg-type]
+def _reconciler(fleet: Fleet, serving: ServingLoop) -> Reconciler:
+    """A reconciler of ``fleet`` on ``serving`` with nothing behind it (no backend, pool, spawner: these tests
+    drive its changes and operations only)."""
+    return Reconciler(
+        fleet=fleet, ledger=Ledger({}), settings=SGLangDeployConf(), backend=None,  # type: ignore[arg-type]
         log_dir=Path("/tmp"), events=EventLog(), status=None, loop=serving, pool=SimpleNamespace(),  # type: ignore[arg-type]
         spawner=None, io=None, exits=None, on_fail=lambda _m: None,  # type: ignore[arg-type]
     )  # fmt: skip
+
+
+def test_a_change_ending_when_the_deployment_stops_still_finishes() -> None:
+    serving = ServingLoop()
+    serving.start()
+    rec = _reconciler(Fleet([], []), serving)
     rec.phase = "serving"
     in_done = asyncio.Event()
     entered = concurrent.futures.Future()  # type: ignore[var-annotated]
@@ -72,11 +78,7 @@ def test_a_change_still_finishing_is_waited_for_by_the_next_apply() -> None:
     with the old plan, ports released under a render)."""
     serving = ServingLoop()
     serving.start()
-    rec = Reconciler(
-        fleet=Fleet([], []), ledger=Ledger({}), settings=SGLangDeployConf(), backend=None,  # type: ignore[arg-type]
-        log_dir=Path("/tmp"), events=EventLog(), status=None, loop=serving, pool=SimpleNamespace(),  # type: ignore[arg-type]
-        spawner=None, io=None, exits=None, on_fail=lambda _m: None,  # type: ignore[arg-type]
-    )  # fmt: skip
+    rec = _reconciler(Fleet([], []), serving)
     rec.phase = "serving"
     release = asyncio.Event()
     entered = concurrent.futures.Future()  # type: ignore[var-annotated]
@@ -112,11 +114,7 @@ def test_an_operation_that_held_a_replaced_engines_old_row_does_not_release_its_
 
     fleet = Fleet([engine("e1"), engine("e2")], [])
     serving = ServingLoop()
-    rec = Reconciler(
-        fleet=fleet, ledger=Ledger({}), settings=SGLangDeployConf(), backend=None,  # type: ignore[arg-type]
-        log_dir=Path("/tmp"), events=EventLog(), status=None, loop=serving, pool=SimpleNamespace(),  # type: ignore[arg-type]
-        spawner=None, io=None, exits=None, on_fail=lambda _m: None,  # type: ignore[arg-type]
-    )  # fmt: skip
+    rec = _reconciler(fleet, serving)
     a = rec.begin_operation(["e1", "e2"], None)
     b = rec.begin_operation(["e2"], lambda row: True)
     # the change replaces e1

@@ -38,7 +38,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
-import contextlib
 import signal
 import threading
 import time
@@ -604,10 +603,7 @@ class Deployment:
             await asyncio.get_running_loop().run_in_executor(
                 self._io, lambda: stop_processes([old.process], grace)
             )
-            client = self.pool.forget(old.url)
-            if client is not None:
-                with contextlib.suppress(Exception):
-                    await client.aclose()
+            await self.reconciler.forget_client(old.url)
         try:
             await asyncio.wrap_future(self._spawner.submit(row.process.start))
         except (OSError, RuntimeError) as exc:  # lost at once: restarted while its budget lasts

@@ -423,10 +423,11 @@ class Reconciler:
             await self._blocking(
                 lambda: self.backend.stop(row.processes, grace_s=self.settings.supervision.kill_grace_s)
             )
-        await self._forget_client(row.url)
+        await self.forget_client(row.url)
         self.observe(done(ObservationKind.CLEANUP, row.id, generation))
 
-    async def _forget_client(self, base_url: str) -> None:
+    async def forget_client(self, base_url: str) -> None:
+        """Close and forget the kept HTTP client of ``base_url`` (a process that is gone)."""
         client = self.pool.forget(base_url)
         if client is not None:
             with contextlib.suppress(Exception):
@@ -636,7 +637,7 @@ class Reconciler:
         generation = row.generation
         workers = tuple(a.details.get("workers", ()))
         await self._blocking(stop_processes, [row.process], self.settings.supervision.kill_grace_s)
-        await self._forget_client(row.url)
+        await self.forget_client(row.url)
         if self.fleet.router(row.model) is not row:
             return  # a change replaced the router meanwhile: its own process runs
         workers = tuple(engine for engine in workers if engine in self.fleet)  # not one a change dropped

@@ -322,3 +322,68 @@ def test_a_close_from_the_serving_loop_itself_still_ends_every_other_operation()
     coro = slow()
     with pytest.raises(RuntimeError, match="the serving loop is closed"):
         serving.submit(coro)
+
+
+def _served_and_received(url: str, route: str) -> tuple[int, int]:
+    stats = httpx.get(url + "/stand_in/stats", timeout=10).json()
+    return stats["requests_served"].get(route, 0), stats["requests_received"].get(route, 0)
+
+
+def _generate_in_background(url: str, tokens: int) -> tuple[threading.Thread, dict[str, httpx.Response]]:
+    out: dict[str, httpx.Response] = {}
+    body = {"text": "a long answer", "sampling_params": {"max_new_tokens": tokens, "temperature": 0}}
+    thread = threading.Thread(
+        target=lambda: out.update(answer=httpx.post(url + "/generate", json=body, timeout=120)), daemon=True
+    )
+    thread.start()
+    return thread, out
+
+
+def _running_line(url: str) -> str:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return next((line for line in text.splitlines() if line.startswith("sglang:num_running_reqs{")), "")
+
+
+def test_a_flush_is_asked_again_while_a_request_runs_and_gives_up_at_its_deadline(
+    tmp_path: Path, leak_check: LeakTracker
+) -> None:
+    """SGLang refuses ``/flush_cache`` (400) until its scheduler is idle, also for a moment after the last answer
+    went out; Miles polls it until 200. The control handle asks again while the deadline allows, and past it
+    says the engine stayed busy. (The stand-in paced at 0.05 s a decode step: 60 tokens run about 3 s.)"""
+    cfg = compose(
+        "sglang.actor.regular.num_gpus=1",
+        "sglang_deploy.standin.speed.enabled=true",
+        "sglang_deploy.standin.speed.decode_step_s=0.05",
+    )
+    with launch_from_config(cfg, log_dir=tmp_path / "logs") as deployment:
+        (url,) = [e.url for e in deployment.engines()]
+        _flush_while_running(deployment, url)
+
+
+def _flush_while_running(deployment: Deployment, url: str) -> None:
+    served, received = _served_and_received(url, "/flush_cache")
+    thread, out = _generate_in_background(url, 60)
+    while not _running_line(url).endswith(" 1"):
+        time.sleep(0.02)
+    refused = httpx.post(url + "/flush_cache", timeout=10)
+    assert (refused.status_code, refused.text) == (400, "Flush cache failed.\n")
+    flushed = deployment.control.flush_cache()
+    assert [(r.engine, r.status) for r in flushed.replies] == [("actor.regular.0", 200)]
+    thread.join(timeout=120)
+    assert out["answer"].status_code == 200 and len(out["answer"].json()["output_ids"]) == 60
+    now_served, now_received = _served_and_received(url, "/flush_cache")
+    assert now_served == served + 1  # one success, after the refusals
+    assert now_received >= received + 3  # the refusal above, at least one the handle met, the success
+
+    # still running when a 0.5 s deadline passes
+    thread, out = _generate_in_background(url, 60)
+    while not _running_line(url).endswith(" 1"):
+        time.sleep(0.02)
+    gave_up = deployment.control.flush_cache(timeout_s=0.5, check=False)
+    (reply,) = gave_up.replies
+    assert not gave_up.ok and (reply.engine, reply.status) == ("actor.regular.0", 400)
+    assert reply.error is not None and reply.error.startswith("still busy after ")
+    assert reply.error.endswith(" tries in 0.5 s: HTTP 400: Flush cache failed.\n")
+    thread.join(timeout=120)
+    assert out["answer"].status_code == 200
+    assert deployment.control.flush_cache().ok

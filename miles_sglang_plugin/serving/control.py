@@ -49,6 +49,11 @@ from miles_sglang_plugin.serving.wire import Answer, ClientPool
 
 __all__ = ["AsyncDeploymentControl", "BackgroundControl", "DeploymentControl"]
 
+#: An engine that answers busy (:attr:`OperationSpec.busy_status`) is asked again after this pause, doubled
+#: each time up to the most.
+BUSY_FIRST_PAUSE_S = 0.05
+BUSY_MAX_PAUSE_S = 1.0
+
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -71,6 +76,30 @@ class Serving(Protocol):
 
     def refusal(self, when: str) -> Exception | None:
         """Why operations no longer run (stopped or failed), ``when`` saying at which point; None: they do."""
+
+
+async def _ask_while_busy(
+    pool: ClientPool,
+    url: str,
+    spec: OperationSpec,
+    route: str,
+    payload: Mapping[str, Any] | None,
+    ends: float,
+    deadline_s: float,
+) -> Answer:
+    """One engine's call, asked again while it answers busy and the deadline allows another try."""
+    answer = await pool.call(url, spec.method, route, body=payload, deadline_s=ends - time.monotonic())
+    tries, pause = 1, BUSY_FIRST_PAUSE_S
+    while spec.busy_status is not None and answer.status == spec.busy_status:
+        if ends - time.monotonic() > pause:
+            await asyncio.sleep(pause)
+        left = ends - time.monotonic()
+        if left <= pause / 2:  # no time left for another answer
+            problem = f"still busy after {tries} tries in {deadline_s:g} s: {answer.problem()}"
+            return dataclasses.replace(answer, error=problem)
+        pause, tries = min(pause * 2, BUSY_MAX_PAUSE_S), tries + 1
+        answer = await pool.call(url, spec.method, route, body=payload, deadline_s=left)
+    return answer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,7 +253,7 @@ class AsyncDeploymentControl:
         token = reconciler.begin_operation(concerned, covers if spec.records and effect is not None else None)
         try:
             sent = {r.id: r.restarts for r in targets.sent}
-            answers = await self._fan_out(spec.method, route or spec.route, targets.sent, body, deadline_s)
+            answers = await self._fan_out(spec, route or spec.route, targets.sent, body, deadline_s)
             self._running()  # stopped while the calls were out: say so, record nothing
             joined = reconciler.joined(token)
             result = self._settle(spec, targets, answers, sent, effect, joined)
@@ -234,7 +263,7 @@ class AsyncDeploymentControl:
 
     async def _fan_out(
         self,
-        method: str,
+        spec: OperationSpec,
         route: str,
         rows: Sequence[EngineRow],
         body: Callable[[EngineRow], Mapping[str, Any] | None] | Mapping[str, Any] | None,
@@ -251,7 +280,7 @@ class AsyncDeploymentControl:
                     return Answer(
                         None, None, f"no answer within {deadline_s:g} s", deadline_s, timed_out=True
                     )
-                answer = await pool.call(row.url, method, route, body=payload, deadline_s=left)
+                answer = await _ask_while_busy(pool, row.url, spec, route, payload, ends, deadline_s)
             if answer.timed_out:
                 return dataclasses.replace(answer, error=f"no answer within {deadline_s:g} s")
             return answer

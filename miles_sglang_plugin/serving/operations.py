@@ -56,6 +56,10 @@ class OperationSpec:
     records: bool
     method: str = "POST"
     doc: str = ""
+    #: An engine that answers this status is busy, not refusing: it is asked again until the deadline
+    #: (SGLang's ``/flush_cache`` answers 400 while any request runs or waits, and for a moment after the
+    #: last answer went out, until its scheduler's next pass; Miles polls it until 200).
+    busy_status: int | None = None
 
 
 _SPECS = (
@@ -70,7 +74,7 @@ _SPECS = (
     OperationSpec("update_weight_version", "/update_weight_version", _receives_weights, True),
     OperationSpec("pause_generation", "/pause_generation", _every, True),
     OperationSpec("continue_generation", "/continue_generation", _every, True),
-    OperationSpec("flush_cache", "/flush_cache", _every, False),
+    OperationSpec("flush_cache", "/flush_cache", _every, False, busy_status=400),
     OperationSpec("abort_all", "/abort_request", _every, False),
     OperationSpec("load_lora_adapter", "/load_lora_adapter", _serves_lora, True),
     OperationSpec("unload_lora_adapter", "/unload_lora_adapter", _serves_lora, True),

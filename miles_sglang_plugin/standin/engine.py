@@ -46,7 +46,7 @@ empty body; ``/health_generate`` 503 while generation is paused or, with the mem
 SGLang's never answers then, and says 503 after 20 s; the stand-in does not wait), ``/ready`` (503 while
 paused), ``/server_info``, ``/get_server_info``, ``/model_info``, ``/get_model_info``, ``POST /generate``
 (optionally SSE; input logprobs only from ``logprob_start_len`` on, as SGLang: none by default),
-``POST /v1/chat/completions``, ``POST /v1/completions``, ``/v1/models``, ``/flush_cache`` (its text answer),
+``POST /v1/chat/completions``, ``POST /v1/completions``, ``/v1/models``, ``/flush_cache`` (its text answer; 400 while a generation request runs),
 ``/metrics`` (served whether or not ``--enable-metrics`` is given), the control routes with their state
 (:mod:`miles_sglang_plugin.standin.control`: memory release/resume, weight updates and version, pause/continue,
 abort, LoRA adapters; bodies checked against SGLang's request classes), Miles' weight-update bracket (no-ops),
@@ -140,6 +140,7 @@ FLUSHED = (
     "Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, "
     "the operation will not be performed.)\n"
 )
+FLUSH_FAILED = "Flush cache failed.\n"
 VOCAB = (
     "the", "model", "is", "a", "stand", "in", "for", "sglang", "on", "cpu", "tokens", "flow", "through",
     "router", "engine", "rollout", "reward", "policy", "gradient", "batch", "and", "then", "we", "sample",
@@ -320,6 +321,8 @@ class EngineState:
     generation_tokens_total: int = 0
     #: Generation requests being answered now (what /metrics reports as running, as SGLang does).
     in_flight: int = 0
+    #: Of those, the ones held while generation is paused (SGLang's waiting queue, which a flush then ignores).
+    held: int = 0
     #: What the control routes change (memory, weights, pause, LoRA adapters): :mod:`.control`.
     control: ControlState = field(init=False)
     max_total_num_tokens: int = field(init=False)
@@ -699,7 +702,11 @@ async def _admitted(state: EngineState) -> None:
     refusal = state.control.generation_refusal()
     if refusal is not None:
         raise RequestError(503, refusal)
-    await state.control.wait_until_running()
+    state.held += 1
+    try:
+        await state.control.wait_until_running()
+    finally:
+        state.held -= 1
 
 
 def _metadata(state: EngineState, completion_tokens: int) -> dict[str, Any]:
@@ -919,6 +926,11 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def flush_cache(request: web.Request) -> web.Response:
+    """Refused (400) while a generation request runs, as SGLang's scheduler refuses unless it is idle; requests
+    held by a pause do not count (SGLang then ignores its waiting queue)."""
+    state = request.app[STATE]
+    if state.in_flight > state.held:
+        return web.Response(status=400, text=FLUSH_FAILED)
     return web.Response(text=FLUSHED)
 
 

@@ -21,10 +21,18 @@
     client whose connection is refused (no router at that moment: nothing was sent) tries again; every other
     error or non-200 answer is a failure. Reported: failures while only engines failed (goal 0), 503s (goal 0),
     and failures of requests that were in flight inside the router when it was killed (the only ones allowed).
+    With ``--soak-applies`` (and in the smoke run) the same soak runs on a PD deployment (4 prefill + 6 decode engines) that also moves
+    one GPU between prefill and decode every 30 s (``move_gpus``) and runs a control cycle every 25 s; after each
+    move the deployment's plan must name exactly the engines of its fleet (state mismatches: goal 0).
+(5) router kills: 2 engines, 4 clients sending ``/generate`` without pause, the router SIGKILLed ``--router-kills``
+    (20) times, each time once it serves again. Per kill: detection (the kill to ``router_lost``), the router's own
+    start (``router_lost`` to the new process first answering ``/readiness`` 200, polled by the benchmark every
+    10 ms) and the rest (that answer to ``router_recovered``). Goal: the rest <= 1 s every time.
 
 Everything binds 127.0.0.1 with ports from a random base; everything started is stopped (context managers).
 
-    python benchmarks/bench_control.py [--reps 5] [--latency 0.5] [--requests 2000] [--soak-s 300] [--json]
+    python benchmarks/bench_control.py [--reps 5] [--latency 0.5] [--requests 2000] [--soak-s 300] [--soak-applies]
+                                       [--router-kills 20] [--skip fan_out,healing,requests,chaos,router_kills] [--json]
     python benchmarks/bench_control.py --smoke    # one quick repetition at the smallest sizes (run by the tests)
 """
 
@@ -246,13 +254,13 @@ class _Request:
     outcome: str  # "200", "HTTP 503", "ReadError", ...
 
 
-async def _soak_clients(url: str, clients: int, until: float, log: list[_Request]) -> int:
+async def _soak_clients(url: str, clients: int, running: Callable[[], bool], log: list[_Request]) -> int:
     refused = 0
 
     async def client() -> None:
         nonlocal refused
         async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=1)) as http:
-            while time.monotonic() < until:
+            while running():
                 started = time.monotonic()
                 try:
                     response = await http.post(url, json=GEN_BODY)
@@ -299,21 +307,43 @@ def _chaos(
         time.sleep(0.05)
 
 
-def chaos_soak(k: int, clients: int, soak_s: float, tmp: Path, verbose: bool) -> dict[str, Any]:
+def _pd_soak(k: int) -> list[str]:
+    """k engines as prefill and decode: 4 + 6 of 10, 2 + 2 of 4."""
+    prefill = max(2, k * 2 // 5)
+    return [
+        "sglang.actor.regular.num_gpus=0",
+        f"sglang.actor.prefill.num_gpus={prefill}",
+        f"sglang.actor.decode.num_gpus={k - prefill}",
+    ]
+
+
+def chaos_soak(
+    k: int, clients: int, soak_s: float, tmp: Path, verbose: bool, applies: bool = False
+) -> dict[str, Any]:
     log: list[_Request] = []
     faults: list[tuple[float, str, str]] = []
+    driven: dict[str, Any] = {"moves": 0, "cycles": 0, "mismatches": 0, "errors": []}
     # A fault every 5-15 s for the whole soak can hit one engine more often than its restart budget allows
     # within restart_budget_reset_s (3 in 600 s): the soak measures what clients see, not the budget.
-    budget = "sglang_deploy.supervision.max_restarts=1000"
-    with quiet(verbose), launch(k, tmp, verbose, "sglang_deploy.router.policy=round_robin", budget) as d:
+    extra = ["sglang_deploy.router.policy=round_robin", "sglang_deploy.supervision.max_restarts=1000"]
+    extra += _pd_soak(k) if applies else []
+    with quiet(verbose), launch(k, tmp, verbose, *extra) as d:
         started = time.monotonic()
         stop = started + soak_s
         kills = [started + soak_s / 3, started + 2 * soak_s / 3]
         chaos = threading.Thread(target=_chaos, args=(d, stop, list(kills), faults), daemon=True)
         chaos.start()
-        refused = asyncio.run(_soak_clients(d.registry.get_model_url("actor"), clients, stop, log))
+        driver = threading.Thread(target=_drive, args=(d, stop, driven), daemon=True)
+        if applies:
+            driver.start()
+        url = d.registry.get_model_url("actor")
+        refused = asyncio.run(_soak_clients(url, clients, lambda: time.monotonic() < stop, log))
         chaos.join(timeout=30)
+        if applies:
+            driver.join(timeout=600)
         events = [e.kind for e in d.events()]
+        pids = [p.pid for p in d.processes()]
+    left = [pid for pid in pids if _alive(pid)]
     router_kills = [t for t, what, _how in faults if what == "router"]
     failed = [r for r in log if r.outcome != "200"]
     in_router = [r for r in failed if any(r.started <= t <= r.ended for t in router_kills)]
@@ -321,6 +351,7 @@ def chaos_soak(k: int, clients: int, soak_s: float, tmp: Path, verbose: bool) ->
         "engines": k,
         "clients": clients,
         "soak_s": soak_s,
+        "applies": applies,
         "requests": len(log),
         "refused_connections": refused,
         "engine_faults": sum(1 for _t, what, _how in faults if what != "router"),
@@ -330,6 +361,132 @@ def chaos_soak(k: int, clients: int, soak_s: float, tmp: Path, verbose: bool) ->
         "http_503": sum(1 for r in failed if r.outcome == "HTTP 503"),
         "failure_kinds": sorted({r.outcome for r in failed}),
         "events": {kind: events.count(kind) for kind in sorted(set(events))},
+        "moves": driven["moves"],
+        "control_cycles": driven["cycles"],
+        "state_mismatches": driven["mismatches"],
+        "driver_errors": driven["errors"][:5],
+        "processes_left": len(left),
+    }
+
+
+def _alive(pid: int | None) -> bool:
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _drive(d: Deployment, stop: float, record: dict[str, Any]) -> None:
+    """Until ``stop``: one GPU moved between prefill and decode every 30 s (back and forth), a control cycle
+    (offload and onload of the KV cache, a new weight version) every 25 s (both more often in a soak shorter
+    than 150 s); after each move, does the plan name exactly the fleet's engines?"""
+    begun = time.monotonic()
+    move_s, cycle_s = min(30.0, (stop - begun) / 5), min(25.0, (stop - begun) / 6)
+    next_move, next_cycle, moves = begun + move_s, begun + cycle_s, 0
+    while time.monotonic() < stop:
+        now = time.monotonic()
+        try:
+            if now >= next_move:
+                there, back = ("prefill", "decode") if moves % 2 == 0 else ("decode", "prefill")
+                d.move_gpus("actor", there, back, 1)
+                moves += 1
+                planned = sorted(e.id for e in d.plan.engines)
+                running = sorted(e.id for e in d.engines())
+                record["mismatches"] += planned != running
+                record["moves"] = moves
+                next_move = time.monotonic() + move_s
+            if now >= next_cycle:
+                d.control.offload(["kv_cache"])
+                d.control.onload(["kv_cache"])
+                record["cycles"] += 1
+                d.control.update_weight_version(f"v{record['cycles']}")
+                next_cycle = time.monotonic() + cycle_s
+        except Exception as exc:  # a benchmark reports what failed, and goes on
+            record["errors"].append(f"{type(exc).__name__}: {str(exc)[:200]}")
+        time.sleep(0.05)
+
+
+# ------------------------------------------------------------------------------------------ (5) router kills
+def _first_ready_after(url: str, stop: threading.Event, out: dict[str, float]) -> None:
+    """The first ``/readiness`` 200 of the router at ``url`` after it was seen down (not the killed process's)."""
+    seen_down = False
+    with httpx.Client(timeout=0.5) as http:
+        while not stop.is_set():
+            try:
+                ready = http.get(url + "/readiness").status_code == 200
+            except httpx.HTTPError:
+                ready = False
+            if not ready:
+                seen_down = True
+            elif seen_down:
+                out["ready"] = time.monotonic()
+                return
+            time.sleep(0.01)
+
+
+def _kill_router_once(d: Deployment, url: str) -> dict[str, float]:
+    since = len(d.events())
+    first: dict[str, float] = {}
+    stop = threading.Event()
+    poller = threading.Thread(target=_first_ready_after, args=(url, stop, first), daemon=True)
+    killed_at = time.monotonic()
+    os.kill(d.fleet.routers()[0].process.pid, signal.SIGKILL)  # type: ignore[arg-type]
+    poller.start()
+    try:
+        recovered = d.wait_for_event("router_recovered", subject="router.actor", since=since, timeout_s=120)
+    finally:
+        stop.set()
+        poller.join(timeout=10)
+    lost = next(e for e in d.events()[since - len(d.events()) :] if e.kind == "router_lost")
+    ready = first.get("ready", recovered.monotonic)
+    return {
+        "killed_at": killed_at,
+        "detection_s": lost.monotonic - killed_at,
+        "own_start_s": ready - lost.monotonic,
+        "rest_s": recovered.monotonic - ready,
+        "total_s": recovered.monotonic - killed_at,
+    }
+
+
+def router_kills(kills: int, tmp: Path, verbose: bool) -> dict[str, Any]:
+    log: list[_Request] = []
+    rows: list[dict[str, float]] = []
+    budget = f"sglang_deploy.supervision.router_max_restarts={kills + 1}"
+    with quiet(verbose), launch(2, tmp, verbose, "sglang_deploy.router.policy=round_robin", budget) as d:
+        url = d.registry.get_model_url("actor").rsplit("/", 1)[0]
+        done = threading.Event()
+        clients = threading.Thread(
+            target=lambda: asyncio.run(_soak_clients(url + "/generate", 4, lambda: not done.is_set(), log)),
+            daemon=True,
+        )
+        clients.start()
+        try:
+            time.sleep(1.0)
+            for _ in range(kills):
+                rows.append(_kill_router_once(d, url))
+                time.sleep(1.0)  # serving again before the next kill
+        finally:
+            done.set()
+            clients.join(timeout=60)
+    failed = [r for r in log if r.outcome != "200"]
+    killed = [r["killed_at"] for r in rows]
+    other = [r for r in failed if not any(r.started <= t <= r.ended for t in killed)]
+    return {
+        "kills": kills,
+        "rows": rows,
+        "worst_rest_s": max(r["rest_s"] for r in rows),
+        "requests": len(log),
+        "failed": len(failed),
+        "failed_not_in_killed_router": len(other),
+        "http_503": sum(1 for r in failed if r.outcome == "HTTP 503"),
+        "failure_kinds": sorted({r.outcome for r in failed}),
+        "other_failures": [
+            f"{r.outcome} {min((r.started - t for t in killed), key=abs):+.2f} s from a kill"
+            for r in other[:10]
+        ],
     }
 
 
@@ -343,6 +500,8 @@ def print_report(results: dict[str, Any]) -> None:
         _print_requests(results["requests"])
     if "chaos" in results:
         _print_chaos(results["chaos"])
+    if "router_kills" in results:
+        _print_router_kills(results["router_kills"])
 
 
 def _print_chaos(row: dict[str, Any]) -> None:
@@ -355,7 +514,28 @@ def _print_chaos(row: dict[str, Any]) -> None:
         f"in a killed router; goal 0), 503s {row['http_503']} (goal 0); {row['refused_connections']} connections "
         f"refused while the router was down (tried again)"
     )
-    print(f"    failures: {row['failure_kinds']}; events: {row['events']}")
+    print(
+        f"    failures: {row['failure_kinds']}; events: {row['events']}; processes left {row['processes_left']}"
+    )
+    if row["applies"]:
+        print(
+            f"    {row['moves']} GPU moves, {row['control_cycles']} control cycles: state mismatches "
+            f"{row['state_mismatches']} (goal 0); errors {row['driver_errors']}"
+        )
+
+
+def _print_router_kills(row: dict[str, Any]) -> None:
+    print(f"(5) router SIGKILLed {row['kills']} times under 4 clients without pause")
+    print(f"    {'kill':>4} {'detection':>10} {'own start':>10} {'rest':>8} {'total':>8}")
+    for i, r in enumerate(row["rows"], 1):
+        print(
+            f"    {i:>4} {r['detection_s']:>8.2f} s {r['own_start_s']:>8.2f} s {r['rest_s']:>6.2f} s "
+            f"{r['total_s']:>6.2f} s"
+        )
+    print(
+        f"    worst rest {row['worst_rest_s']:.2f} s (goal <= 1 s); {row['requests']} requests, failed "
+        f"{row['failed']} (in flight in the killed router), 503s {row['http_503']}; {row['failure_kinds']}"
+    )
 
 
 def _print_fan_out(rows: list[dict[str, Any]]) -> None:
@@ -404,7 +584,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--verbose", action="store_true")
     parser.add_argument("--soak-s", type=float, default=300.0, help="length of the chaos soak")
-    parser.add_argument("--skip", default="", help="parts to leave out: fan_out,healing,requests,chaos")
+    parser.add_argument(
+        "--soak-applies", action="store_true", help="the soak on PD engines, moving GPUs and running control"
+    )
+    parser.add_argument("--router-kills", type=int, default=20)
+    parser.add_argument(
+        "--skip", default="", help="parts to leave out: fan_out,healing,requests,chaos,router_kills"
+    )
     args = parser.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
     ks = [1, 2] if args.smoke else [1, 8, 32]
@@ -443,7 +629,10 @@ def main(argv: list[str] | None = None) -> int:
                 20.0 if args.smoke else args.soak_s,
                 tmp,
                 args.verbose,
+                applies=args.soak_applies or args.smoke,
             )
+        if "router_kills" not in skip:
+            results["router_kills"] = router_kills(2 if args.smoke else args.router_kills, tmp, args.verbose)
     if args.json:
         print(json.dumps(results, indent=2))
     else:

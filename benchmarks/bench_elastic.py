@@ -2,9 +2,12 @@
 changed one, with stand-in engines that each take ``--start-delay`` s to start (a real engine loads its model
 for minutes) and the real sglang-router.
 
-(1) time: K engines of 1 GPU; the change adds c of them (a group resized from K - c to K... here: from K to
-    K + c, and back, removing c). Side by side in one run: the apply's wall time, and the full restart's
-    (stop the deployment, start the changed one until ready). Goal: apply <= (c / K + 0.1) x the restart.
+(1) time: K engines of 1 GPU; the change adds c of them (from K to K + c, and back, removing c). Side by side
+    in one run: the apply's wall time, and the full restart's (stop the deployment, start the changed one until
+    ready). Goal: apply <= (c / (K + c) + 0.1) x the restart. Engines start in parallel, so both take about one
+    engine's own start: the wall ratio cannot fall far below 1 - (stop + router start) / restart. Also reported:
+    what the apply adds to its slowest added engine's own start (process start to healthy), and the
+    engine-seconds without service, c x apply against (K + c) x restart (the kept engines serve throughout).
 (2) requests under an apply: ``--requests`` (2,000) ``/generate`` at concurrency ``--concurrency`` (32) through
     the router while the deployment shrinks by c engines and grows back. Goal: 0 failed.
 (3) churn: a weight update (version v1), then ``--applies`` (20) applies back and forth (K + c <-> K) while 6
@@ -40,7 +43,8 @@ HOST = "127.0.0.1"
 GEN_BODY = {"text": "the quick brown fox jumps over", "sampling_params": {"max_new_tokens": 4}}
 
 
-def overrides(engines: int, start_delay_s: float, port_base: int) -> list[str]:
+def overrides(engines: int, start_delay_s: float, port_base: int, node_gpus: int = 8) -> list[str]:
+    """``node_gpus``: the node's size, the same before and after a change (a running deployment keeps it)."""
     return [
         "sglang=default",
         "hf_checkpoint=/c",
@@ -48,7 +52,7 @@ def overrides(engines: int, start_delay_s: float, port_base: int) -> list[str]:
         "sglang_deploy=simulated",
         f"sglang.actor.regular.num_gpus={engines}",
         "sglang.actor.num_gpus_per_engine=1",
-        f"num_gpus_per_node={max(8, engines)}",
+        f"num_gpus_per_node={max(node_gpus, engines)}",
         f"sglang_deploy.standin.start_delay_s={start_delay_s}",
         "sglang_deploy.router.policy=round_robin",
         f"sglang_deploy.launch.host={HOST}",
@@ -60,13 +64,16 @@ def overrides(engines: int, start_delay_s: float, port_base: int) -> list[str]:
 def timing(k: int, c: int, start_delay_s: float, tmp: Path, verbose: bool) -> dict[str, Any]:
     base = random.randrange(20000, 28000)
     small, large = (
-        compose_config(overrides(k, start_delay_s, base)),
-        compose_config(overrides(k + c, start_delay_s, base)),
+        compose_config(overrides(k, start_delay_s, base, k + c)),
+        compose_config(overrides(k + c, start_delay_s, base, k + c)),
     )
     with quiet(verbose), launch_from_config(small, log_dir=Path(tempfile.mkdtemp(dir=tmp))) as d:
+        since = len(d.events())
         started = time.perf_counter()
         grown = d.apply(large)
         apply_s = time.perf_counter() - started
+        added = [e for e in d.events()[since - len(d.events()) :] if e.kind == "engine_added"]
+        own_start_s = max(e.details["start_s"] for e in added)
         assert len(grown.started) == c and len(grown.kept) == k, grown.lines()
         started = time.perf_counter()
         shrunk = d.apply(small)
@@ -88,12 +95,17 @@ def timing(k: int, c: int, start_delay_s: float, tmp: Path, verbose: bool) -> di
         "restart_s": restart_s,
         "ratio": apply_s / restart_s,
         "goal": c / (k + c) + 0.1,
+        # what the apply adds to its slowest added engine's own start (process start to healthy)
+        "added_own_start_s": own_start_s,
+        "apply_overhead_s": apply_s - own_start_s,
+        # engine-seconds without service: the apply's c new engines against the restart's k + c engines
+        "capacity_lost_ratio": (c * apply_s) / ((k + c) * restart_s),
     }
 
 
 def under_load(k: int, c: int, total: int, concurrency: int, tmp: Path, verbose: bool) -> dict[str, Any]:
     base = random.randrange(20000, 28000)
-    full, less = compose_config(overrides(k, 0.0, base)), compose_config(overrides(k - c, 0.0, base))
+    full, less = compose_config(overrides(k, 0.0, base, k)), compose_config(overrides(k - c, 0.0, base, k))
     failures: list[str] = []
     answered = 0
     with quiet(verbose), launch_from_config(full, log_dir=Path(tempfile.mkdtemp(dir=tmp))) as d:
@@ -155,7 +167,10 @@ def _gpu_overlaps() -> int:
 
 def churn(k: int, c: int, applies: int, tmp: Path, verbose: bool) -> dict[str, Any]:
     base = random.randrange(20000, 28000)
-    full, less = (compose_config(overrides(k + c, 0.2, base)), compose_config(overrides(k, 0.2, base)))
+    full, less = (
+        compose_config(overrides(k + c, 0.2, base, k + c)),
+        compose_config(overrides(k, 0.2, base, k + c)),
+    )
     failures: list[str] = []
     overlaps: list[int] = []
     off_version = 0
@@ -244,6 +259,11 @@ def main(argv: list[str] | None = None) -> int:
         f"(1) apply adding {t['c']} engines to {t['k']} (start {t['start_delay_s']:g} s each): {t['apply_add_s']:.2f} s; "
         f"removing them: {t['apply_remove_s']:.2f} s; stopping and starting all {t['k'] + t['c']}: {t['restart_s']:.2f} s "
         f"-> ratio {t['ratio']:.2f} (goal <= {t['goal']:.2f})"
+    )
+    print(
+        f"    the apply beyond its slowest added engine's own start ({t['added_own_start_s']:.2f} s): "
+        f"{t['apply_overhead_s']:.2f} s; engine-seconds without service against the restart's: "
+        f"{t['capacity_lost_ratio']:.2f}"
     )
     print(
         f"(2) {load['requests']} requests at concurrency {load['concurrency']} while {load['changed']} of "

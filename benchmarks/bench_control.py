@@ -21,9 +21,10 @@
     client whose connection is refused (no router at that moment: nothing was sent) tries again; every other
     error or non-200 answer is a failure. Reported: failures while only engines failed (goal 0), 503s (goal 0),
     and failures of requests that were in flight inside the router when it was killed (the only ones allowed).
-    With ``--soak-applies`` (and in the smoke run) the same soak runs on a PD deployment (4 prefill + 6 decode engines) that also moves
-    one GPU between prefill and decode every 30 s (``move_gpus``) and runs a control cycle every 25 s; after each
-    move the deployment's plan must name exactly the engines of its fleet (state mismatches: goal 0).
+    With ``--soak-applies`` (and in the smoke run) the same soak runs on a PD deployment (4 prefill + 6 decode
+    engines) that also moves one GPU between prefill and decode every 30 s (``move_gpus``) and runs a trainer's
+    control cycle every 25 s (pause, offload and onload of the KV cache, a new weight version, continue); after
+    each move the deployment's plan must name exactly the engines of its fleet (state mismatches: goal 0).
 (5) router kills: 2 engines, 4 clients sending ``/generate`` without pause, the router SIGKILLed ``--router-kills``
     (20) times, each time once it serves again. Per kill: detection (the kill to ``router_lost``), the router's own
     start (``router_lost`` to the new process first answering ``/readiness`` 200, polled by the benchmark every
@@ -381,7 +382,7 @@ def _alive(pid: int | None) -> bool:
 
 def _drive(d: Deployment, stop: float, record: dict[str, Any]) -> None:
     """Until ``stop``: one GPU moved between prefill and decode every 30 s (back and forth), a control cycle
-    (offload and onload of the KV cache, a new weight version) every 25 s (both more often in a soak shorter
+    (generation paused, the KV cache offloaded and onloaded, a new weight version, generation continued) every 25 s (both more often in a soak shorter
     than 150 s); after each move, does the plan name exactly the fleet's engines?"""
     begun = time.monotonic()
     move_s, cycle_s = min(30.0, (stop - begun) / 5), min(25.0, (stop - begun) / 6)
@@ -398,11 +399,15 @@ def _drive(d: Deployment, stop: float, record: dict[str, Any]) -> None:
                 record["mismatches"] += planned != running
                 record["moves"] = moves
                 next_move = time.monotonic() + move_s
-            if now >= next_cycle:
+            if (
+                now >= next_cycle
+            ):  # a trainer's step: generation paused, memory released and back, new weights
+                d.control.pause_generation("retract")
                 d.control.offload(["kv_cache"])
                 d.control.onload(["kv_cache"])
                 record["cycles"] += 1
                 d.control.update_weight_version(f"v{record['cycles']}")
+                d.control.continue_generation()
                 next_cycle = time.monotonic() + cycle_s
         except Exception as exc:  # a benchmark reports what failed, and goes on
             record["errors"].append(f"{type(exc).__name__}: {str(exc)[:200]}")

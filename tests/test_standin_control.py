@@ -8,6 +8,7 @@ from __future__ import annotations
 # ruff: noqa: F811  (pytest fixtures imported from other modules, redefined as arguments)
 import asyncio
 import signal
+import threading
 import time
 from collections.abc import Callable
 
@@ -62,6 +63,36 @@ def test_released_memory_refuses_generation_until_resumed_with_the_memory_saver(
     assert post(engine, "/generate", GENERATE).status_code == 503
     post(engine, "/resume_memory_occupation", {"tags": ["kv_cache"]})
     assert post(engine, "/generate", GENERATE).status_code == 200
+
+
+def test_a_request_held_by_a_pause_waits_out_an_offload_and_is_served(spawn: Callable[..., Proc]) -> None:
+    """A trainer's cycle under load: pause, release and resume memory, continue. A request that came while
+    paused is queued (as SGLang queues it) and served after continue, never refused for the released memory."""
+    engine = start_standin(spawn, "--enable-memory-saver")
+    wait_http(engine)
+    post(engine, "/pause_generation", {"mode": "retract"})
+    out: dict[str, httpx.Response] = {}
+    held = threading.Thread(
+        target=lambda: out.update(answer=post(engine, "/generate", GENERATE)), daemon=True
+    )
+    held.start()
+    held.join(timeout=1.0)
+    assert "answer" not in out
+    post(engine, "/release_memory_occupation", {"tags": ["kv_cache"]})
+    post(engine, "/resume_memory_occupation", {"tags": ["kv_cache"]})
+    post(engine, "/continue_generation")
+    held.join(timeout=60)
+    assert out["answer"].status_code == 200
+    # while paused and released, then continued with the memory still released: refused once it may run
+    post(engine, "/pause_generation", {"mode": "retract"})
+    post(engine, "/release_memory_occupation", {"tags": ["kv_cache"]})
+    held = threading.Thread(target=lambda: out.update(late=post(engine, "/generate", GENERATE)), daemon=True)
+    held.start()
+    held.join(timeout=1.0)
+    assert "late" not in out
+    post(engine, "/continue_generation")
+    held.join(timeout=60)
+    assert out["late"].status_code == 503 and "memory released (kv_cache)" in out["late"].text
 
 
 def test_without_the_memory_saver_a_released_engine_keeps_serving(spawn: Callable[..., Proc]) -> None:

@@ -697,16 +697,16 @@ def _generate_item(
 
 
 async def _admitted(state: EngineState) -> None:
-    """A generation request may run: 503 while memory is released (with the memory saver); waits while
-    generation is paused."""
-    refusal = state.control.generation_refusal()
-    if refusal is not None:
-        raise RequestError(503, refusal)
+    """A generation request may run: it waits while generation is paused (SGLang queues it, whatever the
+    trainer does to the memory meanwhile), then 503 while memory is released (with the memory saver)."""
     state.held += 1
     try:
         await state.control.wait_until_running()
     finally:
         state.held -= 1
+    refusal = state.control.generation_refusal()
+    if refusal is not None:
+        raise RequestError(503, refusal)
 
 
 def _metadata(state: EngineState, completion_tokens: int) -> dict[str, Any]:

@@ -29,13 +29,21 @@ PRINT_ARGV = "import json, sys; print(json.dumps(sys.argv[1:]))"
 HOSTILE_PATH = "/m\x1b[31m\rX\x07\x1b]0;TITLE\x07\x1b[2J\x85"
 #: Control characters no printed line or table may hold raw.
 RAW_CONTROLS = [chr(c) for c in (*range(0x00, 0x09), *range(0x0B, 0x20), *range(0x7F, 0xA0))]
+#: Nor a printed command line a tab or a newline (it is one line, pasted whole).
+RAW_IN_A_LINE = [*RAW_CONTROLS, "\t", "\n"]
 
 
 def _run_as_bash_does(line: str) -> list[str]:
     """The argv that ``line``, pasted into bash, hands to the program it runs."""
     assert BASH is not None
     done = subprocess.run(
-        [BASH, "--noprofile", "--norc", "-c", f"{shell_quote(sys.executable)} -c {shell_quote(PRINT_ARGV)} {line}"],
+        [
+            BASH,
+            "--noprofile",
+            "--norc",
+            "-c",
+            f"{shell_quote(sys.executable)} -c {shell_quote(PRINT_ARGV)} {line}",
+        ],
         capture_output=True,
         text=True,
         timeout=120,
@@ -89,7 +97,7 @@ def test_escape_controls(text: str, shown: str) -> None:
 def test_a_hostile_argv_runs_as_printed() -> None:
     argv = ["/bin/x", HOSTILE_PATH, "a\rb", "it's", "", "$HOME", "`id`", "\\", "\t \n", "del\x7f"]
     line = shell_join(argv)
-    assert not any(ch in line for ch in RAW_CONTROLS + ["\n"])
+    assert not any(ch in line for ch in RAW_IN_A_LINE)
     assert _run_as_bash_does(line) == argv
 
 
@@ -99,7 +107,7 @@ def test_a_hostile_argv_runs_as_printed() -> None:
 def test_any_argv_runs_as_printed(argv: list[str]) -> None:
     """Arbitrary text (but NUL, which no argv can hold) round-trips through the printed line."""
     line = shell_join(argv)
-    assert not any(ch in line for ch in RAW_CONTROLS + ["\n"])
+    assert not any(ch in line for ch in RAW_IN_A_LINE)
     assert _run_as_bash_does(line) == argv
 
 
@@ -111,7 +119,11 @@ def test_plan_commands_print_what_runs_and_the_table_shows_controls_escaped(
     pasted, runs the engine's argv; no control character reaches the terminal raw."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HOSTILE_PATH", HOSTILE_PATH)
-    overrides = ["hf_checkpoint=${oc.env:HOSTILE_PATH}", "rollout_num_gpus=2", "rollout_num_gpus_per_engine=1"]
+    overrides = [
+        "hf_checkpoint=${oc.env:HOSTILE_PATH}",
+        "rollout_num_gpus=2",
+        "rollout_num_gpus_per_engine=1",
+    ]
     assert cli.main(["plan", "--commands", *overrides]) == 0
     out = capsys.readouterr().out
     assert [ch for ch in out if ch in RAW_CONTROLS] == []

@@ -102,10 +102,12 @@ def test_a_fifo_at_the_lists_name_does_not_block(imports: list[int], tmp_path: P
     lookup = threading.Thread(target=lambda: found.append(known_server_arg_fields().fields), daemon=True)
     lookup.start()
     lookup.join(timeout=60)  # a generous wait for an event: it never comes when the FIFO is opened to read
-    if lookup.is_alive():  # let a blocked reader go, so that nothing is left behind
+    blocked = lookup.is_alive()
+    if blocked:  # let the blocked reader go, so that nothing is left behind
         os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
         lookup.join()
-    assert found == [shipped_server_arg_fields()] and not lookup.is_alive()
+    assert not blocked
+    assert found == [shipped_server_arg_fields()]
     assert path.is_file()  # the FIFO replaced by the list
 
 

@@ -44,14 +44,21 @@ def _err_console() -> Any:
 def _print_error(message: str) -> None:
     from rich.markup import escape
 
-    _err_console().print(f"[bold red]error:[/] {escape(message)}", markup=True)
+    from miles_sglang_plugin.printable import escape_controls
+
+    _err_console().print(
+        f"[bold red]error:[/] {escape(escape_controls(message, keep_newlines=True))}", markup=True
+    )
 
 
 class _LogLineFormatter(logging.Formatter):
-    """One line per record: a supervision event's kind (``engine_lost: ...``), else the level, then the text."""
+    """One line per record: a supervision event's kind (``engine_lost: ...``), else the level, then the text
+    (control characters escaped)."""
 
     def format(self, record: logging.LogRecord) -> str:
-        text = super().format(record)
+        from miles_sglang_plugin.printable import escape_controls
+
+        text = escape_controls(super().format(record), keep_newlines=True)
         return f"{getattr(record, 'msp_event', None) or record.levelname.lower()}: {text}"
 
 
@@ -122,6 +129,7 @@ def _plan(args: argparse.Namespace) -> int:
         prepared.write_json(sys.stdout, server_args_checked_against=known.source)
         return 0
     from miles_sglang_plugin.planning.views import print_plan  # the tables (rich) only for the text form
+    from miles_sglang_plugin.printable import escape_controls
     from miles_sglang_plugin.rendering.views import print_commands
 
     console = _out_console()
@@ -130,7 +138,7 @@ def _plan(args: argparse.Namespace) -> int:
         print_commands(prepared.launch, console)
     console.print(f"override keys checked against {known.source}", markup=False)
     for note in prepared.launch.notes:
-        console.print(f"note: {note}", markup=False)
+        console.print(f"note: {escape_controls(note, keep_newlines=True)}", markup=False)
     return 0
 
 
@@ -219,6 +227,7 @@ def _cmd_launch(args: argparse.Namespace) -> int:
 
     from miles_sglang_plugin.app.hydra_edge import launch_from_config
     from miles_sglang_plugin.config.compose import compose_config
+    from miles_sglang_plugin.printable import escape_controls, shell_quote
 
     cfg = compose_config(args.overrides)
     console = _err_console()
@@ -229,7 +238,9 @@ def _cmd_launch(args: argparse.Namespace) -> int:
         registry = deployment.registry
         for name in registry.names():
             sys.stdout.write(f"{name} {registry[name].base_url}\n")
-        sys.stdout.write(f"export {' '.join(f'{k}={v!r}' for k, v in registry.to_env().items())}\n")
+        sys.stdout.write(
+            f"export {' '.join(f'{k}={shell_quote(v)}' for k, v in registry.to_env().items())}\n"
+        )
         sys.stdout.flush()
         console.print(
             f"serving; logs in {deployment.log_dir}; Ctrl-C stops every engine and router", markup=False
@@ -244,7 +255,8 @@ def _cmd_launch(args: argparse.Namespace) -> int:
         if deployment.stop_signal is not None:  # stopped by Ctrl-C/SIGTERM, which reaches this process next
             return 128 + deployment.stop_signal
         if deployment.failure is None:
-            console.print("[bold red]error:[/] " + escape("; ".join(deployment.exit_report())))
+            report = "; ".join(deployment.exit_report())
+            console.print("[bold red]error:[/] " + escape(escape_controls(report, keep_newlines=True)))
         return 1  # a failure raises DeploymentFailedError when the block ends
 
 

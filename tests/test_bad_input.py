@@ -438,6 +438,104 @@ def test_server_defaults_are_checked_as_well(run: Run) -> None:
 
 
 @pytest.mark.parametrize(
+    ("override", "problem"),
+    [
+        (
+            "mem_fraction_static=1.5",
+            "mem_fraction_static: must be a fraction: more than 0 and at most 1, got 1.5 (SGLang's --mem-fraction-static)",
+        ),
+        (
+            "mem_fraction_static=0",
+            "mem_fraction_static: must be a fraction: more than 0 and at most 1, got 0 (SGLang's --mem-fraction-static)",
+        ),
+        (
+            "mem_fraction_static=-0.5",
+            "mem_fraction_static: must be a fraction: more than 0 and at most 1, got -0.5 (SGLang's --mem-fraction-static)",
+        ),
+        (
+            "mem_fraction_static=nan",
+            "mem_fraction_static: must be a fraction: more than 0 and at most 1, got nan (SGLang's --mem-fraction-static)",
+        ),
+        (
+            "hicache_host_memory_fraction=1.01",
+            "hicache_host_memory_fraction: must be a fraction: more than 0 and at most 1, got 1.01 (SGLang's --hicache-host-memory-fraction)",
+        ),
+        (
+            "swa_full_tokens_ratio=2",
+            "swa_full_tokens_ratio: must be a fraction: more than 0 and at most 1, got 2 (SGLang's --swa-full-tokens-ratio)",
+        ),
+        ("page_size=0", "page_size: must be more than 0, got 0 (SGLang's --page-size)"),
+        (
+            "max_running_requests=0",
+            "max_running_requests: must be more than 0, got 0 (SGLang's --max-running-requests)",
+        ),
+        ("max_total_tokens=0", "max_total_tokens: must be more than 0, got 0 (SGLang's --max-total-tokens)"),
+        (
+            "max_prefill_tokens=0",
+            "max_prefill_tokens: must be more than 0, got 0 (SGLang's --max-prefill-tokens)",
+        ),
+        ("context_length=0", "context_length: must be more than 0, got 0 (SGLang's --context-length)"),
+        (
+            "chunked_prefill_size=0",
+            "chunked_prefill_size: must be more than 0, or -1 (chunked prefill off), got 0 (SGLang's --chunked-prefill-size)",
+        ),
+        (
+            "chunked_prefill_size=-2",
+            "chunked_prefill_size: must be more than 0, or -1 (chunked prefill off), got -2 (SGLang's --chunked-prefill-size)",
+        ),
+    ],
+)
+def test_values_sglang_or_a_gpu_would_refuse_are_refused_at_plan_time(
+    run: Run, override: str, problem: str
+) -> None:
+    code, out, err = run("plan", "hf_checkpoint=/c", f"+sglang.actor.regular.overrides.{override}")
+    assert (code, out) == (2, "")
+    assert "Traceback" not in err
+    assert _one_problem(err) == f"sglang.actor.regular.overrides.{problem}"
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "mem_fraction_static=1",
+        "mem_fraction_static=0.01",
+        "chunked_prefill_size=-1",
+        "chunked_prefill_size=1",
+        "page_size=1",
+        "max_total_tokens=32k",
+        "swa_full_tokens_ratio=0.5",
+    ],
+)
+def test_values_at_the_edges_of_their_ranges_plan(run: Run, override: str) -> None:
+    code, _, err = run("plan", "hf_checkpoint=/c", f"+sglang.actor.regular.overrides.{override}")
+    assert code == 0, err
+
+
+def test_every_value_out_of_range_is_listed_with_the_key_as_typed_and_nothing_starts(
+    run: Run,
+    leak_check: LeakTracker,  # noqa: F811
+) -> None:
+    overrides = [
+        "+sglang.actor.regular.overrides.mem_fraction_static=1.5",
+        "+sglang.actor.regular.overrides.page_size=0",
+        "+sglang_deploy.server_defaults.max-running-requests=0",
+    ]
+    code, out, err = run("plan", "hf_checkpoint=/c", *overrides)
+    assert (code, out) == (2, "")
+    text = " ".join(err.split())
+    assert "3 problems" in text
+    for line in (
+        "sglang.actor.regular.overrides.mem_fraction_static: must be a fraction: more than 0 and at most 1, got 1.5",
+        "sglang.actor.regular.overrides.page_size: must be more than 0, got 0",
+        "sglang_deploy.server_defaults.max-running-requests: must be more than 0, got 0",
+    ):
+        assert f"- {line} (SGLang's --" in text
+    code, _, err = run("launch", *launch_overrides(*overrides))
+    assert code == 2 and "3 problems" in err and "Traceback" not in err
+    assert leak_check.launchers == []
+
+
+@pytest.mark.parametrize(
     ("value", "spec_", "problem"),
     [
         (True, {"kind": "switch"}, None),

@@ -1,11 +1,13 @@
 """The schema nodes' disk cache (``config/node_cache.py``): a node loaded from it is the node a build gives; a
 second process builds none; a schema changed in memory (an edit imported or not) never gets the other's node;
-a torn, foreign, oversized, linked or writable-by-others file, or a cache that cannot be found or written,
-each fall back to building, never to an error; ``MSP_SCHEMA_CACHE=0`` reads and writes nothing."""
+a torn, altered (one byte), foreign, oversized, linked, hard-linked or writable-by-others file, or a cache
+that cannot be found or written, each fall back to building, never to an error (the guard itself:
+``test_kept_files.py``); ``MSP_SCHEMA_CACHE=0`` reads and writes nothing."""
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import pickle
@@ -90,6 +92,12 @@ def test_every_stored_node_loaded_from_the_cache_is_the_node_a_build_gives(cache
 def _compose_in_a_new_process(env: dict[str, str]) -> tuple[int, str]:
     """(how many structured configs of the package's schemas the process built, the plan's JSON) for
     ``plan --json`` of pd_actor_ref."""
+    count, plan_json, _ = _compose_in_a_new_process_with_stderr(env)
+    return count, plan_json
+
+
+def _compose_in_a_new_process_with_stderr(env: dict[str, str]) -> tuple[int, str, str]:
+    """:func:`_compose_in_a_new_process`, and what the process wrote to stderr."""
     code = (
         "import io, sys, contextlib\n"
         "import omegaconf\n"
@@ -112,7 +120,7 @@ def _compose_in_a_new_process(env: dict[str, str]) -> tuple[int, str]:
     )
     assert done.returncode == 0, done.stderr
     count, plan_json = done.stdout.split("\n", 1)
-    return int(count), plan_json
+    return int(count), plan_json, done.stderr
 
 
 def test_a_second_process_builds_no_node_and_plans_the_same(tmp_path: Path) -> None:
@@ -129,6 +137,25 @@ def test_a_second_process_builds_no_node_and_plans_the_same(tmp_path: Path) -> N
     assert (first_built, second_built, off_built) == (3, 0, 3)
     assert first == second == off
     assert sorted(json.loads(second)["models"]) == ["actor", "ref"]  # a plan, not an empty answer
+
+
+def test_a_node_with_one_byte_altered_is_built_again_not_served(tmp_path: Path) -> None:
+    """A cached deploy node whose ``port_base`` 15000 became 15001 (one byte of its pickle: BININT2 0x3a98 ->
+    0x3a99, little-endian) is refused by its digest: the router stays on 15000, the node is built again."""
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "xdg")}
+    env.pop(node_cache.CACHE_ENV, None)
+    assert _compose_in_a_new_process(env)[0] == 3
+    folder = tmp_path / "xdg" / "miles_sglang_plugin" / "schema-nodes"
+    (path,) = folder.glob("sglang_deploy.default-*.pickle")
+    data = path.read_bytes()
+    assert data.count(b"M\x98:") == 1  # pickle's BININT2 of 15000
+    path.write_bytes(data.replace(b"M\x98:", b"M\x99:"))
+    built, plan_json, err = _compose_in_a_new_process_with_stderr(env)
+    router_url = json.loads(plan_json)["models"]["actor"]["router"]["url"]
+    assert (built, router_url) == (1, "http://<driver address>:15000")
+    assert f"{path} does not match its digest (truncated or altered): ignored" in " ".join(err.split())
+    assert path.read_bytes() == data  # written anew, as it was before the flip
+    assert _compose_in_a_new_process(env)[0] == 0
 
 
 def test_the_cache_off_reads_and_writes_nothing(cache_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -212,13 +239,29 @@ def test_only_the_newest_files_of_a_node_are_kept(cache_home: Path) -> None:
     assert node_cache.load("other", versions[0]) is not None  # another node's files are its own
 
 
-def _plant(cache_home: Path, made: Any, data: bytes) -> Path:
-    """Write ``data`` as the cached node "planted" built from ``made``."""
+def _with_digest(payload: bytes) -> bytes:
+    """A kept file's content: the digest line of ``payload``, then ``payload``."""
+    return (
+        b"miles_sglang_plugin kept file, sha256 "
+        + hashlib.sha256(payload).hexdigest().encode()
+        + b"\n"
+        + payload
+    )
+
+
+def _plant(cache_home: Path, made: Any, payload: bytes) -> Path:
+    """Write ``payload`` (with its digest) as the cached node "planted" built from ``made``."""
     node_cache.store("planted", made, pickle.dumps(OmegaConf.create({})))  # makes the folder and the file
     path = cache_home / f"planted-{node_cache.fingerprint(made)}.pickle"
     assert path.is_file()
-    path.write_bytes(data)
+    path.write_bytes(_with_digest(payload))
     return path
+
+
+def _flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-2] ^= 0x01
+    path.write_bytes(bytes(data))
 
 
 def _link_file(path: Path) -> None:
@@ -247,7 +290,9 @@ def _another_users(path: Path) -> None:
 #: Ways a planted cache file is made unfit to load.
 SPOIL = {
     "torn": lambda path: path.write_bytes(path.read_bytes()[:50]),
-    "not a DictConfig": lambda path: path.write_bytes(pickle.dumps({"model": "base"})),
+    "not a DictConfig": lambda path: path.write_bytes(_with_digest(pickle.dumps({"model": "base"}))),
+    "one byte altered": _flip_a_byte,
+    "a hard link": lambda path: os.link(path, path.with_name("second-name")),
     "too large": lambda path: path.write_bytes(b"\x80" * (node_cache.MAX_NODE_BYTES + 1)),
     "writable by others": lambda path: path.chmod(0o666),
     "folder writable by the group": lambda path: path.parent.chmod(0o770),

@@ -12,6 +12,8 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from miles_sglang_plugin.printable import escape_controls
+
 _STYLE = {"starting": "yellow", "catching_up": "cyan", "serving": "green", "live": "cyan", "ready": "green",
           "failed": "bold red"}  # fmt: skip
 
@@ -57,7 +59,8 @@ class StatusView:
             table.add_column(col)
         for name, row in self.rows.items():
             state = Text(row.state, style=_STYLE.get(row.state, ""))  # any state name, styled or not
-            table.add_row(Text(name), row.kind, state, f"{row.since - self.started_at:.1f}", Text(row.detail))
+            name_cell, kind, detail = (Text(escape_controls(text)) for text in (name, row.kind, row.detail))
+            table.add_row(name_cell, kind, state, f"{row.since - self.started_at:.1f}", detail)
         return table
 
     def _refresh(self) -> None:
@@ -80,11 +83,12 @@ class StatusView:
             self._refresh()
         elif not self.quiet:
             self.console.print(
-                f"[{row.since - self.started_at:6.1f}s] {row.kind} {name}: {state}", markup=False
+                escape_controls(f"[{row.since - self.started_at:6.1f}s] {row.kind} {name}: {state}"),
+                markup=False,
             )
 
     def note(self, text: str) -> None:
-        self.console.print(f"note: {text}", markup=False)
+        self.console.print(f"note: {escape_controls(text, keep_newlines=True)}", markup=False)
 
     def finish(self) -> None:
         if self._live is not None:
@@ -102,5 +106,6 @@ class StatusView:
         for col in ("model", "router", "mode", "engines", "GPUs", "engine kind"):
             table.add_column(col)
         for row in rows:
-            table.add_row(row.model, row.router, row.mode, str(row.engines), str(row.gpus), row.engine_kind)
+            cells = (row.model, row.router, row.mode, str(row.engines), str(row.gpus), row.engine_kind)
+            table.add_row(*(Text(escape_controls(cell)) for cell in cells))
         self.console.print(table)

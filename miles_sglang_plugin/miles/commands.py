@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import argparse
 import re
-import shlex
 import sys
 from pathlib import Path
 from typing import Any
 
 from miles_sglang_plugin.config.deployment_spec import NAME_RE, DeploymentSpec
+from miles_sglang_plugin.printable import escape_controls, shell_join, shell_quote
 
 # The Miles file format (and its YAML reader) loads when a command runs, not when ``miles-sglang`` builds its
 # parser: every other command (``plan``) starts without it.
@@ -165,8 +165,8 @@ def _import_report(spec: DeploymentSpec, name: str, target: Path, notes: tuple[s
         f"Wrote {target} (models: {summary}; {total} GPUs in all).",
         f"Use it with the Hydra override sglang={name}:",
         f"  - in a Hydra app whose config directory (config_path) is {conf_dir}: python <your app> sglang={name}",
-        f"  - from anywhere else, add that directory to Hydra's search path: {shlex.quote(searchpath)}, e.g.",
-        f"      miles-sglang plan sglang={name} {shlex.quote(searchpath)} rollout_num_gpus=... hf_checkpoint=...",
+        f"  - from anywhere else, add that directory to Hydra's search path: {shell_quote(searchpath)}, e.g.",
+        f"      miles-sglang plan sglang={name} {shell_quote(searchpath)} rollout_num_gpus=... hf_checkpoint=...",
         f"Miles ran this file with --rollout-num-gpus {total} (minus --eval-num-gpus when a model named 'eval' is "
         "the eval fleet).",
     ]
@@ -185,7 +185,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     if args.print_only:
         sys.stdout.write(text)
         for note in dropped:
-            print(f"note: {note}", file=sys.stderr)
+            print(f"note: {escape_controls(note, keep_newlines=True)}", file=sys.stderr)
         return 0
 
     out_dir = _group_folder(Path(args.output_dir)) if args.output_dir else Path.cwd() / "conf" / "sglang"
@@ -261,7 +261,7 @@ def deploy_notes(deploy: Any) -> list[str]:
     if lora is not None and (lora.enabled or lora.multi_lora_n_adapters):
         notes.append(
             "sglang_deploy.lora is not part of the file; Miles derives the engines' LoRA arguments from its "
-            f"training arguments: {shlex.join(miles_lora_args(lora))}"
+            f"training arguments: {shell_join(miles_lora_args(lora))}"
         )
     if getattr(deploy, "env", None):
         notes.append("sglang_deploy.env is not part of the file; set those variables in Miles' environment")
@@ -290,8 +290,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     extra, notes = server_default_args(dict(deploy.server_defaults))
     notes += deploy_notes(deploy)
     miles_args += extra
-    line = shlex.join(miles_args)
-    header = f"# miles args: {line}\n" if "\n" not in line and "\r" not in line else ""
+    line = shell_join(miles_args)  # one line: a control character is $'...' quoted
+    header = f"# miles args: {line}\n"
     content = header + text
 
     if args.output:
@@ -305,5 +305,5 @@ def cmd_export(args: argparse.Namespace) -> int:
         print("Miles arguments for this file (FILE: where you save it):", file=sys.stderr)
     print(f"  {line}", file=sys.stderr)
     for note in notes:
-        print(f"note: {note}", file=sys.stderr)
+        print(f"note: {escape_controls(note, keep_newlines=True)}", file=sys.stderr)
     return 0

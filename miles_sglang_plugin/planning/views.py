@@ -11,11 +11,13 @@ from rich.table import Table
 from rich.text import Text
 
 from miles_sglang_plugin.planning.plan import DeploymentPlan
+from miles_sglang_plugin.printable import escape_controls
 
 
 def _cells(*values: Any) -> list[Text]:
-    """Table cells that render any value as its text: never as rich markup, never refused for its type."""
-    return [value if isinstance(value, Text) else Text(str(value)) for value in values]
+    """Table cells that render any value as its text: never as rich markup, never refused for its type, control
+    characters escaped (a value cannot recolour, retitle or clear the terminal)."""
+    return [value if isinstance(value, Text) else Text(escape_controls(str(value))) for value in values]
 
 
 def _gpu_ids_text(ids: tuple[int, ...]) -> str:
@@ -184,4 +186,4 @@ def print_plan(plan: DeploymentPlan, console: Console | None = None) -> None:
     console.print(Group(Text(summary), models_table(plan), groups_table(plan)))
     _print_node_tables(plan, console)
     for note in plan.notes:
-        console.print(f"note: {note}", markup=False)
+        console.print(f"note: {escape_controls(note, keep_newlines=True)}", markup=False)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import fnmatch
 import functools
 import json
-import shlex
 import sys
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import asdict, dataclass, field, replace
@@ -40,6 +39,7 @@ from miles_sglang_plugin.planning.plan import (
     ModelPlan,
 )
 from miles_sglang_plugin.planning.resolution import PLAN_OWNED_OVERRIDES, suggest
+from miles_sglang_plugin.printable import shell_join
 from miles_sglang_plugin.rendering.cpu_engine import (
     cpu_engine_env,
     cpu_notes,
@@ -331,7 +331,7 @@ class EngineProcessLaunch:
         return http_base_url(self.host, self.port)
 
     def display_command(self) -> str:
-        return shlex.join(self.template.masked_argv(self.own))
+        return shell_join(self.template.masked_argv(self.own))
 
     def to_dict(self) -> dict[str, Any]:
         return self.to_dict_with(

@@ -2,7 +2,7 @@
 ``context_length=[1,2]``, ``chunked_prefill_size={a: 1}``) is an error naming its config key, not an engine that
 dies at start.
 
-Two checks, on what each engine process is given (its ServerArgs values as rendered onto its command line):
+Three checks, on what each engine process is given (its ServerArgs values as rendered onto its command line):
 
 * **the type table** (:func:`type_table_problems`): each value against the type, number of values and choices
   of its flag in SGLang's parser, from the table of SGLang 0.5.23 shipped with the package
@@ -12,7 +12,10 @@ Two checks, on what each engine process is given (its ServerArgs values as rende
 * **SGLang's own parser** (:func:`sglang_parser_problems`): every rendered engine command line through the
   installed SGLang's ``prepare_server_args`` (nothing resolved, no GPU touched). It runs where SGLang is
   installed, for a launch of real engines and for any rendering when the installed SGLang is not the version
-  of the table; importing SGLang takes seconds, so a ``plan`` with the table's version installed does not.
+  of the table; importing SGLang takes seconds, so a ``plan`` with the table's version installed does not;
+* **the documented ranges** (:func:`range_problems`, always): values SGLang's parser takes but SGLang or the GPU
+  would refuse at start (``mem_fraction_static=1.5``, ``page_size=0``), for the fields whose range SGLang
+  documents or which only make sense in one (:data:`VALUE_RANGES`).
 
 A secret (the API key) is never shown: its value is masked in every message.
 """
@@ -22,7 +25,7 @@ from __future__ import annotations
 import functools
 import json
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from importlib import resources
 from typing import Any
 
@@ -41,6 +44,33 @@ _KIND_NAMES = {
     "size": "an integer (or with a suffix: 32k, 4Ki)",
     "json": "JSON text (or a mapping)",
     "str": "text",
+}
+
+
+def _fraction(number: float) -> str | None:
+    return None if 0 < number <= 1 else "must be a fraction: more than 0 and at most 1"
+
+
+def _positive(number: float) -> str | None:
+    return None if number > 0 else "must be more than 0"
+
+
+def _positive_or_off(number: float) -> str | None:
+    return None if number > 0 or number == -1 else "must be more than 0, or -1 (chunked prefill off)"
+
+
+#: ServerArgs fields whose values SGLang's parser takes but SGLang or the GPU would refuse outside a range (SGLang
+#: 0.5.23's help texts): fractions of memory or tokens in (0, 1], sizes and counts > 0.
+VALUE_RANGES: dict[str, Callable[[float], str | None]] = {
+    "mem_fraction_static": _fraction,  # "the fraction of the memory used for static allocation"
+    "hicache_host_memory_fraction": _fraction,  # "fraction of the available host memory"
+    "swa_full_tokens_ratio": _fraction,  # "It should be between 0 and 1"
+    "context_length": _positive,
+    "max_running_requests": _positive,
+    "max_total_tokens": _positive,
+    "max_prefill_tokens": _positive,
+    "page_size": _positive,  # "the number of tokens in a page"
+    "chunked_prefill_size": _positive_or_off,  # "Setting this to -1 means disabling chunked prefill"
 }
 
 
@@ -145,9 +175,9 @@ def _where(field: str, process: EngineProcessLaunch, plan: DeploymentPlan, setti
         for group in model.groups:
             if model.name == process.model and group.name == process.group and field in group.overrides:
                 return f"{group.key}.overrides.{field}"
-    defaults = {str(key).replace("-", "_") for key in settings.server_defaults}
-    if field in defaults:
-        return f"sglang_deploy.server_defaults.{field}"
+    for typed in settings.server_defaults:  # as typed: mem-fraction-static or mem_fraction_static
+        if str(typed).replace("-", "_") == field:
+            return f"sglang_deploy.server_defaults.{typed}"
     if field.startswith(("lora_", "max_lora", "enable_lora")):
         return "sglang_deploy.lora"
     return f"engine {process.name} --{field.replace('_', '-')}"
@@ -194,6 +224,50 @@ def type_table_problems(
     return list(found.values())
 
 
+def _number(value: Any) -> tuple[str, float] | None:
+    """A value of one number as rendered (its text, the number), or None (not one number: the type table's)."""
+    if value is None or isinstance(value, bool):
+        return None
+    tokens = _tokens(value)
+    if len(tokens) != 1:
+        return None
+    try:
+        return tokens[0], float(tokens[0])
+    except ValueError:
+        return None
+
+
+def _ranged_values(process: EngineProcessLaunch, first: bool) -> Iterator[tuple[str, Any]]:
+    """The values of ``process`` of the fields of :data:`VALUE_RANGES`: its own ones; the template's too for
+    the ``first`` process of its template."""
+    template = process.template
+    for field in VALUE_RANGES:
+        if field in template.own_keys:
+            yield field, process.own[template.own_keys.index(field)]
+        elif first and field in template.values:
+            yield field, template.values[field]
+
+
+def range_problems(
+    plan: DeploymentPlan, settings: SGLangDeployConf, processes: Iterable[EngineProcessLaunch]
+) -> list[Problem]:
+    """Every value outside the range of its field (:data:`VALUE_RANGES`), once per config key."""
+    found: dict[tuple[str, str], Problem] = {}
+    templates: set[int] = set()
+    for process in processes:
+        first = id(process.template) not in templates
+        templates.add(id(process.template))
+        for field, value in _ranged_values(process, first):
+            number = _number(value)
+            problem = VALUE_RANGES[field](number[1]) if number is not None else None
+            if number is None or problem is None:
+                continue
+            key = _where(field, process, plan, settings)
+            message = f"{problem}, got {number[0]} (SGLang's --{field.replace('_', '-')})"
+            found.setdefault((key, message), Problem(key, message))
+    return list(found.values())
+
+
 def sglang_parser_problems(
     processes: Iterable[EngineProcessLaunch], settings: SGLangDeployConf
 ) -> list[Problem]:
@@ -235,12 +309,16 @@ def server_arg_value_problems(
     problems: list[Problem] = []
     if installed is None or installed == table_version:
         problems += type_table_problems(plan, settings, processes)
+    typed = {problem.key for problem in problems}  # a value the type table refused is not checked again
+    problems += [problem for problem in range_problems(plan, settings, processes) if problem.key not in typed]
     if installed is not None and not problems and (launching_real_engines or installed != table_version):
         problems += sglang_parser_problems(processes, settings)
     return problems
 
 
 __all__ = [
+    "VALUE_RANGES",
+    "range_problems",
     "server_arg_value_problems",
     "sglang_parser_problems",
     "shipped_server_arg_types",

@@ -1,21 +1,29 @@
 """Which ServerArgs fields exist: from the installed SGLang, or (where SGLang cannot be imported, as on a
 machine that only runs the stand-in) from the field list of SGLang 0.5.23 shipped with this package. The
-fallback is announced once per process, never taken silently."""
+fallback is announced once per process, never taken silently.
+
+The installed SGLang's list is kept between processes (importing SGLang takes seconds) in
+``$XDG_CACHE_HOME/miles_sglang_plugin``, read and written through the guard of every file the package keeps
+(:mod:`miles_sglang_plugin.kept_files`): a list planted by another user, behind a link, in a FIFO, too large or
+altered is ignored (with a note) and made again from SGLang."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import logging
-import os
 from dataclasses import dataclass
 from importlib import metadata, resources
-from pathlib import Path
+
+from miles_sglang_plugin import kept_files
 
 log = logging.getLogger("miles_sglang_plugin")
 
 SHIPPED_SGLANG_VERSION = "0.5.23"
+#: A kept field list larger than this is not read (SGLang 0.5.23's is about 12 KB).
+MAX_FIELDS_BYTES = 1 << 18
+#: The kept files' format, part of their names: files of an earlier format are never looked at.
+FORMAT = "kept-1"
 
 
 @dataclass(frozen=True)
@@ -32,10 +40,30 @@ def shipped_server_arg_fields() -> frozenset[str]:
     return frozenset(line.strip() for line in text.splitlines() if line.strip())
 
 
-def _cache_file(version: str, location: str) -> Path:
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "miles_sglang_plugin"
-    digest = hashlib.sha256(f"{version}\0{location}".encode()).hexdigest()[:16]
-    return base / f"sglang-{version}-{digest}-server-args-fields.txt"
+def cache_file_name(version: str, location: str) -> str:
+    """The kept file of the field list of SGLang ``version`` installed at ``location``."""
+    digest = hashlib.sha256(f"{version}\0{location}\0{FORMAT}".encode()).hexdigest()[:16]
+    return f"sglang-{version}-{digest}-server-args-fields.txt"
+
+
+def _parsed(payload: bytes) -> frozenset[str] | None:
+    """The field names of a kept list, or None when it is not one (empty, or a line that is no name)."""
+    try:
+        names = payload.decode("ascii").split()
+    except UnicodeDecodeError:
+        return None
+    return frozenset(names) if names and all(name.isidentifier() for name in names) else None
+
+
+def _cached_fields(version: str, location: str) -> frozenset[str] | None:
+    """The kept field list of this SGLang, or None (none, or refused: noted)."""
+    name = cache_file_name(version, location)
+    folder = kept_files.cache_folder()
+    payload = kept_files.load(folder, name, MAX_FIELDS_BYTES, "the ServerArgs field list")
+    fields = _parsed(payload) if payload is not None else None
+    if payload is not None and fields is None:
+        kept_files.note(f"{folder.path / name if folder else name} is no field list: ignored; made again")
+    return fields
 
 
 @functools.cache
@@ -58,24 +86,19 @@ def known_server_arg_fields() -> KnownFields:
     installed = installed_sglang()
     if installed is not None:
         version, location = installed
-        cache = _cache_file(version, location)
         source = f"SGLang {version} (installed)"
-        with contextlib.suppress(OSError):
-            cached = frozenset(cache.read_text().split())
-            if cached:
-                return KnownFields(cached, source, True)
+        cached = _cached_fields(version, location)
+        if cached is not None:
+            return KnownFields(cached, source, True)
         try:
             fields = sglang_server_args.server_args_fields()
         except sglang_server_args.SGLangUnavailableError as exc:
             log.warning("SGLang %s is installed but does not import here: %s", version, exc)
             fields = None
         if fields is not None:
-            with contextlib.suppress(OSError):
-                cache.parent.mkdir(parents=True, exist_ok=True)
-                tmp = cache.with_suffix(f".{os.getpid()}.tmp")
-                tmp.write_text("\n".join(sorted(fields)) + "\n")
-                tmp.replace(cache)
-            return KnownFields(fields, source, True)
+            payload = ("\n".join(sorted(fields)) + "\n").encode()
+            kept_files.store(kept_files.cache_folder(), cache_file_name(version, location), payload)
+            return KnownFields(frozenset(fields), source, True)
     source = f"SGLang {SHIPPED_SGLANG_VERSION} (field list shipped with miles_sglang_plugin)"
     log.warning(
         "SGLang is not importable here: ServerArgs names are checked against %s, not against the SGLang "

@@ -9,10 +9,12 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from miles_sglang_plugin.errors import DeploymentConfigError, Problem
 from miles_sglang_plugin.masking import mask_overrides
 from miles_sglang_plugin.planning.plan import DeploymentPlan
+from miles_sglang_plugin.printable import escape_controls
 from miles_sglang_plugin.serving.deployment import Deployment
 from miles_sglang_plugin.sweeps.bench import (
     BenchSettings,
@@ -86,7 +88,7 @@ def print_bench(document: dict[str, Any], console: Console) -> None:
         table.add_column(col)
     for name, m in document["models"].items():
         table.add_row(
-            name,
+            Text(escape_controls(name)),
             f"{m['succeeded']}/{m['requests']}",
             f"{m['requests_per_s']:.2f}",
             f"{m['output_tokens_per_s']:.1f}",
@@ -94,6 +96,6 @@ def print_bench(document: dict[str, Any], console: Console) -> None:
             _fmt(m["ttft_s"], "p99"),
             _fmt(m["latency_s"], "p50"),
             _fmt(m["latency_s"], "p99"),
-            "; ".join(f"{e['count']}x {e['sample']}" for e in m["errors"])[:80] or "-",
+            Text(escape_controls("; ".join(f"{e['count']}x {e['sample']}" for e in m["errors"])[:80] or "-")),
         )
     console.print(table)

@@ -22,6 +22,7 @@ from rich.table import Table
 from rich.text import Text
 
 from miles_sglang_plugin.masking import mask_overrides
+from miles_sglang_plugin.printable import escape_controls
 from miles_sglang_plugin.sweeps.bench import METRICS_FILE
 from miles_sglang_plugin.sweeps.job_files import (
     MAX_ERROR_CHARS,
@@ -381,12 +382,12 @@ def write_csv(path: Path, rows: Sequence[Row], keys: Sequence[str]) -> None:
 
 def print_table(rows: Sequence[Row], keys: Sequence[str], console: Console, title: str) -> None:
     header, cells = table_lines(rows, keys)  # as Text: a value is never read as rich markup
-    table = Table(title=Text(title), title_justify="left")
+    table = Table(title=Text(escape_controls(title)), title_justify="left")
     for name in header:
-        table.add_column(Text(name), overflow="fold")
+        table.add_column(Text(escape_controls(name)), overflow="fold")
     for row_cells, row in zip(cells, rows, strict=True):
         style = None if row.job.status == "ok" else "red"
-        table.add_row(*(Text(cell) for cell in row_cells), style=style)
+        table.add_row(*(Text(escape_controls(cell)) for cell in row_cells), style=style)
     console.print(table)
 
 

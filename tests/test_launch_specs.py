@@ -408,3 +408,26 @@ def test_a_process_line_from_encoded_parts_is_json_dumps_of_it(own: tuple[Any, A
     assert template.masked_argv_json(own) == json.dumps(template.masked_argv(own))
     assert "k" not in json.loads(template.masked_argv_json(own))
     assert template.masked_env_json("actor.regular.0", "3,4") == json.dumps(template.masked_env("e", "3,4"))
+
+
+@pytest.mark.parametrize(
+    ("setting", "pd_off", "regular_off"),
+    [
+        # not set: a PD router counts a pair's failure against both workers, so one dead engine would open
+        # every circuit of the other kind: off there; a regular router keeps it
+        ([], True, False),
+        (["sglang_deploy.router.disable_circuit_breaker=false"], False, False),
+        (["sglang_deploy.router.disable_circuit_breaker=true"], True, True),
+    ],
+)
+def test_the_circuit_breaker_is_off_for_a_pd_router_unless_set(setting, pd_off, regular_off):
+    overrides = [
+        "hf_checkpoint=/c", "debug_rollout_only=true", "sglang.actor.regular.num_gpus=0",
+        "sglang.actor.prefill.num_gpus=1", "sglang.actor.decode.num_gpus=1", "+sglang_model@sglang.ref=base",
+        "sglang.ref.regular.num_gpus=1", "sglang.ref.update_weights=false", *setting,
+    ]  # fmt: skip
+    prep = prepare_from_config(compose_config(overrides))
+    by_model = {r.model: r.spec for r in prep.launch.routers}
+    assert by_model["actor"].pd_disaggregation and not by_model["ref"].pd_disaggregation
+    assert by_model["actor"].settings.router_args_kwargs()["disable_circuit_breaker"] is pd_off
+    assert by_model["ref"].settings.router_args_kwargs()["disable_circuit_breaker"] is regular_off

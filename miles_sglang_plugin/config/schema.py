@@ -172,8 +172,11 @@ class RouterConf:
     """Failures in a row that open a worker's circuit breaker."""
     cb_timeout_duration_secs: int = 60
     """Time a worker's circuit breaker stays open, in seconds."""
-    disable_circuit_breaker: bool = False
-    """Turn the circuit breaker off."""
+    disable_circuit_breaker: bool | None = None
+    """Turn the circuit breaker off; null: off for a PD router, on for a regular one. A PD router counts a
+    failed request against both workers of its pair, so one engine that dies with requests in flight opens
+    the circuit of every worker of the other kind, and the model answers 503 for ``cb_timeout_duration_secs``
+    (slime turns it off for PD too); the deployment takes a dead engine out of its router itself."""
     log_level: str = "warn"
     """Router log level: debug, info, warn or error."""
     shutdown_grace_period_secs: int = 0

@@ -713,12 +713,15 @@ class _EngineRendering:
 
 
 def router_settings(model: ModelPlan, settings: SGLangDeployConf) -> RouterSettings:
-    """The settings of ``model``'s router: ``sglang_deploy.router`` with the gateway decided, and dp-aware
+    """The settings of ``model``'s router: ``sglang_deploy.router`` with the gateway decided, dp-aware
     routing when its engines run DP attention (Miles: ``--sglang-enable-dp-attention`` sets
-    ``router_dp_aware``), unless ``router.extra.dp_aware`` says otherwise."""
+    ``router_dp_aware``), unless ``router.extra.dp_aware`` says otherwise, and the circuit breaker, when not
+    set, off for a PD router and on for a regular one."""
     router = RouterSettings.from_mapping(asdict(settings.router)).resolved()
     if model.dp_attention and "dp_aware" not in router.extra:
         router = replace(router, extra={**router.extra, "dp_aware": True})
+    if router.disable_circuit_breaker is None:  # off for PD: a pair's failure opens both workers' circuits
+        router = replace(router, disable_circuit_breaker=model.is_pd)
     return router
 
 

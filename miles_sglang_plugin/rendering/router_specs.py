@@ -241,8 +241,9 @@ class RouterSettings:
     """Failures in a row that open a worker's circuit breaker."""
     cb_timeout_duration_secs: int = 60
     """Time a worker's circuit breaker stays open, in seconds."""
-    disable_circuit_breaker: bool = False
-    """Turn the circuit breaker off."""
+    disable_circuit_breaker: bool | None = None
+    """Turn the circuit breaker off; None: the gateway's default (a deployment decides it per router:
+    :func:`~miles_sglang_plugin.rendering.launch_specs.router_settings`)."""
     log_level: str = "warn"
     """Router log level: debug, info, warn or error."""
     shutdown_grace_period_secs: int = 0
@@ -291,6 +292,8 @@ class RouterSettings:
         out = {
             f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _NOT_ROUTER_ARGS
         }
+        if out.get("disable_circuit_breaker") is None:
+            out.pop("disable_circuit_breaker", None)  # undecided: the gateway's own default
         out.update(self.extra)
         return out
 
@@ -557,6 +560,8 @@ _SETTING_BOUNDS = {
     "retry_jitter_factor": Bounds(0.0, maximum=1.0),
 }
 _BOOL_SETTINGS = ("disable_health_check", "disable_retries", "disable_circuit_breaker")
+#: The switches that may be left undecided (null: decided per router).
+_AUTO_SETTINGS = frozenset({"disable_circuit_breaker"})
 #: The settings with a field of their own (anything else goes under ``extra``).
 _TYPED_SETTINGS = frozenset(f.name for f in dataclasses.fields(RouterSettings)) - {"extra"}
 
@@ -599,7 +604,11 @@ def _typed_setting_problems(settings: RouterSettings) -> list[str]:
         problems.append(f"log_level: {level}{hint}")
     checked = [
         *((name, bounds.problem(getattr(settings, name))) for name, bounds in _SETTING_BOUNDS.items()),
-        *((name, flag_problem(getattr(settings, name))) for name in _BOOL_SETTINGS),
+        *(
+            (name, flag_problem(getattr(settings, name)))
+            for name in _BOOL_SETTINGS
+            if not (name in _AUTO_SETTINGS and getattr(settings, name) is None)
+        ),
     ]
     return problems + [f"{name}: {problem}" for name, problem in checked if problem]
 

@@ -539,8 +539,11 @@ def _print_router_kills(row: dict[str, Any]) -> None:
         )
     print(
         f"    worst rest {row['worst_rest_s']:.2f} s (goal <= 1 s); {row['requests']} requests, failed "
-        f"{row['failed']} (in flight in the killed router), 503s {row['http_503']}; {row['failure_kinds']}"
+        f"{row['failed']} ({row['failed_not_in_killed_router']} not in flight in the killed router), 503s "
+        f"{row['http_503']}; {row['failure_kinds']}"
     )
+    for failure in row["other_failures"]:
+        print(f"    not in the killed router: {failure}")
 
 
 def _print_fan_out(rows: list[dict[str, Any]]) -> None:

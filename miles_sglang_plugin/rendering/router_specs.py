@@ -242,8 +242,10 @@ class RouterSettings:
     cb_timeout_duration_secs: int = 60
     """Time a worker's circuit breaker stays open, in seconds."""
     disable_circuit_breaker: bool | None = None
-    """Turn the circuit breaker off; None: the gateway's default (a deployment decides it per router:
-    :func:`~miles_sglang_plugin.rendering.launch_specs.router_settings`)."""
+    """Turn the circuit breaker off; null: off for a PD router, on for a regular one. A PD router counts a
+    failed request against both workers of its pair, so one engine that dies with requests in flight opens
+    the circuit of every worker of the other kind, and the model answers 503 for ``cb_timeout_duration_secs``
+    (slime turns it off for PD too); the deployment takes a dead engine out of its router itself."""
     log_level: str = "warn"
     """Router log level: debug, info, warn or error."""
     shutdown_grace_period_secs: int = 0

@@ -429,6 +429,11 @@ def _on_spawn(
     if o.ok:
         s.move(row, EngineState.STARTING, started_at=now, probed_at=None, health_failures=0)
         return
+    if phase == "starting":  # its first start, at the deployment's start-up: the start-up fails
+        exited = bool(o.details.get("exited"))
+        message = o.problem if exited else str(o.details.get("error", o.problem or ""))
+        s.end(ActionKind.STARTUP_FAILED, message or "", cause="exited" if exited else "spawn", engine=row.id)
+        return
     if o.fatal:
         if _never_served(row):
             _give_up(s, row, o.problem or "it could not be started")
@@ -626,7 +631,7 @@ def _advance_engine(
     if row.retired:
         _advance_retired(s, row, policy, now)
     elif state is EngineState.NEW:
-        _advance_new(s, row)
+        _advance_new(s, row, phase)
     elif state is EngineState.STARTING:
         _advance_starting(s, row, policy, now, phase)
     elif state is EngineState.CATCHING_UP:
@@ -688,9 +693,13 @@ def _on_drain(
 _ENGINE_OBSERVERS[ObservationKind.DRAIN] = _on_drain
 
 
-def _advance_new(s: _Scratch, row: EngineRow) -> None:
-    """An added engine is started once no other engine holds any of its GPUs (a removed one has stopped)."""
+def _advance_new(s: _Scratch, row: EngineRow, phase: str) -> None:
+    """An engine of the start-up is started at once (the plan gave each its own GPUs); one a change added, once
+    no other engine holds any of its GPUs (a removed one has stopped)."""
     if "spawn" in row.pending:
+        return
+    if phase == "starting":
+        s.start(row, ActionKind.SPAWN)
         return
     busy = {
         slot

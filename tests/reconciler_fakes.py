@@ -42,7 +42,7 @@ from miles_sglang_plugin.rendering.prepared import PreparedDeployment
 from miles_sglang_plugin.serving import elastic
 from miles_sglang_plugin.serving import reconciler as reconciler_module
 from miles_sglang_plugin.serving.events import EventLog
-from miles_sglang_plugin.serving.fleet import EngineRow, build_fleet
+from miles_sglang_plugin.serving.fleet import build_fleet
 from miles_sglang_plugin.serving.ledger import Ledger, initial_state
 from miles_sglang_plugin.serving.reconciler import Reconciler
 from miles_sglang_plugin.serving.wire import Answer

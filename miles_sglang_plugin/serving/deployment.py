@@ -66,7 +66,6 @@ from miles_sglang_plugin.serving.events import DeploymentEvent, EventLog
 from miles_sglang_plugin.serving.fleet import (
     DeploymentState,
     EngineInfo,
-    EngineRow,
     EngineState,
     Fleet,
     RouterRow,

@@ -631,7 +631,7 @@ def _advance_engine(
     if row.retired:
         _advance_retired(s, row, policy, now)
     elif state is EngineState.NEW:
-        _advance_new(s, row, phase)
+        _advance_new(s, row)
     elif state is EngineState.STARTING:
         _advance_starting(s, row, policy, now, phase)
     elif state is EngineState.CATCHING_UP:
@@ -693,13 +693,10 @@ def _on_drain(
 _ENGINE_OBSERVERS[ObservationKind.DRAIN] = _on_drain
 
 
-def _advance_new(s: _Scratch, row: EngineRow, phase: str) -> None:
-    """An engine of the start-up is started at once (the plan gave each its own GPUs); one a change added, once
-    no other engine holds any of its GPUs (a removed one has stopped)."""
+def _advance_new(s: _Scratch, row: EngineRow) -> None:
+    """A new engine (of the start-up, or one a change added) is started once no other engine holds any of its
+    GPUs (a removed one has stopped; the start-up's engines each have their own)."""
     if "spawn" in row.pending:
-        return
-    if phase == "starting":
-        s.start(row, ActionKind.SPAWN)
         return
     busy = {
         slot

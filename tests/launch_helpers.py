@@ -265,7 +265,7 @@ class LeakTracker:
 #: A launch in its own Python process: argv[1] = JSON list of overrides, argv[2] = log dir. Prints JSON
 #: lines on stdout (``ports``, ``spawned``, ``ready``) and then waits for a signal.
 LAUNCH_SCRIPT = r"""
-import json, signal, sys, time
+import json, signal, sys, threading, time
 from pathlib import Path
 
 # An interactive user's Ctrl-C: make sure SIGINT raises KeyboardInterrupt even if this process was started
@@ -285,10 +285,11 @@ def marker(argv):
     return argv[2] if len(argv) > 2 and argv[1] == "-m" else argv[0]
 
 
-_spawn = Deployment._spawn
+_start_routers = Deployment._start_routers
+_start = Deployment.start
 
 
-def spawn_and_report(self):
+def report_ports(self):
     ports = set()
     for e in self.prepared.launch.engines:
         ports.add(e.port)
@@ -297,15 +298,56 @@ def spawn_and_report(self):
     for r in self.prepared.launch.routers:
         ports |= {r.spec.port, r.spec.prometheus_port}
     emit("ports", ports=sorted(ports))
+    _start_routers(self)
+
+
+def started(self):
+    return [p for p in self.processes() if p.pid]
+
+
+def start_and_report(self):
+    # "spawned" once every router and engine process of the start-up runs (the reconcile loop starts the
+    # engines), or once start-up ended before that (then with every process it had started).
+    expected = len(self.prepared.launch.routers) + len(self.prepared.launch.engines)
+    over, lock, sent = threading.Event(), threading.Lock(), []
+
+    def send():
+        with lock:
+            if not sent:
+                sent.append(True)
+                emit("spawned", processes=[
+                    {"pid": p.pid, "name": p.name, "marker": marker(list(p.argv))} for p in started(self)
+                ])
+
+    def report():
+        while not over.is_set() and len(started(self)) < expected:
+            time.sleep(0.005)
+        if not over.is_set():
+            send()
+
+    def ended():
+        over.set()
+        reporter.join()
+        send()
+
+    reporter = threading.Thread(target=report, daemon=True)
+    reporter.start()
+    self.start_ended = ended  # an interrupted start-up stops everything, then hands the signal on: report first
     try:
-        _spawn(self)
+        _start(self)
     finally:
-        emit("spawned", processes=[
-            {"pid": p.pid, "name": p.name, "marker": marker(list(p.argv))} for p in self.processes() if p.pid
-        ])
+        ended()
 
 
-Deployment._spawn = spawn_and_report
+def abandon_and_report(self, note):
+    _abandon_start(self, note)
+    self.start_ended()
+
+
+_abandon_start = Deployment._abandon_start
+Deployment._start_routers = report_ports
+Deployment.start = start_and_report
+Deployment._abandon_start = abandon_and_report
 
 cfg = compose_config(json.loads(sys.argv[1]))
 with launch_from_config(cfg, log_dir=Path(sys.argv[2])) as launcher:

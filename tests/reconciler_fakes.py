@@ -42,7 +42,7 @@ from miles_sglang_plugin.rendering.prepared import PreparedDeployment
 from miles_sglang_plugin.serving import elastic
 from miles_sglang_plugin.serving import reconciler as reconciler_module
 from miles_sglang_plugin.serving.events import EventLog
-from miles_sglang_plugin.serving.fleet import EngineRow, build_fleet
+from miles_sglang_plugin.serving.fleet import build_fleet
 from miles_sglang_plugin.serving.ledger import Ledger, initial_state
 from miles_sglang_plugin.serving.reconciler import Reconciler
 from miles_sglang_plugin.serving.wire import Answer
@@ -472,7 +472,7 @@ class Harness:
         ]
         self.routers = {r.url: FakeRouter(r.name, r.url, self.trace, self.backend) for r in router_rows}
         self.pool = FakePool(self.trace, self.backend, self.routers)
-        self.fleet = build_fleet(self.prepared, router_rows)
+        self.fleet = build_fleet(self.prepared, router_rows, to_start=True)
         self.ledger = Ledger({row.id: initial_state(row.initial_lora) for row in self.fleet.engines()})
         self.events = ClockedEvents(self.clock)
         self.exits = FakeExitWatcher()
@@ -541,21 +541,12 @@ class Harness:
 
     # -- running
     def start(self) -> None:
-        """What ``Deployment._spawn`` and ``_await_startup`` do: routers and engine processes started, their
-        exits watched, the reconcile loop running."""
+        """What ``Deployment._start_routers`` and ``_await_startup`` do: the routers started and their exits
+        watched, the reconcile loop running (it starts the engines)."""
         for router in self.fleet.routers():
             router.process.start()
             self.reconciler.watch_router(router.model, 0, router.process)
-        for row in self.fleet.engines():
-            self.spawn(row)
         self.task = self.loop.create_task(self.reconciler.run(self.settings.launch.startup_timeout_s))
-
-    def spawn(self, row: EngineRow) -> None:
-        for launch in row.launches:
-            process = self.backend.start(launch, log_path=self.log_dir / f"{launch.name}.log")
-            self.fleet.update(row.id, processes=(*self.fleet.engine(row.id).processes, process))
-            self.fleet.update(row.id, started_at=process.started_at)
-            self.reconciler.watch_engine(row.id, 0, process)
 
     def run_until(self, done: Callable[[], bool], *, within: float, step: float = 0.01) -> float:
         """Run the loop until ``done()`` (looked at every ``step`` virtual seconds); the virtual time then. Fails

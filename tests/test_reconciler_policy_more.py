@@ -1747,3 +1747,48 @@ def test_a_router_started_again_without_workers_has_none_of_its_engines() -> Non
         RU(pending=pending("probe")),
         RW("probe"),
     ]
+
+
+# ------------------------------------------------------------------------------- the start-up's engines
+def test_the_start_ups_engines_are_started_by_the_loop_all_in_its_first_pass() -> None:
+    """At start-up the engines are new and the first decision starts every one (the plan gave each its own
+    GPUs); the external engine is only polled."""
+    a = engine("a", state=S.NEW, registered=False, slots=(0,))
+    b = engine("b", state=S.NEW, registered=False, slots=(1, 2), gpus="1,2")
+    x = engine(
+        "x", state=S.STARTING, external=True, registered=False, probed_at=0.0, pending=pending("probe")
+    )
+    fleet, ledger = world(a, b, x, routers=[busy_router()])
+    assert decide(fleet, ledger, now=0.0, phase="starting", deadline=600.0) == [
+        U("a", pending=pending("spawn")),
+        W("spawn", "a"),
+        U("b", pending=pending("spawn")),
+        W("spawn", "b"),
+    ]
+    assert decide(fleet, ledger, [done("spawn", "a", 0)], now=0.25, phase="starting", deadline=600.0) == [
+        U("a", pending=NONE),
+        T("a", S.STARTING, started_at=0.25, probed_at=None, health_failures=0),
+        U("a", probed_at=0.25),
+        U("a", pending=pending("probe")),
+        W("probe", "a", path="/health_generate", timeout_s=2.0),
+    ]
+
+
+def test_a_start_up_engine_that_cannot_be_started_ends_the_start_up_with_its_error() -> None:
+    fleet, ledger = world(engine("a", state=S.NEW, registered=False, pending=pending("spawn")))
+    error = "[Errno 2] No such file or directory: 'python9'"
+    failed = done("spawn", "a", 0, f"it could not be started: {error}", details={"error": error})
+    assert decide(fleet, ledger, [failed], now=0.5, phase="starting", deadline=600.0) == [
+        U("a", pending=NONE),
+        END("startup_failed", error, cause="spawn", engine="a"),
+    ]
+
+
+def test_a_start_up_engine_that_exits_at_once_ends_the_start_up_as_an_exit() -> None:
+    """Its process exited before the loop took the spawn in: the report is the exit's (code, log tail)."""
+    fleet, ledger = world(engine("a", state=S.NEW, registered=False, pending=pending("spawn")))
+    gone = done("spawn", "a", 0, "process a exited at once with code 3", details={"exited": True})
+    assert decide(fleet, ledger, [gone], now=0.5, phase="starting", deadline=600.0) == [
+        U("a", pending=NONE),
+        END("startup_failed", "process a exited at once with code 3", cause="exited", engine="a"),
+    ]

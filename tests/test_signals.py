@@ -301,9 +301,9 @@ def test_signal_inside_loggings_fork_hook_while_spawning(
     finally:
         run.close()
     spawned = [event for event in run.events() if event["event"] == "spawned"]
-    assert len(spawned) == 1 and len(spawned[0]["processes"]) == fork, (
-        run.stderr()
-    )  # stopped at the next check
+    # The signal came with fork ``fork``; the engines are started by the reconcile loop's spawns, which may
+    # start the next one before the main thread has taken the signal in (all three were started by then).
+    assert len(spawned) == 1 and fork <= len(spawned[0]["processes"]) <= 3, run.stderr()
     assert not any(event["event"] == "ready" for event in run.events())
     err = run.stderr()
     assert f"start-up interrupted by {sig.name}: every engine and router was stopped" in err, err
@@ -335,16 +335,16 @@ TRIALS_SCRIPT = textwrap.dedent(
     overrides, log_dir, trials = json.loads(sys.argv[1]), Path(sys.argv[2]), json.loads(sys.argv[3])
     cfg = compose_config(overrides)
     current = {}
-    _spawn = Deployment._spawn
+    _start_routers = Deployment._start_routers
 
 
-    def spawn(self):
+    def spawn(self):  # start-up's processes begin: the routers, then the engines (by the reconcile loop)
         current["deployment"] = self
         current["spawn_started"].set()
-        _spawn(self)
+        _start_routers(self)
 
 
-    Deployment._spawn = spawn
+    Deployment._start_routers = spawn
 
 
     def alive(pid):

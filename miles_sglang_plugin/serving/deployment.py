@@ -66,7 +66,6 @@ from miles_sglang_plugin.serving.events import DeploymentEvent, EventLog
 from miles_sglang_plugin.serving.fleet import (
     DeploymentState,
     EngineInfo,
-    EngineRow,
     EngineState,
     Fleet,
     RouterRow,
@@ -150,7 +149,7 @@ class Deployment:
         self.status = status or StatusView(mode=self.settings.launch.live)
         self.install_signal_handlers = install_signal_handlers
         self.notes = backend.check(prepared)
-        self.fleet: Fleet = build_fleet(prepared, self._router_rows())
+        self.fleet: Fleet = build_fleet(prepared, self._router_rows(), to_start=True)
         self.ledger = Ledger({row.id: initial_state(row.initial_lora) for row in self.fleet.engines()})
         self.event_log = EventLog()
         self.serving_loop = ServingLoop()
@@ -348,7 +347,7 @@ class Deployment:
         for note in self.notes:
             self.status.note(note)
         try:
-            self._spawn()
+            self._start_routers()
             self._await_startup()
         except signals.Interrupted as exc:
             self._abandon_start(f"start-up interrupted by {exc}")
@@ -400,7 +399,8 @@ class Deployment:
             watch.wait(1.0)
         watch.check()
 
-    def _spawn(self) -> None:
+    def _start_routers(self) -> None:
+        """The serving loop and the routers started (the loop starts the engines: :meth:`_await_startup`)."""
         self.serving_loop.start()
         for router in self.fleet.routers():
             self.status.track(router.name, "router", router.url)
@@ -417,28 +417,7 @@ class Deployment:
                     f"router {router.name} could not be started: {exc}\n  command: {router.process.display_command}"
                 ) from exc
             self.reconciler.watch_router(router.model, 0, router.process)
-        for row in self.fleet.engines():
-            self._spawn_engine(row)
         self._check_signal()
-
-    def _spawn_engine(self, row: EngineRow) -> None:
-        for launch in row.launches:
-            self._check_signal()
-            future = self._spawner.submit(
-                self.backend.start, launch, log_path=self.log_dir / f"{launch.name}.log"
-            )
-            try:  # not interrupted: the process is tracked before the next look at the signals
-                process = future.result()
-            except (
-                OSError
-            ) as exc:  # e.g. the command does not exist: a LaunchError like any other failed start
-                self.status.update(row.id, "failed")
-                raise LaunchError(
-                    f"engine {launch.name} could not be started: {exc}\n  command: {launch.display_command()}"
-                ) from exc
-            self.fleet.update(row.id, processes=(*self.fleet.engine(row.id).processes, process))
-            self.fleet.update(row.id, started_at=process.started_at)
-            self.reconciler.watch_engine(row.id, 0, process)
 
     def _await_startup(self) -> None:
         timeout_s = self.settings.launch.startup_timeout_s

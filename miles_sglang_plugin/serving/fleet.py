@@ -541,9 +541,10 @@ def _external_row(model: ModelPlan, engine: ExternalEnginePlan) -> EngineRow:
     )
 
 
-def engine_rows(prepared: PreparedDeployment) -> list[EngineRow]:
+def engine_rows(prepared: PreparedDeployment, *, to_start: bool = False) -> list[EngineRow]:
     """Every engine of ``prepared`` in deployment order (per model: its groups' engines, then its external
-    engines), with its launches and the plan's decisions."""
+    engines), with its launches and the plan's decisions. ``to_start``: the engines this process starts are
+    ``new`` (the reconcile loop starts them; external ones are ``starting``: they are only polled)."""
     rows: list[EngineRow] = []
     for model in prepared.plan.models:
         for group in model.groups:
@@ -555,8 +556,13 @@ def engine_rows(prepared: PreparedDeployment) -> list[EngineRow]:
     for row in rows:
         row.registration = _registration(prepared, row.model, row.url, row.registration)
         row.slots = slots.get(row.id, ())
+        if to_start and not row.external:
+            row.state = EngineState.NEW
     return rows
 
 
-def build_fleet(prepared: PreparedDeployment, routers: Sequence[RouterRow] = ()) -> Fleet:
-    return Fleet(engine_rows(prepared), routers)
+def build_fleet(
+    prepared: PreparedDeployment, routers: Sequence[RouterRow] = (), *, to_start: bool = False
+) -> Fleet:
+    """The fleet of ``prepared``; ``to_start``: as a deployment's start-up begins (:func:`engine_rows`)."""
+    return Fleet(engine_rows(prepared, to_start=to_start), routers)

@@ -429,6 +429,11 @@ def _on_spawn(
     if o.ok:
         s.move(row, EngineState.STARTING, started_at=now, probed_at=None, health_failures=0)
         return
+    if phase == "starting":  # its first start, at the deployment's start-up: the start-up fails
+        exited = bool(o.details.get("exited"))
+        message = o.problem if exited else str(o.details.get("error", o.problem or ""))
+        s.end(ActionKind.STARTUP_FAILED, message or "", cause="exited" if exited else "spawn", engine=row.id)
+        return
     if o.fatal:
         if _never_served(row):
             _give_up(s, row, o.problem or "it could not be started")
@@ -689,7 +694,8 @@ _ENGINE_OBSERVERS[ObservationKind.DRAIN] = _on_drain
 
 
 def _advance_new(s: _Scratch, row: EngineRow) -> None:
-    """An added engine is started once no other engine holds any of its GPUs (a removed one has stopped)."""
+    """A new engine (of the start-up, or one a change added) is started once no other engine holds any of its
+    GPUs (a removed one has stopped; the start-up's engines each have their own)."""
     if "spawn" in row.pending:
         return
     busy = {

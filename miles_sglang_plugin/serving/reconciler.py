@@ -157,7 +157,7 @@ class ServingLoop:
 
 @dataclass(frozen=True)
 class StartupFailure:
-    """Why start-up failed: ``cause`` (exited, router_exited, timeout, register, learn, replay) and what."""
+    """Why start-up failed: ``cause`` (exited, spawn, router_exited, timeout, register, learn, replay) and what."""
 
     cause: str
     message: str = ""
@@ -452,20 +452,31 @@ class Reconciler:
         self.fleet.update(row.id, processes=(), started_at=self.clock())
         started: list[EngineProcess] = []
         try:
-            problem = await asyncio.wrap_future(
+            error = await asyncio.wrap_future(
                 self._spawner.submit(self._start_processes, row, generation, started)
             )
         except RuntimeError as exc:  # the spawner was shut down: the deployment stops
-            problem = f"it could not be started: {exc}"
+            error = str(exc)
         if row.id in self.fleet:  # recorded here, on the loop: the spawner thread writes no row
             self.fleet.update(row.id, processes=tuple(started))
         with self._starting_lock:
             for process in started:
                 self._starting.remove(process)
         gone = [p for p in started if p.exit_code() is not None]
-        if problem is None and gone:  # exited before it was watched as started: a failed start, not a hang
+        if error is not None:
+            observed = done(
+                ObservationKind.SPAWN,
+                row.id,
+                generation,
+                f"it could not be started: {error}",
+                details={"error": error},
+            )
+        elif gone:  # exited before it was watched as started: a failed start, not a hang
             problem = f"process {gone[0].name} exited at once with code {gone[0].exit_code()}"
-        self.observe(done(ObservationKind.SPAWN, row.id, generation, problem))
+            observed = done(ObservationKind.SPAWN, row.id, generation, problem, details={"exited": True})
+        else:
+            observed = done(ObservationKind.SPAWN, row.id, generation)
+        self.observe(observed)
 
     def _restart_blocker(self, row: EngineRow) -> str | None:
         """Why the backend cannot start ``row`` again where the plan put it (its node is gone), or None."""
@@ -521,14 +532,15 @@ class Reconciler:
         """On the spawner thread: start ``row``'s processes, each one watched and in :meth:`starting_processes`
         as soon as it runs, so that the teardown finds it whatever happens next (the loop puts them in the row
         once this returns; the spawner thread writes no row); one that fails leaves those before it to be
-        stopped with the engine. The problem, or None."""
+        stopped with the engine (``started`` holds them: the failed launch is the next of ``row.launches``).
+        Why a process could not be started, or None."""
         for launch in row.launches:
             if self.phase not in ("starting", "serving"):
                 return "the deployment is stopping"
             try:
                 process = self.backend.start(launch, log_path=self.log_dir / f"{launch.name}.log")
             except (OSError, LaunchError) as exc:
-                return f"it could not be started: {exc}"
+                return str(exc)
             with self._starting_lock:
                 self._starting.append(process)
             started.append(process)

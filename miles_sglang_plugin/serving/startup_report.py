@@ -1,6 +1,7 @@
 """What a failed start-up says: one message naming what failed and why, from what the fleet holds of it (the
-exit of an engine or router with where it ran, its command, exit code and log tail; the deadline, with what each
-engine and router was doing then; or the reconcile loop's own words)."""
+exit of an engine or router with where it ran, its command, exit code and log tail; a process that could not be
+started, with its command; the deadline, with what each engine and router was doing then; or the reconcile loop's
+own words)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ def startup_message(
     router's exit, the deadline (what each engine and router was doing), or what the reconcile loop said."""
     if failure.cause == "exited" and failure.engine is not None:
         return _engine_exit_message(fleet.engine(failure.engine), status) or failure.message
+    if failure.cause == "spawn" and failure.engine is not None:
+        return _spawn_message(fleet.engine(failure.engine), failure.message, status)
     if failure.cause == "router_exited" and failure.router is not None:
         router = fleet.router(failure.router)
         if router is not None:
@@ -48,6 +51,14 @@ def _engine_exit_message(row: EngineRow, status: StatusView) -> str | None:
                 reason=process.exit_reason(),
             )
     return None
+
+
+def _spawn_message(row: EngineRow, error: str, status: StatusView) -> str:
+    """A process of ``row`` could not be started (the command does not exist, no room on its node): the
+    processes started before it are in the row, so it is the next of its launches."""
+    status.update(row.id, "failed")
+    launch = row.launches[min(len(row.processes), len(row.launches) - 1)]
+    return f"engine {launch.name} could not be started: {error}\n  command: {launch.display_command()}"
 
 
 def _timeout_message(fleet: Fleet, settings: SGLangDeployConf) -> str:

@@ -344,7 +344,9 @@ def chaos_soak(
             driver.join(timeout=600)
         events = [e.kind for e in d.events()]
         pids = [p.pid for p in d.processes()]
-    left = [pid for pid in pids if _alive(pid)]
+    states = [_state(pid) for pid in pids]
+    left = [state for state in states if state not in (None, "Z", "X")]
+    unreaped = [state for state in states if state == "Z"]
     router_kills = [t for t, what, _how in faults if what == "router"]
     failed = [r for r in log if r.outcome != "200"]
     in_router = [r for r in failed if any(_in_killed_router(r, t) for t in router_kills)]
@@ -367,17 +369,18 @@ def chaos_soak(
         "state_mismatches": driven["mismatches"],
         "driver_errors": driven["errors"][:5],
         "processes_left": len(left),
+        "processes_unreaped": len(unreaped),
     }
 
 
-def _alive(pid: int | None) -> bool:
+def _state(pid: int | None) -> str | None:
+    """The process's state letter (``R``, ``S``, ``Z`` for exited but not reaped, ...), None once it is gone."""
     if pid is None:
-        return False
+        return None
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 def _drive(d: Deployment, stop: float, record: dict[str, Any]) -> None:
@@ -533,7 +536,8 @@ def _print_chaos(row: dict[str, Any]) -> None:
         f"refused while the router was down (tried again)"
     )
     print(
-        f"    failures: {row['failure_kinds']}; events: {row['events']}; processes left {row['processes_left']}"
+        f"    failures: {row['failure_kinds']}; events: {row['events']}; processes left {row['processes_left']} "
+        f"(exited, not reaped: {row['processes_unreaped']})"
     )
     if row["applies"]:
         print(

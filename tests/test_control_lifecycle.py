@@ -363,8 +363,7 @@ def test_a_flush_is_asked_again_while_a_request_runs_and_gives_up_at_its_deadlin
 def _flush_while_running(deployment: Deployment, url: str) -> None:
     served, received = _served_and_received(url, "/flush_cache")
     thread, out = _generate_in_background(url, 60)
-    while not _running_line(url).endswith(" 1"):
-        time.sleep(0.02)
+    wait_until(lambda: _running_line(url).endswith(" 1"), 60, "the request runs on the engine")
     refused = httpx.post(url + "/flush_cache", timeout=10)
     assert (refused.status_code, refused.text) == (400, "Flush cache failed.\n")
     flushed = deployment.control.flush_cache()
@@ -377,8 +376,7 @@ def _flush_while_running(deployment: Deployment, url: str) -> None:
 
     # still running when a 0.5 s deadline passes
     thread, out = _generate_in_background(url, 60)
-    while not _running_line(url).endswith(" 1"):
-        time.sleep(0.02)
+    wait_until(lambda: _running_line(url).endswith(" 1"), 60, "the request runs on the engine")
     gave_up = deployment.control.flush_cache(timeout_s=0.5, check=False)
     (reply,) = gave_up.replies
     assert not gave_up.ok and (reply.engine, reply.status) == ("actor.regular.0", 400)

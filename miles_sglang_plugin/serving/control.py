@@ -91,14 +91,12 @@ async def _ask_while_busy(
     answer = await pool.call(url, spec.method, route, body=payload, deadline_s=ends - time.monotonic())
     tries, pause = 1, BUSY_FIRST_PAUSE_S
     while spec.busy_status is not None and answer.status == spec.busy_status:
-        if ends - time.monotonic() > pause:
-            await asyncio.sleep(pause)
-        left = ends - time.monotonic()
-        if left <= pause / 2:  # no time left for another answer
+        if ends - time.monotonic() <= pause:  # no time for another answer after the pause
             problem = f"still busy after {tries} tries in {deadline_s:g} s: {answer.problem()}"
             return dataclasses.replace(answer, error=problem)
+        await asyncio.sleep(pause)
         pause, tries = min(pause * 2, BUSY_MAX_PAUSE_S), tries + 1
-        answer = await pool.call(url, spec.method, route, body=payload, deadline_s=left)
+        answer = await pool.call(url, spec.method, route, body=payload, deadline_s=ends - time.monotonic())
     return answer
 
 

@@ -46,10 +46,10 @@ empty body; ``/health_generate`` 503 while generation is paused or, with the mem
 SGLang's never answers then, and says 503 after 20 s; the stand-in does not wait), ``/ready`` (503 while
 paused), ``/server_info``, ``/get_server_info``, ``/model_info``, ``/get_model_info``, ``POST /generate``
 (optionally SSE; input logprobs only from ``logprob_start_len`` on, as SGLang: none by default),
-``POST /v1/chat/completions``, ``POST /v1/completions``, ``/v1/models``, ``/flush_cache`` (its text answer; 400 while a generation request runs),
-``/metrics`` (served whether or not ``--enable-metrics`` is given), the control routes with their state
-(:mod:`miles_sglang_plugin.standin.control`: memory release/resume, weight updates and version, pause/continue,
-abort, LoRA adapters; bodies checked against SGLang's request classes), Miles' weight-update bracket (no-ops),
+``POST /v1/chat/completions``, ``POST /v1/completions``, ``/v1/models``, ``/flush_cache`` (its text answer;
+400 while a generation request runs), ``/metrics`` (served whether or not ``--enable-metrics`` is given), the
+control routes with their state (:mod:`miles_sglang_plugin.standin.control`: memory release/resume, weight
+updates and version, pause/continue, abort, LoRA adapters; bodies checked against SGLang's request classes), Miles' weight-update bracket (no-ops),
 and ``/stand_in/stats`` (request counters, the last PD bootstrap fields seen, the control state and the
 control calls received). Any other path is 404 ``{"detail": "Not Found"}`` (FastAPI's): SGLang 0.5.23 serves
 no ``/liveness``, ``/readiness``, ``/get_load`` or ``/get_weight_version``. Not emulated: how long SGLang

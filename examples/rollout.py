@@ -1,6 +1,10 @@
 """One rollout step shaped like the custom rollout function of the Miles/slime guides: generate with the
 actor (with logprobs), score prompt + response with the frozen reference model, and ask the reward model
-through its OpenAI-style chat endpoint. Each model is reached through its own router, by name."""
+through its OpenAI-style chat endpoint. Each model is reached through its own router, by name.
+
+The actor's generations go through the deployment's rollout client (``deployment.async_client("actor")``): an
+engine or the router lost in the middle of a generation costs no token, and each sample says which weight
+version made it."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from typing import Any
 import httpx
 
 from miles_sglang_plugin.serving.registry import RouterRegistry
+from miles_sglang_plugin.serving.rollout import AsyncRolloutClient
 
 
 @dataclass
@@ -64,21 +69,22 @@ def _sum_logprobs(entries: list[list[Any]]) -> float:
 
 
 async def generate_with_models(
-    client: httpx.AsyncClient, registry: RouterRegistry, prompt: str, sampling_params: dict[str, Any]
+    client: httpx.AsyncClient,
+    registry: RouterRegistry,
+    prompt: str,
+    sampling_params: dict[str, Any],
+    actor_client: AsyncRolloutClient,
 ) -> SampleResult:
     """``client`` carries the deployment's auth headers (``deployment.auth_headers()``)."""
     session = uuid.uuid4().hex  # routing key: a session sticks to one engine under consistent_hashing
-    actor = await _post(
-        client,
-        registry.get_model_url("actor", "/generate"),
-        {"text": prompt, "sampling_params": sampling_params, "return_logprob": True},
-        registry.routing_headers("actor", session),
-    )
-    out_lp = actor["meta_info"]["output_token_logprobs"]
-    stand_in = actor["meta_info"].get("stand_in") or {}
+    actor = await actor_client.generate(text=prompt, sampling_params=sampling_params, return_logprob=True)
+    out_lp = [list(entry) for entry in actor.output_token_logprobs or ()]
+    stand_in = (actor.meta_info or {}).get("stand_in") or {}
     served_by = (
         f"{stand_in.get('disaggregation_mode', '?')}@{stand_in.get('port', '?')}" if stand_in else "sglang"
     )
+    if len(actor.attempts) > 1:
+        served_by += f" ({len(actor.attempts)} tries)"
 
     ref_lp = None
     if "ref" in registry:
@@ -86,7 +92,7 @@ async def generate_with_models(
             client,
             registry.get_model_url("ref", "/generate"),
             {
-                "text": prompt + actor["text"],
+                "text": prompt + actor.text,
                 "sampling_params": {"max_new_tokens": 0, "temperature": 0},
                 "return_logprob": True,
                 "logprob_start_len": 0,
@@ -103,7 +109,7 @@ async def generate_with_models(
             registry.get_model_url("reward", "/v1/chat/completions"),
             {
                 "model": await _served_model(client, registry, "reward"),
-                "messages": [{"role": "user", "content": f"Rate from 0 to 10:\n{prompt}{actor['text']}"}],
+                "messages": [{"role": "user", "content": f"Rate from 0 to 10:\n{prompt}{actor.text}"}],
                 "max_tokens": 8,
             },
             registry.routing_headers("reward", session),
@@ -114,14 +120,14 @@ async def generate_with_models(
 
     return SampleResult(
         prompt=prompt,
-        response=actor["text"],
+        response=actor.text,
         response_tokens=len(out_lp),
         actor_logprob=_sum_logprobs(out_lp),
         ref_logprob=ref_lp,
         reward_reply=reward_reply,
         reward=reward,
         served_by=served_by,
-        weight_version=actor["meta_info"].get("weight_version"),
+        weight_version=actor.weight_version,
     )
 
 
@@ -131,10 +137,14 @@ async def rollout_step(
     sampling_params: dict[str, Any],
     headers: dict[str, str] | None = None,
     timeout_s: float = 600.0,
+    actor: AsyncRolloutClient | None = None,
 ) -> list[SampleResult]:
-    async with httpx.AsyncClient(timeout=timeout_s, headers=headers or {}) as client:
+    """``actor``: the deployment's rollout client of the actor (``deployment.async_client("actor")``, made for
+    this event loop); without it, a client that reaches the actor through its router only."""
+    actor_client = actor or AsyncRolloutClient(registry, "actor", headers=headers, deadline_s=timeout_s)
+    async with actor_client, httpx.AsyncClient(timeout=timeout_s, headers=headers or {}) as client:
         return list(
             await asyncio.gather(
-                *(generate_with_models(client, registry, p, sampling_params) for p in prompts)
+                *(generate_with_models(client, registry, p, sampling_params, actor_client) for p in prompts)
             )
         )

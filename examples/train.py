@@ -236,6 +236,7 @@ def main(cfg: DictConfig) -> None:
                     list(cfg.prompts),
                     {"max_new_tokens": cfg.max_new_tokens},
                     headers=deployment.auth_headers(),
+                    actor=deployment.async_client("actor"),
                 )
             )
             console.print(f"rollout {step}: {len(results)} samples")

@@ -7,6 +7,7 @@ free local ports; every process is started in its own session and its group is k
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -27,6 +28,7 @@ from miles_sglang_plugin.standin.engine import (
     RequestError,
     fake_generate,
     serves_on,
+    token_id,
 )
 from miles_sglang_plugin.standin.flags import (
     StandInFlagError,
@@ -705,3 +707,55 @@ def test_pd_pair_with_real_router(spawn: Callable[..., Proc]) -> None:
     assert meta["bootstrap_host"] == HOST and meta["bootstrap_port"] == 9001
     prefill_boot = httpx.get(prefill.url + "/stand_in/stats").json()["last_bootstrap"]
     assert prefill_boot["bootstrap_room"] == meta["bootstrap_room"]
+
+
+def test_greedy_tokens_depend_on_the_weights_and_a_tokenizer_gives_the_generate_ids(
+    spawn: Callable[..., Proc],
+) -> None:
+    """Two engines of one model make the same greedy tokens (a resubmitted request may go to either); with
+    another weight version they make others; sampling still differs by engine (its seed and port)."""
+    one, two = start_standin(spawn), start_standin(spawn)
+    wait_http(one)
+    wait_http(two)
+
+    def ids(engine: Proc, **sampling: Any) -> list[int]:
+        body = {"text": "a b c", "sampling_params": {"max_new_tokens": 6, **sampling}}
+        return httpx.post(engine.url + "/generate", json=body, timeout=10).json()["output_ids"]
+
+    assert ids(one, temperature=0) == ids(two, temperature=0) and ids(one) != ids(two)
+    httpx.post(two.url + "/update_weight_version", json={"new_version": "5"}, timeout=10).raise_for_status()
+    assert ids(one, temperature=0) != ids(two, temperature=0)
+    tokens = httpx.post(one.url + "/tokenize", json={"prompt": "a b c"}, timeout=10).json()
+    assert tokens == {
+        "tokens": [token_id("a"), token_id("b"), token_id("c")],
+        "count": 3,
+        "max_model_len": 65536,
+    }
+    same = httpx.post(
+        one.url + "/generate",
+        json={"input_ids": tokens["tokens"], "sampling_params": {"max_new_tokens": 6, "temperature": 0}},
+        timeout=10,
+    )
+    assert same.json()["output_ids"] == ids(one, temperature=0)
+
+
+def test_an_abort_of_all_requests_ends_a_running_stream_with_its_tokens(spawn: Callable[..., Proc]) -> None:
+    """As SGLang's: the stream's last event has the tokens made so far and the abort finish reason."""
+    engine = start_standin(spawn, env={"MSP_STANDIN_SPEED": '{"decode_step_s": 0.05, "decode_token_s": 0}'})
+    wait_http(engine)
+    body = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 400}, "stream": True}
+    events = []
+    with httpx.stream("POST", engine.url + "/generate", json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                events.append(json.loads(line[6:]))
+                if len(events) == 3:
+                    httpx.post(engine.url + "/abort_request", json={"abort_all": True}, timeout=10)
+    last = events[-1]
+    assert last["meta_info"]["finish_reason"] == {
+        "type": "abort",
+        "message": "Aborted",
+        "status_code": None,
+        "err_type": None,
+    }
+    assert 3 <= len(last["output_ids"]) < 400 and last["output_ids"] == events[-2]["output_ids"]

@@ -45,6 +45,7 @@ from miles_sglang_plugin.serving.results import (
     WeightUpdateGroup,
     WeightUpdateRank,
 )
+from miles_sglang_plugin.serving.rollout import ClientSet
 from miles_sglang_plugin.serving.wire import Answer, ClientPool
 
 __all__ = ["AsyncDeploymentControl", "BackgroundControl", "DeploymentControl"]
@@ -785,7 +786,11 @@ class AsyncDeploymentControl:
         timeout_s: float | None = None,
         check: bool = True,
     ) -> OperationResult:
-        """``/abort_request`` with ``abort_all`` on every engine."""
+        """``/abort_request`` with ``abort_all`` on every engine. The deployment's rollout clients first end
+        their running requests with the tokens they have (an abort from the trainer is not a loss to heal)."""
+        clients = getattr(self._serving, "rollout_clients", None)
+        if isinstance(clients, ClientSet) and group is None:
+            clients.abort_all(model)
         return await self._run(
             "abort_all", {"abort_all": True}, None, model=model, group=group, timeout_s=timeout_s, check=check
         )

@@ -38,10 +38,12 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import math
 import signal
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Protocol
@@ -77,6 +79,7 @@ from miles_sglang_plugin.serving.ledger import Ledger, initial_state
 from miles_sglang_plugin.serving.policy import ObservationKind, router_done
 from miles_sglang_plugin.serving.reconciler import Reconciler, ServingLoop
 from miles_sglang_plugin.serving.registry import ModelRoute, RouterRegistry
+from miles_sglang_plugin.serving.rollout import AsyncRolloutClient, ClientSet, RolloutClient, Worker
 from miles_sglang_plugin.serving.startup_report import startup_message
 from miles_sglang_plugin.serving.wire import ClientPool
 
@@ -136,9 +139,8 @@ class Deployment:
         self.prepared = prepared
         #: Where a change's config is resolved (``apply(config)``, ``resize``): the app's, when it launched it.
         self.source = source
-        #: One apply at a time (held while it waits for its change); the render lock only while a plan is
-        #: rendered and handed over, so that an engine placed again meanwhile (``_place_again``) waits for no
-        #: change to converge.
+        #: One apply at a time (held while it waits for its change); the render lock only while a plan is rendered
+        #: and handed over, so that an engine placed again meanwhile (``_place_again``) waits for no change.
         self._apply_lock = threading.Lock()
         self._render_lock = threading.Lock()
         #: Engine processes and routers a change removed (stopped), still reported by :meth:`processes`.
@@ -174,6 +176,7 @@ class Deployment:
         )
         self.reconciler.on_change_done = self._change_done
         self._control = DeploymentControl(AsyncDeploymentControl(self))
+        self.rollout_clients = ClientSet()  # made by client(): the trainer's abort_all ends their requests
         self._started = False
         self._stopping = False
         self._stopped = False
@@ -196,8 +199,40 @@ class Deployment:
         )
 
     def engines(self) -> tuple[EngineInfo, ...]:
-        """Every engine, in deployment order, with its URL, node, GPUs and state."""
-        return self.fleet.engine_infos()
+        """Every engine, in deployment order, with its URL, node, GPUs, state and weight version."""
+        return tuple(
+            replace(info, weight_version=self._weight_version(info.id)) for info in self.fleet.engine_infos()
+        )
+
+    def _weight_version(self, engine: str) -> str | None:
+        try:
+            accepted = self.ledger.has(engine).weight_version
+        except KeyError:
+            return None
+        if accepted is not None:
+            return accepted
+        try:
+            lead = self.fleet.engine(engine).lead
+        except KeyError:
+            return None
+        return None if lead is None else str(lead.server_args.get("weight_version") or "default")
+
+    def client(self, model: str, **settings: Any) -> RolloutClient:
+        """A rollout client of ``model`` (blocking calls; see :mod:`miles_sglang_plugin.serving.rollout`): it
+        knows the engines and their weight versions, and carries the API key. Close it when done."""
+        client = RolloutClient(
+            self.registry, model, workers=_FleetWorkers(self), headers=self.auth_headers(), **settings
+        )
+        self.rollout_clients.add(client.aio)
+        return client
+
+    def async_client(self, model: str, **settings: Any) -> AsyncRolloutClient:
+        """The same client for the caller's event loop (``async with deployment.async_client(model) as c``)."""
+        client = AsyncRolloutClient(
+            self.registry, model, workers=_FleetWorkers(self), headers=self.auth_headers(), **settings
+        )
+        self.rollout_clients.add(client)
+        return client
 
     def processes(self) -> list[EngineProcess | ManagedProcess]:
         """Every process started: engine processes (all nodes; those a change removed too), then routers."""
@@ -741,6 +776,30 @@ class Deployment:
                     self.fleet.transition_router(router.model, RouterState.STOPPED)
             self.event_log.close()
             self._stopped_event.set()
+
+
+class _FleetWorkers:
+    """The engines of a model for a rollout client: the deployment's view, read again at most every 0.1 s."""
+
+    REFRESH_S = 0.1
+
+    def __init__(self, deployment: Deployment) -> None:
+        self._deployment = deployment
+        self._lock = threading.Lock()
+        self._read_at = -math.inf
+        self._engines: tuple[EngineInfo, ...] = ()
+
+    def workers(self, model: str) -> list[Worker]:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._read_at >= self.REFRESH_S:
+                self._engines, self._read_at = self._deployment.engines(), now
+            engines = self._engines
+        return [
+            Worker(e.url, e.model, e.worker_type, e.weight_version, e.state, e.id, e.group)
+            for e in engines
+            if e.model == model
+        ]
 
 
 def _at(when: str) -> str:

@@ -188,6 +188,10 @@ class EngineInfo:
     update_weights: bool = False
     #: Serves LoRA adapters (``--enable-lora``).
     serves_lora: bool = False
+    #: The weight version it has as far as the deployment knows: its command line's (``default`` unless
+    #: ``weight_version`` is set), then what the weight updates it accepted set; None for an external engine
+    #: that took none.
+    weight_version: str | None = None
 
 
 @dataclass(frozen=True)

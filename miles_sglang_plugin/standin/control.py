@@ -25,8 +25,9 @@ SGLang's own server answers them (held to it by ``tests/test_engine_contract.py`
 * ``/pause_generation`` (``abort``, ``retract``, ``in_place``) and ``/continue_generation``: generation requests
   that arrive while paused wait for ``continue`` (in SGLang's tokenizer manager), whatever the mode; an abort of
   all requests (``/abort_request`` with ``abort_all``, a pause in ``abort`` mode, ``abort_all_requests`` of a
-  weight update) does not reach them: they run after ``continue``, as SGLang's do. (The stand-in answers a
-  request at once, or paced by its speed model: none is in flight for an abort to end.)
+  weight update) does not reach them: they run after ``continue``, as SGLang's do. A streamed ``/generate``
+  paced by the speed model that runs when all requests are aborted ends with the tokens it has and SGLang's
+  abort finish reason; a request answered at once, or whole, has nothing left to abort.
 * ``/load_lora_adapter`` / ``/unload_lora_adapter`` (only with ``--enable-lora``, else 400 with SGLang's
   ``{"success": false, "error_message": "LoRA is not enabled. ..."}``); loaded adapters are listed by
   ``/v1/models`` (as SGLang lists them) and ``/stand_in/stats``.

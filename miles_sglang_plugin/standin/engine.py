@@ -3,8 +3,10 @@
 SGLang engines cannot run on CPU-only machines, so launchers, routers and trainers are tested against this
 small aiohttp server instead. It takes the same argv (checked against the sglang 0.5.23 ``ServerArgs``
 fields, see ``flags.py``), binds ``--host``/``--port`` and answers the endpoints a real engine serves, with
-deterministic fake generations (a fixed vocabulary continuation seeded by the prompt and the engine port).
-Everything it returns carries a ``stand_in`` marker.
+deterministic fake generations: words of a fixed vocabulary, each a function of every token before it (so a
+request for the prompt and its first tokens goes on as the whole request would) and of the weights (greedy
+requests, ``temperature`` 0: the model path and weight version, the same on every engine of a model) or of the
+engine (sampling: its port and seed). Everything it returns carries a ``stand_in`` marker.
 
 Usage::
 
@@ -46,7 +48,8 @@ empty body; ``/health_generate`` 503 while generation is paused or, with the mem
 SGLang's never answers then, and says 503 after 20 s; the stand-in does not wait), ``/ready`` (503 while
 paused), ``/server_info``, ``/get_server_info``, ``/model_info``, ``/get_model_info``, ``POST /generate``
 (optionally SSE; input logprobs only from ``logprob_start_len`` on, as SGLang: none by default),
-``POST /v1/chat/completions``, ``POST /v1/completions``, ``/v1/models``, ``/flush_cache`` (its text answer;
+``POST /v1/chat/completions``, ``POST /v1/completions``, ``/v1/models``, ``POST /tokenize`` and
+``/v1/tokenize`` (the ids ``/generate`` makes of a text), ``/flush_cache`` (its text answer;
 400 while a generation request runs), ``/metrics`` (served whether or not ``--enable-metrics`` is given), the
 control routes with their state (:mod:`miles_sglang_plugin.standin.control`: memory release/resume, weight
 updates and version, pause/continue, abort, LoRA adapters; bodies checked against SGLang's request classes), Miles' weight-update bracket (no-ops),
@@ -79,7 +82,6 @@ import json
 import logging
 import math
 import os
-import random
 import re
 import signal
 import socket
@@ -231,13 +233,27 @@ class Generated:
         return Generated(self.words[start:stop], self.ids[start:stop], self.logprobs[start:stop])
 
 
+def _step(state: bytes, token: int) -> bytes:
+    return hashlib.blake2b(state + token.to_bytes(4, "big"), digest_size=16).digest()
+
+
 def fake_generate(prompt: Prompt, max_new_tokens: int, salt: str) -> Generated:
-    """``max_new_tokens`` words from VOCAB, fully determined by the prompt ids and ``salt``."""
-    seed_src = salt + "|" + ",".join(map(str, prompt.ids))
-    rng = random.Random(int.from_bytes(hashlib.blake2b(seed_src.encode(), digest_size=8).digest(), "big"))
-    words = tuple(rng.choice(VOCAB) for _ in range(max_new_tokens))
-    logprobs = tuple(-round(0.01 + 3 * rng.random(), 6) for _ in words)
-    return Generated(words, tuple(token_id(w) for w in words), logprobs)
+    """``max_new_tokens`` words from VOCAB, made one at a time as a language model does: each token is a
+    function of ``salt`` and every token before it (the prompt's and those generated so far). So a request
+    for the prompt followed by its first ``k`` generated tokens goes on with exactly the tokens the whole
+    request would have made next (what a resubmitted request relies on)."""
+    state = hashlib.blake2b(salt.encode(), digest_size=16).digest()
+    for token in prompt.ids:
+        state = _step(state, token)
+    words: list[str] = []
+    logprobs: list[float] = []
+    for _ in range(max_new_tokens):
+        draw = int.from_bytes(state[:8], "big")
+        word = VOCAB[draw % len(VOCAB)]
+        words.append(word)
+        logprobs.append(-round(0.01 + 3 * (int.from_bytes(state[8:], "big") / 2**64), 6))
+        state = _step(state, token_id(word))
+    return Generated(tuple(words), tuple(token_id(w) for w in words), tuple(logprobs))
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -351,8 +367,13 @@ class EngineState:
     def salt(self) -> str:
         return f"{self.args.port}:{self.args.random_seed}"
 
-    def complete(self, prompt: Prompt, max_new_tokens: int) -> Generated:
-        generated = fake_generate(prompt, max_new_tokens, self.salt)
+    def greedy_salt(self) -> str:
+        """Greedy decoding depends on the weights alone: every engine of a model with the same weight
+        version makes the same tokens (sampling also depends on the engine's seed: :attr:`salt`)."""
+        return f"{self.args.model_path}|{self.control.weight_version}"
+
+    def complete(self, prompt: Prompt, max_new_tokens: int, *, greedy: bool = False) -> Generated:
+        generated = fake_generate(prompt, max_new_tokens, self.greedy_salt() if greedy else self.salt)
         self.prompt_tokens_total += len(prompt.ids)
         self.generation_tokens_total += len(generated.ids)
         return generated
@@ -538,17 +559,33 @@ def _rid(value: Any, index: int) -> str:
     return uuid.uuid4().hex
 
 
+#: SGLang's finish reason of a request ended by an abort of all requests (``schedule_batch.py``: FINISH_ABORT).
+ABORT_FINISH = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+
+
 async def _sse(
-    request: web.Request, events: Iterable[dict[str, Any]], pacing: StreamPacing | None = None
+    request: web.Request,
+    events: Iterable[dict[str, Any]],
+    pacing: StreamPacing | None = None,
+    aborted: Callable[[], bool] | None = None,
 ) -> web.StreamResponse:
+    """Stream ``events``; once ``aborted()`` (an abort of all requests while this one runs), the last event
+    sent is sent again as the final one, with SGLang's abort finish reason, and the stream ends."""
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
+    previous: dict[str, Any] | None = None
     try:
         for index, event in enumerate(events):
             timing = await pacing.before(index) if pacing is not None else None
+            if aborted is not None and aborted():
+                final = previous if previous is not None else {**event, "text": "", "output_ids": []}
+                final["meta_info"] = {**final["meta_info"], "finish_reason": dict(ABORT_FINISH)}
+                await response.write(b"data: " + json.dumps(final).encode() + b"\n\n")
+                break
             if timing is not None:  # the last event: what the request waited, as SGLang reports it
                 event["meta_info"].update(timing.meta())
             await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+            previous = event
     finally:
         if pacing is not None:
             pacing.cancel()
@@ -733,7 +770,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
     max_new = _max_tokens(sampling.get("max_new_tokens"), "sampling_params.max_new_tokens")
     if state.args.disaggregation_mode == "prefill":
         max_new = min(max_new, 1)  # SGLang's prefill server generates the first token only
-    results = [state.complete(p, max_new) for p in prompts]
+    greedy = sampling.get("temperature") == 0 or sampling.get("top_k") == 1
+    results = [state.complete(p, max_new, greedy=greedy) for p in prompts]
     rids = [_rid(body.get("rid"), i) for i in range(len(prompts))]
     if body.get("stream"):
         if batch:
@@ -745,7 +783,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
             )
             for k in _stream_steps(max_new)
         )
-        return await _sse(request, events, stream_pacing(pacer_for(request.app), len(prompt.ids), max_new))
+        pacing = stream_pacing(pacer_for(request.app), len(prompt.ids), max_new)
+        aborts = state.control.aborts
+        return await _sse(request, events, pacing, lambda: state.control.aborts != aborts)
     timings = await pace_requests(pacer_for(request.app), [len(p.ids) for p in prompts], max_new)
     items = [
         _generate_item(state, body, p, g, rid=r, finished=True, started=started)
@@ -925,6 +965,25 @@ async def models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": [model, *adapters]})
 
 
+async def tokenize(request: web.Request) -> web.Response:
+    """SGLang's ``/tokenize`` (``/v1/tokenize``): ``prompt`` (a string or a list of them) as token ids, with
+    the stand-in's word tokenizer (the ids ``/generate`` makes of the same text)."""
+    state = request.app[STATE]
+    body = await json_object(request)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        ids = list(Prompt.from_text(prompt).ids)
+        return web.json_response(
+            {"tokens": ids, "count": len(ids), "max_model_len": state.max_total_num_tokens}
+        )
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        lists = [list(Prompt.from_text(p).ids) for p in prompt]
+        return web.json_response(
+            {"tokens": lists, "count": [len(x) for x in lists], "max_model_len": state.max_total_num_tokens}
+        )
+    raise RequestError(400, "prompt must be a string or a non-empty list of strings")
+
+
 async def flush_cache(request: web.Request) -> web.Response:
     """Refused (400) while a generation request runs, as SGLang's scheduler refuses unless it is idle; requests
     held by a pause do not count (SGLang then ignores its waiting queue)."""
@@ -979,6 +1038,7 @@ async def stats(request: web.Request) -> web.Response:
             "node_id": state.node_id,
             "requests_received": dict(state.received),
             "requests_served": dict(state.served),
+            "in_flight": state.in_flight,
             "last_bootstrap": state.last_bootstrap,
             **state.control.stats(),
             "prompt_tokens_total": state.prompt_tokens_total,
@@ -1023,6 +1083,7 @@ def build_app(
         post("/v1/chat/completions", chat_completions),
         post("/v1/completions", completions),
         get("/v1/models", models),
+        *(post(p, tokenize) for p in ("/tokenize", "/v1/tokenize")),
         get("/flush_cache", flush_cache),
         post("/flush_cache", flush_cache),
         get("/metrics", metrics),

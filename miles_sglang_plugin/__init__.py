@@ -96,6 +96,7 @@ _EXPORTS: dict[str, str] = {
     "RolloutError": "miles_sglang_plugin.serving.rollout",
     "VersionUnavailable": "miles_sglang_plugin.serving.rollout",
     "Segment": "miles_sglang_plugin.serving.rollout",
+    "HttpWorkers": "miles_sglang_plugin.serving.rollout",
     # app: what a Hydra app calls
     "resolve_config": "miles_sglang_plugin.app.hydra_edge",
     "resolve_config_or_exit": "miles_sglang_plugin.app.hydra_edge",
@@ -147,6 +148,7 @@ __all__ = [
     "EngineState",
     "GroupPlan",
     "GroupSpec",
+    "HttpWorkers",
     "LaunchError",
     "LaunchSpecs",
     "LocalBackend",
@@ -285,6 +287,7 @@ if TYPE_CHECKING:  # what static tools see; at run time the names load lazily th
     )
     from miles_sglang_plugin.serving.rollout import (
         AsyncRolloutClient,
+        HttpWorkers,
         RolloutClient,
         RolloutError,
         RolloutResult,

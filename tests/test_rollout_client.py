@@ -19,6 +19,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from miles_sglang_plugin.serving.discovery import rl_workers
+from miles_sglang_plugin.serving.fleet import EngineInfo
 from miles_sglang_plugin.serving.registry import ModelRoute, RouterRegistry
 from miles_sglang_plugin.serving.rollout import (
     AsyncRolloutClient,
@@ -30,6 +32,7 @@ from miles_sglang_plugin.serving.rollout import (
     Worker,
     _Broken,
     _Try,
+    _worker,
 )
 from miles_sglang_plugin.standin.engine import Prompt, fake_generate
 from tests.test_standin import HOST, Proc, free_port, spawn, start_standin, wait_http  # noqa: F401
@@ -257,3 +260,65 @@ def test_a_malformed_request_is_not_sent_again(spawn: Callable[..., Proc]) -> No
     ) as caught:
         run(client, input_ids=PROMPT, sampling_params={"max_new_tokens": 10**9})
     assert len(caught.value.attempts) == 2
+
+
+def test_the_engine_listing_has_smgs_shape_with_the_versions_engines_have_now() -> None:
+    def info(engine_id: str, state: str, version: str | None, kind: str = "decode") -> EngineInfo:
+        return EngineInfo(
+            engine_id,
+            "actor",
+            "decode",
+            kind,
+            f"http://10.0.0.1:{len(engine_id)}",
+            0,
+            "0",
+            1,
+            state,
+            weight_version=version,
+        )
+
+    listing = rl_workers(
+        [
+            info("actor.decode.0", "serving", "7"),
+            info("actor.decode.1", "lost", "6"),
+            info("actor.decode.2", "stopped", "7"),
+        ]
+    )
+    assert listing["protocol_version"] == 1 and listing["total"] == 2
+    first, second = listing["workers"]
+    assert first == {
+        "id": "actor.decode.0",
+        "url": "http://10.0.0.1:14",
+        "base_url": "http://10.0.0.1:14",
+        "engine": "sglang",
+        "model_id": "actor",
+        "worker_type": "decode",
+        "connection_mode": "http",
+        "health": "ready",
+        "state": "serving",
+        "weight_version": "7",
+        "labels": {"group": "decode", "engine_id": "actor.decode.0", "external": "false"},
+        "capabilities": {
+            "source": "static",
+            "pause_modes": ["abort", "retract", "in_place"],
+            "update_from": ["disk", "tensor", "distributed"],
+            "abort": True,
+            "flush_cache": True,
+            "sleep_wake": True,
+            "reports_weight_version": True,
+        },
+    }
+    assert (second["health"], second["state"], second["weight_version"]) == ("unhealthy", "lost", "6")
+    # What a client in another process makes of the rows (and of a row of a listing without our state).
+    assert _worker(first) == Worker(
+        "http://10.0.0.1:14", "actor", "decode", "7", "serving", "actor.decode.0", "decode"
+    )
+    smg_row = {
+        "url": "http://h:1",
+        "model_id": "actor",
+        "worker_type": "regular",
+        "health": "ready",
+        "weight_version": "default",
+    }
+    assert _worker(smg_row) == Worker("http://h:1", "actor", "regular", "default", "serving")
+    assert _worker({"url": 5}) is None

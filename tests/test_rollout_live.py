@@ -16,6 +16,7 @@ import httpx
 
 from miles_sglang_plugin.app.hydra_edge import launch_from_config
 from miles_sglang_plugin.serving.deployment import Deployment
+from miles_sglang_plugin.serving.rollout import RolloutClient
 from tests.conftest_launch import leak_check  # noqa: F401  (fixture)
 from tests.launch_helpers import LeakTracker, compose
 from tests.test_serving_faults import FAST, pid_of, stats
@@ -30,10 +31,10 @@ PROMPT = [11, 22, 33, 44, 55]
 GREEDY = {"max_new_tokens": 40, "temperature": 0}
 
 
-def uninterrupted(d: Deployment) -> list[int]:
+def uninterrupted(d: Deployment, headers: dict[str, str] | None = None) -> list[int]:
     engine = d.engines()[0].url
     body = {"input_ids": PROMPT, "sampling_params": GREEDY}
-    return list(httpx.post(engine + "/generate", json=body, timeout=60).json()["output_ids"])
+    return list(httpx.post(engine + "/generate", json=body, headers=headers, timeout=60).json()["output_ids"])
 
 
 def engine_running_it(d: Deployment) -> str:
@@ -155,3 +156,43 @@ def test_a_request_aborted_by_a_weight_update_goes_on_with_the_new_weights(
         assert list(result.output_ids[last.start :]) == again["output_ids"] and whole != list(
             result.output_ids
         )
+
+
+def test_a_trainer_process_with_the_registry_and_the_engine_listing_survives_the_router(
+    tmp_path: Path, leak_check: LeakTracker
+) -> None:
+    """What a trainer subprocess gets (``rollout_env()``): the routers, and the engine listing the deployment
+    serves; with them its client goes straight to an engine when the router is killed under a request."""
+    cfg = compose(*PACED, *FAST, "sglang_deploy.api_key=sk-test-key")
+    with launch_from_config(cfg, log_dir=tmp_path / "logs") as d:
+        url = d.serve_discovery()
+        env = d.rollout_env()
+        assert env["MSP_RL_WORKERS"] == url and url.endswith("/v1/rl/workers") and "sk-test" not in str(env)
+        assert httpx.get(url, timeout=10).status_code == 401
+        listing = httpx.get(url, headers=d.auth_headers(), timeout=10).json()
+        assert (listing["protocol_version"], listing["total"]) == (1, 2)
+        assert [
+            (w["id"], w["model_id"], w["worker_type"], w["health"], w["weight_version"])
+            for w in listing["workers"]
+        ] == [
+            ("actor.regular.0", "actor", "regular", "ready", "default"),
+            ("actor.regular.1", "actor", "regular", "ready", "default"),
+        ]
+        killed: list[int] = []
+
+        def kill_router_at_10(target: str, count: int) -> None:
+            if count >= 10 and not killed:
+                killed.append(d.fleet.routers()[0].process.pid)
+                os.kill(killed[0], signal.SIGKILL)
+
+        client = RolloutClient.from_registry(
+            "actor",
+            env["MSP_ROUTERS"],
+            api_key="sk-test-key",
+            workers_url=env["MSP_RL_WORKERS"],
+            router_retry_s=30,
+        )
+        with client:
+            result = client.generate(PROMPT, sampling_params=GREEDY, on_tokens=kill_router_at_10)
+        assert list(result.output_ids) == uninterrupted(d, d.auth_headers())
+        assert result.attempts[-1].target in {"actor.regular.0", "actor.regular.1"}

@@ -58,6 +58,8 @@ from miles_sglang_plugin.rendering.ports import PortAssignment
 from miles_sglang_plugin.rendering.prepared import PreparedDeployment, prepare_deployment
 from miles_sglang_plugin.serving import elastic, quiet_http, signals
 from miles_sglang_plugin.serving.control import AsyncDeploymentControl, DeploymentControl
+from miles_sglang_plugin.serving.discovery import ENV_VAR as DISCOVERY_ENV
+from miles_sglang_plugin.serving.discovery import DiscoveryServer
 from miles_sglang_plugin.serving.errors import (
     ApplyTimeoutError,
     DeploymentFailedError,
@@ -125,6 +127,9 @@ class Deployment:
     """Starts and stops one prepared deployment, whose engines run through ``backend``.
 
     The deployment owns the backend: :meth:`stop` closes it (its port claims are released)."""
+
+    #: The engine listing (:meth:`serve_discovery`), once asked for.
+    _discovery: DiscoveryServer | None = None
 
     def __init__(
         self,
@@ -225,6 +230,28 @@ class Deployment:
         )
         self.rollout_clients.add(client.aio)
         return client
+
+    def serve_discovery(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Serve ``GET /v1/rl/workers`` (the engines as SMG's RL control plane lists them, with the weight
+        version each has now) on ``host:port`` until the deployment stops; its URL. A trainer subprocess
+        finds it in :meth:`rollout_env`, a rollout client reads it with ``RolloutClient.from_registry``."""
+        with self._lock:
+            if self._stopping or self._stopped:
+                raise DeploymentStoppedError("the deployment was stopped: it has no engines to list")
+            if self._discovery is None:
+                self._discovery = DiscoveryServer(
+                    self.engines, host=host, port=port, api_key=self.settings.api_key
+                )
+            return self._discovery.url
+
+    def rollout_env(self) -> dict[str, str]:
+        """What a trainer subprocess needs to reach the models: the routers (``MSP_ROUTERS``) and, once
+        :meth:`serve_discovery` runs, the engine listing (``MSP_RL_WORKERS``). No secret: the API key is the
+        trainer's to hand on."""
+        env = self.registry.to_env()
+        if self._discovery is not None:
+            env[DISCOVERY_ENV] = self._discovery.url
+        return env
 
     def async_client(self, model: str, **settings: Any) -> AsyncRolloutClient:
         """The same client for the caller's event loop (``async with deployment.async_client(model) as c``)."""
@@ -740,6 +767,8 @@ class Deployment:
         return [*in_rows, *(p for p in self.reconciler.starting_processes() if p not in in_rows)]
 
     def _teardown(self, grace: float) -> None:
+        if self._discovery is not None:
+            self._discovery.close()
         self.serving_loop.close(before=self.pool.aclose, timeout_s=STOP_LOOP_TIMEOUT_S)
         routers = [router.process for router in self.fleet.routers()]
         for process in routers:  # routers stop while the engines are given their grace period

@@ -30,6 +30,7 @@ import concurrent.futures
 import contextlib
 import itertools
 import json
+import os
 import threading
 import time
 import weakref
@@ -46,6 +47,7 @@ __all__ = [
     "AsyncRolloutClient",
     "Attempt",
     "ClientSet",
+    "HttpWorkers",
     "RolloutClient",
     "RolloutError",
     "RolloutResult",
@@ -145,6 +147,94 @@ class WorkerSource(Protocol):
     """The engines of a model as the deployment sees them now (cheap: called for every try)."""
 
     def workers(self, model: str) -> Sequence[Worker]: ...
+
+
+#: The environment variable with the URL of a deployment's engine listing (``deployment.rollout_env()``).
+WORKERS_ENV_VAR = "MSP_RL_WORKERS"
+#: The largest engine listing :class:`HttpWorkers` reads.
+MAX_LISTING_BYTES = 8 * 1024 * 1024
+
+
+class HttpWorkers:
+    """A rollout client's view of the engines, read from a deployment's ``/v1/rl/workers`` (or SMG's) every
+    ``interval_s`` by a thread of its own (so that a slow answer never holds up a request); the last good
+    listing is kept while the listing does not answer."""
+
+    def __init__(
+        self, url: str, headers: Mapping[str, str] | None = None, *, interval_s: float = 0.5
+    ) -> None:
+        self.url = url
+        self._headers = dict(headers or {})
+        self.interval_s = interval_s
+        self._rows: list[Worker] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._read_once = threading.Event()
+        self._thread = threading.Thread(target=self._poll, name="msp-rl-workers", daemon=True)
+        self._thread.start()
+
+    def workers(self, model: str) -> list[Worker]:
+        self._read_once.wait(timeout=2 * self.interval_s + 2.0)
+        with self._lock:
+            return [w for w in self._rows if w.model == model]
+
+    def _poll(self) -> None:
+        with httpx.Client(headers=self._headers, timeout=httpx.Timeout(2.0)) as client:
+            while not self._stop.is_set():
+                started = time.monotonic()
+                rows = _read_listing(client, self.url)
+                if rows is not None:
+                    with self._lock:
+                        self._rows = rows
+                self._read_once.set()
+                self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - started)))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+
+def _read_listing(client: httpx.Client, url: str) -> list[Worker] | None:
+    try:
+        with client.stream("GET", url) as response:
+            if response.status_code != 200:
+                return None
+            raw = b""
+            for chunk in response.iter_raw():
+                raw += chunk
+                if len(raw) > MAX_LISTING_BYTES:
+                    return None
+        listing = json.loads(raw)
+    except (httpx.HTTPError, ValueError):
+        return None
+    rows = listing.get("workers") if isinstance(listing, dict) else None
+    if not isinstance(rows, list):
+        return None
+    return [w for w in (_worker(row) for row in rows) if w is not None]
+
+
+def _worker(row: Any) -> Worker | None:
+    if (
+        not isinstance(row, dict)
+        or not isinstance(row.get("url"), str)
+        or not isinstance(row.get("model_id"), str)
+    ):
+        return None
+    state = row.get("state") if isinstance(row.get("state"), str) else None
+    if state is None:  # a listing of another server: ready is serving
+        state = "serving" if row.get("health") == "ready" else "starting"
+    version = row.get("weight_version")
+    labels = row.get("labels")
+    group = labels.get("group") if isinstance(labels, dict) else None
+    return Worker(
+        url=row["url"],
+        model=row["model_id"],
+        worker_type=str(row.get("worker_type") or "regular"),
+        weight_version=None if version is None else str(version),
+        state=state,
+        id=str(row.get("id") or ""),
+        group=str(group or ""),
+    )
 
 
 # ----------------------------------------------------------------------------------------------- results
@@ -466,6 +556,8 @@ class AsyncRolloutClient:
         self.route: ModelRoute = registry[model]
         self.model = model
         self._workers = workers
+        #: Where the engines are known from (None: the router only).
+        self.workers_source = workers
         self._headers = dict(headers or {})
         self.deadline_s = deadline_s
         self.stall_s = stall_s
@@ -494,10 +586,14 @@ class AsyncRolloutClient:
         return self._http
 
     async def aclose(self) -> None:
+        """Close its connections, and the engine listing it reads (:class:`HttpWorkers`), if any."""
         self._closed = True
         if self._http is not None:
             await self._http.aclose()
             self._http = None
+        close = getattr(self.workers_source, "close", None)
+        if callable(close):
+            await asyncio.to_thread(close)
 
     async def __aenter__(self) -> AsyncRolloutClient:
         return self
@@ -867,16 +963,23 @@ class RolloutClient:
         registry: RouterRegistry | str | None = None,
         *,
         api_key: str | None = None,
+        workers_url: str | None = None,
         **kwargs: Any,
     ) -> RolloutClient:
         """For a process that has only the registry: a :class:`RouterRegistry`, its JSON, or (None) the
-        environment a deployment gave its trainer (``MSP_ROUTERS``). Every try goes through the router (it
-        waits for a router that does not answer, within the request's deadline)."""
+        environment a deployment gave its trainer (``deployment.rollout_env()``: ``MSP_ROUTERS``, and
+        ``MSP_RL_WORKERS`` where the deployment serves its engine listing). With the listing
+        (``workers_url``, else that variable) the client knows the engines and their weight versions, as in
+        the trainer's own process; without it every try goes through the router."""
+        environ = os.environ
         if registry is None:
-            registry = RouterRegistry.from_env()
+            registry = RouterRegistry.from_env(environ)
         elif isinstance(registry, str):
             registry = RouterRegistry.from_json(registry)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        url = workers_url or environ.get(WORKERS_ENV_VAR)
+        if url and "workers" not in kwargs:
+            kwargs["workers"] = HttpWorkers(url, headers)
         return cls(registry, model, headers=headers, **kwargs)
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:

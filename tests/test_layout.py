@@ -101,6 +101,7 @@ BENCHMARK_OUTPUT = {
     "bench_launch.py": "(3) POST /generate req/s",
     "bench_control.py": "one killed: failed 0",
     "bench_elastic.py": "failed 0 (goal 0)",
+    "bench_rollout_client.py": "client: failed 0 (goal 0;",
     "bench_sweep.py": "(1) packed/sequential:",
 }
 

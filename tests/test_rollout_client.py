@@ -256,7 +256,8 @@ def test_a_malformed_request_is_not_sent_again(spawn: Callable[..., Proc]) -> No
     (a,) = engines(spawn, "default")
     client = AsyncRolloutClient(no_router(), "actor", workers=Fleet([Worker(a.url, "actor", id="a")]))
     with pytest.raises(
-        RolloutError, match=r"(?s)refused.*try 2: a \(sent 4 tokens, kept 0\): HTTP 400"
+        RolloutError,
+        match=r"(?s)refused.*try 2: a \(sent 4 tokens, kept 0, at [0-9.]+ s for [0-9.]+ s\): HTTP 400",
     ) as caught:
         run(client, input_ids=PROMPT, sampling_params={"max_new_tokens": 10**9})
     assert len(caught.value.attempts) == 2

@@ -72,6 +72,8 @@ _GONE = frozenset({"lost", "restarting", "failed", "stopped"})
 _RETRYABLE_4XX = frozenset({404, 408, 409, 425, 429})
 _FIRST_PAUSE_S = 0.05
 _ABORTED = "aborted by the client"
+#: How long the end of a stream (``[DONE]``) is waited for after its finish.
+_AFTER_FINISH_S = 1.0
 _MAX_PAUSE_S = 1.0
 
 
@@ -258,9 +260,15 @@ class Attempt:
     kept_tokens: int
     #: ``finished``, or why the try ended early.
     outcome: str
+    #: When it began, in seconds from the request's start, and how long it took.
+    began_s: float = 0.0
+    took_s: float = 0.0
 
     def describe(self) -> str:
-        return f"{self.target} (sent {self.sent_tokens} tokens, kept {self.kept_tokens}): {self.outcome}"
+        return (
+            f"{self.target} (sent {self.sent_tokens} tokens, kept {self.kept_tokens}, "
+            f"at {self.began_s:.2f} s for {self.took_s:.2f} s): {self.outcome}"
+        )
 
 
 @dataclass(frozen=True)
@@ -433,7 +441,11 @@ class _Chunks:
         quiet_since = time.monotonic()
         while True:
             try:
-                item = await asyncio.wait_for(self._queue.get(), timeout=min(0.5, stall_s))
+                if self._queue.empty():  # (asyncio.wait_for would make a task of every wait)
+                    async with asyncio.timeout(min(0.5, stall_s)):
+                        item = await self._queue.get()
+                else:
+                    item = self._queue.get_nowait()
             except TimeoutError:
                 gone = alive()
                 if gone:
@@ -452,21 +464,24 @@ class _Chunks:
 
 
 async def _events(
-    response: httpx.Response, stall_s: float, alive: Callable[[], str | None]
+    response: httpx.Response, stall_s: Callable[[], float], alive: Callable[[], str | None]
 ) -> AsyncIterator[Mapping[str, Any]]:
-    """The ``data:`` events of a server-sent stream, each at most :data:`MAX_EVENT_BYTES`, until ``[DONE]``."""
+    """The ``data:`` events of a server-sent stream, each at most :data:`MAX_EVENT_BYTES`, until ``[DONE]``;
+    ``stall_s()``: how long the next chunk may take."""
     chunks = _Chunks(response)
     buffer = b""
+    done = False
     try:
-        while (chunk := await chunks.next(stall_s, alive)) is not None:
+        while (chunk := await chunks.next(stall_s(), alive)) is not None:
             buffer += chunk
             *lines, buffer = buffer.split(b"\n")
             for line in lines:
                 payload = line.strip()[5:].strip() if line.strip().startswith(b"data:") else None
-                if payload == b"[DONE]":
-                    return
-                if payload is not None:
+                done = done or payload == b"[DONE]"
+                if payload is not None and not done:
                     yield _event(payload)
+            if done:  # the body's end is read too (a connection read to its end is kept for the next request)
+                buffer = b""
             if len(buffer) > MAX_EVENT_BYTES:
                 raise _Broken(f"an event larger than {MAX_EVENT_BYTES} bytes")
     finally:
@@ -497,6 +512,7 @@ class _Request:
     constraint: VersionConstraint | None
     deadline: float
     rid: str | None
+    started: float = field(default_factory=time.monotonic)
     # -- what it has so far
     ids: list[int] = field(default_factory=list)
     text_parts: list[str] = field(default_factory=list)
@@ -853,6 +869,7 @@ class AsyncRolloutClient:
         sent = len(body["input_ids"]) if "input_ids" in body else request.prompt_tokens or 0
         got = _Try()
         direct = url != self.route.base_url
+        began = time.monotonic()
         self._load[url] = self._load.get(url, 0) + 1
         try:
             await self._stream(request, target, url, body, got, epoch)
@@ -862,7 +879,8 @@ class AsyncRolloutClient:
                 raise _Broken(f"the engine aborted it: {_short(got.finish.get('message', ''))}")
         except _Broken as broken:
             request.keep(target, got, self._allowed(request, got))
-            request.attempts.append(Attempt(target, sent, self._allowed(request, got), broken.why))
+            kept = self._allowed(request, got)
+            request.attempts.append(Attempt(target, sent, kept, broken.why, *_times(request, began)))
             if broken.why == _ABORTED:
                 request.finish = {"type": "abort", "message": _ABORTED}
                 return
@@ -873,7 +891,7 @@ class AsyncRolloutClient:
             self._load[url] -= 1
         request.keep(target, got, len(got.ids))
         request.finish = got.finish
-        request.attempts.append(Attempt(target, sent, len(got.ids), "finished"))
+        request.attempts.append(Attempt(target, sent, len(got.ids), "finished", *_times(request, began)))
 
     async def _stream(
         self, request: _Request, target: str, url: str, body: Mapping[str, Any], got: _Try, epoch: int
@@ -893,16 +911,39 @@ class AsyncRolloutClient:
                             self._router_down_until = time.monotonic() + self.router_retry_s
                         why = f"HTTP {status}: {_short(raw.decode(errors='replace'))}"
                         raise _Broken(why, retry=status >= 500 or status in _RETRYABLE_4XX)
-                    alive = self._gone(url) if direct else _answers
-                    async for event in _events(response, self.stall_s, alive):
-                        if self._took(request, target, got, event, epoch):
-                            return
+                    await self._read(
+                        request, target, got, epoch, response, self._gone(url) if direct else _answers
+                    )
         except TimeoutError:
             raise _Broken("the deadline passed") from None
         except httpx.HTTPError as exc:
             if not direct and not got.ids:
                 self._router_down_until = time.monotonic() + self.router_retry_s
             raise _Broken(f"{type(exc).__name__}: {exc or 'no answer'}") from None
+
+    async def _read(
+        self,
+        request: _Request,
+        target: str,
+        got: _Try,
+        epoch: int,
+        response: httpx.Response,
+        alive: Callable[[], str | None],
+    ) -> None:
+        """The events of one try into ``got``. After the finish, the rest of the stream (``[DONE]``) is read
+        too, for at most a second, so that its connection is kept for the next request."""
+        finished = [False]  # (read by the stall below, set by the loop)
+
+        def stall_s() -> float:
+            return _AFTER_FINISH_S if finished[0] else self.stall_s
+
+        try:
+            async for event in _events(response, stall_s, alive):
+                if not finished[0]:
+                    finished[0] = self._took(request, target, got, event, epoch)
+        except _Broken:
+            if not finished[0]:
+                raise
 
     def _took(self, request: _Request, target: str, got: _Try, event: Mapping[str, Any], epoch: int) -> bool:
         """Take one event into ``got``; True at the finish. :class:`_Broken` for tokens of a version the
@@ -927,6 +968,11 @@ class AsyncRolloutClient:
             if not request.constraint.allows(got.version_at(index)):
                 return index
         return len(got.ids)
+
+
+def _times(request: _Request, began: float) -> tuple[float, float]:
+    """(began_s, took_s) of a try that began at ``began`` and ends now."""
+    return began - request.started, time.monotonic() - began
 
 
 def _answers() -> str | None:

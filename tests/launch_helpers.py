@@ -27,7 +27,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -173,6 +173,15 @@ def held_socket(port: int, host: str = HOST) -> socket.socket:
     s.bind((host, port))
     s.listen(8)
     return s
+
+
+@contextlib.contextmanager
+def refusing_port(host: str = HOST) -> Iterator[int]:
+    """A port of this machine bound and not listening while the block runs: a connection to it is refused
+    (as to a router that died), and no other program can take it meanwhile."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        yield int(s.getsockname()[1])
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import asyncio
 import json
 import os
 import signal
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import httpx
@@ -35,7 +35,8 @@ from miles_sglang_plugin.serving.rollout import (
     _worker,
 )
 from miles_sglang_plugin.standin.engine import Prompt, fake_generate
-from tests.test_standin import HOST, Proc, free_port, spawn, start_standin, wait_http  # noqa: F401
+from tests.launch_helpers import refusing_port
+from tests.test_standin import HOST, Proc, spawn, start_standin, wait_http  # noqa: F401
 
 #: 0.05 s per decode step: a 40-token answer streams for about 2 s, time to kill its engine in the middle.
 PACED = {"MSP_STANDIN_SPEED": json.dumps({"decode_step_s": 0.05, "decode_token_s": 0.0})}
@@ -117,9 +118,11 @@ class Fleet:
         return [w for w in self.list if w.model == model]
 
 
-def no_router() -> RouterRegistry:
-    """A registry whose router port has nothing listening: the client must go to the engines."""
-    return RouterRegistry([ModelRoute("actor", HOST, free_port(), policy="round_robin")])
+@pytest.fixture
+def no_router() -> Iterator[RouterRegistry]:
+    """A registry whose router port refuses connections: the client must go to the engines."""
+    with refusing_port() as port:
+        yield RouterRegistry([ModelRoute("actor", HOST, port, policy="round_robin")])
 
 
 def engines(spawn: Callable[..., Proc], *versions: str) -> list[Proc]:
@@ -156,14 +159,14 @@ def killer(procs: dict[str, Proc], after: int) -> Callable[[str, int], None]:
 
 @pytest.mark.parametrize("after", [1, 20, 39])
 def test_an_engine_killed_in_the_middle_of_a_stream_loses_no_token(
-    spawn: Callable[..., Proc], after: int
+    spawn: Callable[..., Proc], after: int, no_router: RouterRegistry
 ) -> None:
     """Killed after 1, half and all but one of 40 tokens: the other engine goes on from the prompt and the
     tokens so far, and the answer is the uninterrupted run's."""
     a, b = engines(spawn, "default", "default")
     whole = uninterrupted(b, PROMPT)
     fleet = Fleet([Worker(a.url, "actor", id="a"), Worker(b.url, "actor", id="b")])
-    client = AsyncRolloutClient(no_router(), "actor", workers=fleet, router_retry_s=60)
+    client = AsyncRolloutClient(no_router, "actor", workers=fleet, router_retry_s=60)
     result = run(client, input_ids=PROMPT, sampling_params=GREEDY, on_tokens=killer({"a": a, "b": b}, after))
     assert list(result.output_ids) == whole and len(whole) == 40
     first, second = result.segments
@@ -180,7 +183,9 @@ def test_an_engine_killed_in_the_middle_of_a_stream_loses_no_token(
     assert result.finish_reason == {"type": "length", "length": 40 - first.end}
 
 
-def test_a_request_asking_for_a_version_goes_to_the_engine_that_has_it(spawn: Callable[..., Proc]) -> None:
+def test_a_request_asking_for_a_version_goes_to_the_engine_that_has_it(
+    spawn: Callable[..., Proc], no_router: RouterRegistry
+) -> None:
     one, two = engines(spawn, "1", "2")
     by_one, by_two = uninterrupted(one, PROMPT), uninterrupted(two, PROMPT)
     assert by_one != by_two  # greedy tokens depend on the weights
@@ -190,7 +195,7 @@ def test_a_request_asking_for_a_version_goes_to_the_engine_that_has_it(spawn: Ca
             Worker(two.url, "actor", "regular", "2", id="two"),
         ]
     )
-    client = AsyncRolloutClient(no_router(), "actor", workers=fleet)
+    client = AsyncRolloutClient(no_router, "actor", workers=fleet)
     result = run(client, input_ids=PROMPT, sampling_params=GREEDY, min_version=2)
     assert list(result.output_ids) == by_two
     assert result.segments == (Segment(0, 40, "two", "2"),) and result.weight_version == "2"
@@ -198,14 +203,16 @@ def test_a_request_asking_for_a_version_goes_to_the_engine_that_has_it(spawn: Ca
         VersionUnavailable, match=r"no engine has version '3' after 0\.\d s \(versions: 1, 2\)"
     ):
         run(
-            AsyncRolloutClient(no_router(), "actor", workers=fleet, version_wait_s=0.3),
+            AsyncRolloutClient(no_router, "actor", workers=fleet, version_wait_s=0.3),
             input_ids=PROMPT,
             sampling_params=GREEDY,
             exact_version=3,
         )
 
 
-def test_tokens_of_a_version_below_the_minimum_are_never_kept(spawn: Callable[..., Proc]) -> None:
+def test_tokens_of_a_version_below_the_minimum_are_never_kept(
+    spawn: Callable[..., Proc], no_router: RouterRegistry
+) -> None:
     """The deployment believes both engines have version 2, but "stale" still has 1: its tokens are dropped
     and made again by the engine that really has 2."""
     stale, fresh = engines(spawn, "1", "2")
@@ -215,7 +222,7 @@ def test_tokens_of_a_version_below_the_minimum_are_never_kept(spawn: Callable[..
             Worker(fresh.url, "actor", "regular", "2", id="fresh"),
         ]
     )
-    client = AsyncRolloutClient(no_router(), "actor", workers=fleet, router_retry_s=60)
+    client = AsyncRolloutClient(no_router, "actor", workers=fleet, router_retry_s=60)
     result = run(client, input_ids=PROMPT, sampling_params=GREEDY, min_version=2)
     assert list(result.output_ids) == uninterrupted(fresh, PROMPT)
     assert result.weight_versions == ("2",) and [s.engine for s in result.segments] == ["fresh"]
@@ -223,9 +230,11 @@ def test_tokens_of_a_version_below_the_minimum_are_never_kept(spawn: Callable[..
     assert "tokens of version '1', not version >= 2" in result.attempts[1].outcome
 
 
-def test_a_client_abort_ends_the_request_with_its_tokens_so_far(spawn: Callable[..., Proc]) -> None:
+def test_a_client_abort_ends_the_request_with_its_tokens_so_far(
+    spawn: Callable[..., Proc], no_router: RouterRegistry
+) -> None:
     (a,) = engines(spawn, "default")
-    client = AsyncRolloutClient(no_router(), "actor", workers=Fleet([Worker(a.url, "actor", id="a")]))
+    client = AsyncRolloutClient(no_router, "actor", workers=Fleet([Worker(a.url, "actor", id="a")]))
 
     def abort_at_5(target: str, count: int) -> None:
         if count == 5:
@@ -241,20 +250,22 @@ def test_a_client_abort_ends_the_request_with_its_tokens_so_far(spawn: Callable[
     assert 5 <= len(result.output_ids) < 200 and len(result.attempts) == 2
 
 
-def test_a_text_prompt_is_continued_from_its_token_ids(spawn: Callable[..., Proc]) -> None:
+def test_a_text_prompt_is_continued_from_its_token_ids(
+    spawn: Callable[..., Proc], no_router: RouterRegistry
+) -> None:
     a, b = engines(spawn, "default", "default")
     text = "the quick brown fox jumps"
     whole = httpx.post(b.url + "/generate", json={"text": text, "sampling_params": GREEDY}, timeout=60).json()
     fleet = Fleet([Worker(a.url, "actor", id="a"), Worker(b.url, "actor", id="b")])
-    client = AsyncRolloutClient(no_router(), "actor", workers=fleet, router_retry_s=60)
+    client = AsyncRolloutClient(no_router, "actor", workers=fleet, router_retry_s=60)
     result = run(client, text=text, sampling_params=GREEDY, on_tokens=killer({"a": a, "b": b}, 10))
     assert list(result.output_ids) == whole["output_ids"] and len(result.segments) == 2
     assert result.attempts[-1].sent_tokens == 5 + result.segments[0].end  # five words, then the tokens so far
 
 
-def test_a_malformed_request_is_not_sent_again(spawn: Callable[..., Proc]) -> None:
+def test_a_malformed_request_is_not_sent_again(spawn: Callable[..., Proc], no_router: RouterRegistry) -> None:
     (a,) = engines(spawn, "default")
-    client = AsyncRolloutClient(no_router(), "actor", workers=Fleet([Worker(a.url, "actor", id="a")]))
+    client = AsyncRolloutClient(no_router, "actor", workers=Fleet([Worker(a.url, "actor", id="a")]))
     with pytest.raises(
         RolloutError,
         match=r"(?s)refused.*try 2: a \(sent 4 tokens, kept 0, at [0-9.]+ s for [0-9.]+ s\): HTTP 400",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import re
+import time
 
 from rich.console import Console
 
@@ -33,12 +34,18 @@ def table_rows(text: str) -> list[list[str]]:
     ]
 
 
+def drawn(view: StatusView) -> str:
+    """The live view as rich draws it now, from what the view gave it."""
+    assert view._live is not None
+    console = recording_console()
+    console.print(view._live.renderable)
+    return console.export_text()
+
+
 def shown(view: StatusView) -> dict[str, tuple[str, str, str]]:
     """What the live table shows right now: name -> (kind, state, where)."""
     assert view._live is not None and view._live.is_started
-    console = recording_console()
-    console.print(view._live.renderable)
-    text = console.export_text()
+    text = drawn(view)
     assert text.startswith("starting SGLang deployment (")
     return {name: (kind, state, where) for name, kind, state, _since, where in table_rows(text)}
 
@@ -129,3 +136,54 @@ def test_summary_prints_one_row_per_model() -> None:
     assert [c.strip() for c in header.strip("┃").split("┃")] == [
         "model", "router", "mode", "engines", "GPUs", "engine kind",
     ]  # fmt: skip
+
+
+class FakeClock:
+    """Seconds that move only when the test says so."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def title(view: StatusView) -> str:
+    return drawn(view).splitlines()[0].rstrip()  # padded to the table's width
+
+
+def test_the_live_tables_clock_goes_on_while_no_engine_changes_state() -> None:
+    """A real engine loads its weights for minutes without a state change: the title's elapsed time must still
+    move at each redraw (it stayed at 0.0 s when the view handed rich one table built at the start)."""
+    clock = FakeClock(100.0)
+    view = StatusView(mode="always", console=recording_console(), clock=clock)
+    track_all(view)
+    assert title(view) == "starting SGLang deployment (0.0 s)"
+    clock.now = 112.5  # no update() in between
+    assert title(view) == "starting SGLang deployment (12.5 s)"
+    clock.now = 161.5
+    assert title(view) == "starting SGLang deployment (61.5 s)"
+    # The per-row column is when each row entered its state: unchanged until it changes.
+    assert [row[3] for row in table_rows(drawn(view))] == ["0.0", "0.0"]
+    view.update(ENGINE, "healthy")
+    assert [row[3] for row in table_rows(drawn(view))] == ["0.0", "61.5"]
+    view.finish()
+
+
+def test_the_live_views_own_refresh_draws_the_later_time_on_a_terminal() -> None:
+    """On a terminal rich redraws the view 4 times a second by itself; with the clock moved and nothing else
+    done, a redraw shows the new elapsed time."""
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, color_system=None, width=120, highlight=False)
+    clock = FakeClock(50.0)
+    view = StatusView(mode="auto", console=console, clock=clock)
+    assert view.live_mode
+    track_all(view)
+    clock.now = 57.5
+    deadline = time.monotonic() + 30  # only ends a test whose redraw never comes
+    while "starting SGLang deployment (7.5 s)" not in out.getvalue():
+        assert time.monotonic() < deadline, out.getvalue()
+        time.sleep(0.05)
+    clock.now = 63.0
+    view.finish()  # drawn a last time, as the clock says then
+    assert out.getvalue().rsplit("starting SGLang deployment (", 1)[1].startswith("13.0 s)")

@@ -3,11 +3,12 @@ summary (model, router URL, engines, GPUs) once it is ready."""
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
-from rich.console import Console
+from rich.console import Console, RenderableType
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
@@ -34,56 +35,73 @@ class SummaryRow:
 class _Row:
     kind: str
     detail: str
+    since: float
     state: str = "starting"
-    since: float = field(default_factory=time.monotonic)
+
+
+class _FreshTable:
+    """What the live view is given: each time rich draws it (on its refresh timer, 4 times a second, and once
+    more when it stops) it builds the table anew, so the elapsed time in its title goes on while no engine
+    changes state (a real engine loading its weights for minutes)."""
+
+    def __init__(self, view: StatusView) -> None:
+        self.view = view
+
+    def __rich__(self) -> RenderableType:
+        return self.view._table()
 
 
 class StatusView:
     """``mode``: ``auto`` (a live table on a terminal, plain lines of state changes otherwise), ``always`` (the
-    live table) or ``never`` (no start-up display: only notes and the summary once ready)."""
+    live table) or ``never`` (no start-up display: only notes and the summary once ready). ``clock``: the
+    seconds the times shown are taken from (a test's own clock)."""
 
-    def __init__(self, mode: str = "auto", console: Console | None = None) -> None:
+    def __init__(
+        self, mode: str = "auto", console: Console | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.console = console or Console(stderr=True, highlight=False)
         self.live_mode = mode == "always" or (mode == "auto" and self.console.is_terminal)
         self.quiet = mode == "never"
+        self.clock = clock
         self.rows: dict[str, _Row] = {}
-        self.started_at = time.monotonic()
+        self.started_at = clock()
         self._live: Live | None = None
+        # The rows change on the launcher's and the reconcile loop's threads and are drawn on rich's refresh
+        # thread.
+        self._rows_lock = threading.Lock()
 
     def _table(self) -> Table:
         table = Table(
-            title=f"starting SGLang deployment ({time.monotonic() - self.started_at:.1f} s)",
+            title=f"starting SGLang deployment ({self.clock() - self.started_at:.1f} s)",
             title_justify="left",
         )
         for col in ("name", "kind", "state", "s", "where"):
             table.add_column(col)
-        for name, row in self.rows.items():
-            state = Text(row.state, style=_STYLE.get(row.state, ""))  # any state name, styled or not
-            name_cell, kind, detail = (Text(escape_controls(text)) for text in (name, row.kind, row.detail))
-            table.add_row(name_cell, kind, state, f"{row.since - self.started_at:.1f}", detail)
+        with self._rows_lock:
+            rows = [(name, row.kind, row.detail, row.state, row.since) for name, row in self.rows.items()]
+        for name, kind_text, detail_text, state_text, since in rows:
+            state = Text(state_text, style=_STYLE.get(state_text, ""))  # any state name, styled or not
+            name_cell, kind, detail = (Text(escape_controls(text)) for text in (name, kind_text, detail_text))
+            table.add_row(name_cell, kind, state, f"{since - self.started_at:.1f}", detail)
         return table
 
-    def _refresh(self) -> None:
-        if self._live is not None:
-            self._live.update(self._table())
-
     def track(self, name: str, kind: str, detail: str) -> None:
-        self.rows[name] = _Row(kind=kind, detail=detail)
+        with self._rows_lock:
+            self.rows[name] = _Row(kind=kind, detail=detail, since=self.clock())
         if self.live_mode and self._live is None:
-            self._live = Live(self._table(), console=self.console, refresh_per_second=4, transient=False)
+            self._live = Live(_FreshTable(self), console=self.console, refresh_per_second=4, transient=False)
             self._live.start()
-        self._refresh()
 
     def update(self, name: str, state: str) -> None:
-        row = self.rows.get(name)
-        if row is None or row.state == state:
-            return
-        row.state, row.since = state, time.monotonic()
-        if self.live_mode:
-            self._refresh()
-        elif not self.quiet:
+        with self._rows_lock:
+            row = self.rows.get(name)
+            if row is None or row.state == state:
+                return
+            row.state, row.since = state, self.clock()
+            since, kind = row.since, row.kind
+        if not self.live_mode and not self.quiet:  # the live table shows it at its next refresh
             self.console.print(
-                escape_controls(f"[{row.since - self.started_at:6.1f}s] {row.kind} {name}: {state}"),
+                escape_controls(f"[{since - self.started_at:6.1f}s] {kind} {name}: {state}"),
                 markup=False,
             )
 
@@ -92,15 +110,14 @@ class StatusView:
 
     def finish(self) -> None:
         if self._live is not None:
-            self._refresh()
-            self._live.stop()
+            self._live.stop()  # drawn a last time
             self._live = None
             if not self.console.is_terminal:  # rich ends the table's last line only on a terminal
                 self.console.line()
 
     def summary(self, rows: Iterable[SummaryRow]) -> None:
         table = Table(
-            title=f"SGLang deployment ready in {time.monotonic() - self.started_at:.1f} s",
+            title=f"SGLang deployment ready in {self.clock() - self.started_at:.1f} s",
             title_justify="left",
         )
         for col in ("model", "router", "mode", "engines", "GPUs", "engine kind"):

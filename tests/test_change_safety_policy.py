@@ -157,3 +157,23 @@ def test_an_added_engine_starts_only_once_the_removed_engine_on_its_gpu_stopped(
     actions = decide(fleet, ledger, [done("cleanup", "old", 0)], now=1.3)
     assert fleet.engine("old").state is S.STOPPED
     assert work(actions, "new") == ["spawn"]
+
+
+def test_an_engine_whose_restart_a_change_removes_has_its_new_process_stopped_before_it_leaves() -> None:
+    """``c`` was killed and is being started again (its old process cleaned up, a spawn under way) when a
+    change removes it: once the spawn is done, its new process is drained and cleaned up before ``c`` leaves.
+    Before: the old cleanup still counted, so ``c`` left at once with its new process running on its GPU,
+    owned by no row, next to the engine the change added there (seen under load in the PD move test)."""
+    fleet, ledger = world(
+        engine("a"),
+        engine("c", retired=True, state=S.RESTARTING, registered=False, cleaned_up=True, restarts=1,
+               pending=frozenset({"spawn"})),
+    )  # fmt: skip
+    assert work(decide(fleet, ledger, now=1.0), "c") == []  # its spawn is under way: it waits
+    actions = decide(fleet, ledger, [done("spawn", "c", 1)], now=1.1)
+    assert fleet.engine("c").state is S.DRAINING and fleet.engine("c").cleaned_up is False
+    assert work(actions, "c") == ["drain"] and "engine_removed" not in [k for k, _m in events(actions)]
+    actions = decide(fleet, ledger, [done("drain", "c", 1)], now=1.2)  # no requests: its processes stop
+    assert work(actions, "c") == ["cleanup"] and fleet.engine("c").state is S.DRAINING
+    actions = decide(fleet, ledger, [done("cleanup", "c", 1)], now=1.3)
+    assert fleet.engine("c").state is S.STOPPED and [k for k, _m in events(actions)] == ["engine_removed"]

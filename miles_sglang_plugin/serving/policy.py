@@ -426,8 +426,8 @@ def _on_spawn(
 ) -> None:
     if row.state not in (EngineState.RESTARTING, EngineState.NEW):
         return
-    if o.ok:
-        s.move(row, EngineState.STARTING, started_at=now, probed_at=None, health_failures=0)
+    if o.ok:  # new processes run: whatever was cleaned up before is not cleaned up any more
+        s.move(row, EngineState.STARTING, started_at=now, probed_at=None, health_failures=0, cleaned_up=False)
         return
     if phase == "starting":  # its first start, at the deployment's start-up: the start-up fails
         exited = bool(o.details.get("exited"))

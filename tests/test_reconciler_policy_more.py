@@ -196,7 +196,7 @@ def test_an_exit_is_healed_step_by_step() -> None:
     ]
     assert decide(fleet, ledger, [done("spawn", "e", 1)], now=10.5) == [
         U("e", pending=NONE),
-        T("e", S.STARTING, started_at=10.5, probed_at=None, health_failures=0),
+        T("e", S.STARTING, started_at=10.5, probed_at=None, health_failures=0, cleaned_up=False),
         U("e", probed_at=10.5),
         U("e", pending=pending("probe")),
         W("probe", "e", path="/health_generate", timeout_s=2.0),
@@ -1167,7 +1167,7 @@ def test_an_added_engine_starts_once_no_other_engine_holds_its_gpus_and_is_repor
     assert decide(fleet, ledger, now=1.5) == []  # its start is under way
     assert decide(fleet, ledger, [done("spawn", "n", 0)], now=2.0) == [
         U("n", pending=NONE),
-        T("n", S.STARTING, started_at=2.0, probed_at=None, health_failures=0),
+        T("n", S.STARTING, started_at=2.0, probed_at=None, health_failures=0, cleaned_up=False),
         U("n", probed_at=2.0),
         U("n", pending=pending("probe")),
         W("probe", "n", path="/health_generate", timeout_s=2.0),
@@ -1767,7 +1767,7 @@ def test_the_start_ups_engines_are_started_by_the_loop_all_in_its_first_pass() -
     ]
     assert decide(fleet, ledger, [done("spawn", "a", 0)], now=0.25, phase="starting", deadline=600.0) == [
         U("a", pending=NONE),
-        T("a", S.STARTING, started_at=0.25, probed_at=None, health_failures=0),
+        T("a", S.STARTING, started_at=0.25, probed_at=None, health_failures=0, cleaned_up=False),
         U("a", probed_at=0.25),
         U("a", pending=pending("probe")),
         W("probe", "a", path="/health_generate", timeout_s=2.0),

@@ -31,6 +31,8 @@ from miles_sglang_plugin.serving.rollout import (
     VersionUnavailable,
     Worker,
     _Broken,
+    _event,
+    _refusal,
     _Try,
     _worker,
 )
@@ -38,8 +40,9 @@ from miles_sglang_plugin.standin.engine import Prompt, fake_generate
 from tests.launch_helpers import refusing_port
 from tests.test_standin import HOST, Proc, spawn, start_standin, wait_http  # noqa: F401
 
-#: 0.05 s per decode step: a 40-token answer streams for about 2 s, time to kill its engine in the middle.
-PACED = {"MSP_STANDIN_SPEED": json.dumps({"decode_step_s": 0.05, "decode_token_s": 0.0})}
+#: 0.1 s per decode step: a 40-token answer streams for about 4 s, and the next token comes 0.1 s after the
+#: one whose arrival kills its engine (a loaded machine's delays stay well below).
+PACED = {"MSP_STANDIN_SPEED": json.dumps({"decode_step_s": 0.1, "decode_token_s": 0.0})}
 PROMPT = [101, 202, 303, 404]
 GREEDY = {"max_new_tokens": 40, "temperature": 0}
 
@@ -66,28 +69,28 @@ def test_a_minimum_version_is_compared_as_a_number_and_an_exact_one_as_text() ->
 
 
 # ----------------------------------------------------------------------------------------------- the stream
-def _event(ids: list[int], completion: int, **meta: Any) -> dict[str, Any]:
+def _event_of(ids: list[int], completion: int, **meta: Any) -> dict[str, Any]:
     return {"text": "", "output_ids": ids, "meta_info": {"completion_tokens": completion, **meta}}
 
 
 def test_a_stream_of_the_output_so_far_and_one_of_the_new_tokens_give_the_same_ids() -> None:
     so_far, new = _Try(), _Try()
     for ids in ([7], [7, 8], [7, 8, 9]):
-        so_far.take(_event(ids, len(ids)))
+        so_far.take(_event_of(ids, len(ids)))
     for count, ids in enumerate(([7], [8], [9]), 1):
-        new.take(_event(ids, count))
+        new.take(_event_of(ids, count))
     assert so_far.ids == new.ids == [7, 8, 9]
     with pytest.raises(_Broken, match="2 output ids with completion_tokens 6 after 3"):
-        new.take(_event([1, 2], 6))
+        new.take(_event_of([1, 2], 6))
 
 
 def test_tokens_are_attributed_to_the_weight_version_that_made_them() -> None:
     got = _Try()
     spans = [{"version": "4", "start": 0, "end": 2}, {"version": "5", "start": 2, "end": 5}]
-    got.take(_event([1, 2, 3, 4, 5], 5, weight_versions=spans, weight_version="5"))
+    got.take(_event_of([1, 2, 3, 4, 5], 5, weight_versions=spans, weight_version="5"))
     assert [got.version_at(i) for i in range(5)] == ["4", "4", "5", "5", "5"]
     plain = _Try()
-    plain.take(_event([1, 2], 2, weight_version="9"))
+    plain.take(_event_of([1, 2], 2, weight_version="9"))
     assert [plain.version_at(i) for i in range(2)] == ["9", "9"]
 
 
@@ -200,7 +203,7 @@ def test_a_request_asking_for_a_version_goes_to_the_engine_that_has_it(
     assert list(result.output_ids) == by_two
     assert result.segments == (Segment(0, 40, "two", "2"),) and result.weight_version == "2"
     with pytest.raises(
-        VersionUnavailable, match=r"no engine has version '3' after 0\.\d s \(versions: 1, 2\)"
+        VersionUnavailable, match=r"no engine has version '3' after \d+\.\d s \(versions: 1, 2\)"
     ):
         run(
             AsyncRolloutClient(no_router, "actor", workers=fleet, version_wait_s=0.3),
@@ -334,3 +337,70 @@ def test_the_engine_listing_has_smgs_shape_with_the_versions_engines_have_now() 
     }
     assert _worker(smg_row) == Worker("http://h:1", "actor", "regular", "default", "serving")
     assert _worker({"url": 5}) is None
+
+
+def test_a_refusal_inside_a_stream_is_not_sent_again_and_a_lost_stream_is() -> None:
+    """SGLang refuses some requests only once their stream has begun (an error event with its HTTP code and
+    ``retryable``), and its scheduler ends others with an abort finish whose status is 400."""
+    with pytest.raises(_Broken) as refused:
+        _event(b'{"error": {"message": "The input is longer than the context", "code": 400}}')
+    assert refused.value.retry is False
+    with pytest.raises(_Broken) as busy:
+        _event(b'{"error": {"message": "try later", "code": 503, "retryable": true}}')
+    assert busy.value.retry is True
+    with pytest.raises(_Broken) as said_no:
+        _event(b'{"error": {"message": "no", "code": 429, "retryable": false}}')
+    assert said_no.value.retry is False
+    assert _refusal(400) and _refusal(422) and not _refusal(429) and not _refusal(503) and not _refusal(None)
+
+
+def test_the_versions_of_tokens_streamed_without_spans_are_those_of_their_events() -> None:
+    """Intermediate events carry only the engine's version as they are sent: two tokens came under 4, then an
+    in-place update, two more under 5; the last event's spans, where there are some, are SGLang's own."""
+    got = _Try()
+    got.take(_event_of([1, 2], 2, weight_version="4"))
+    got.take(_event_of([1, 2, 3, 4], 4, weight_version="5"))
+    assert [got.version_at(i) for i in range(4)] == ["4", "4", "5", "5"]
+    spans = [{"version": "4", "start": 0, "end": 3}, {"version": "5", "start": 3, "end": 5}]
+    got.take(_event_of([1, 2, 3, 4, 5], 5, weight_version="5", weight_versions=spans))
+    assert [got.version_at(i) for i in range(5)] == ["4", "4", "4", "5", "5"]
+
+
+def test_a_listing_that_is_wrong_about_versions_ends_in_version_unavailable_not_a_loop(
+    spawn: Callable[..., Proc], no_router: RouterRegistry
+) -> None:
+    """Both engines are listed with version 2 but have 1: each is tried once, its tokens dropped, and the
+    request ends in VersionUnavailable after its version wait, long before its deadline (before: the wait
+    started over with every try, so the engines were asked again and again until the deadline)."""
+    one, other = engines(spawn, "1", "1")
+    fleet = Fleet(
+        [
+            Worker(one.url, "actor", "regular", "2", id="one"),
+            Worker(other.url, "actor", "regular", "2", id="other"),
+        ]
+    )
+    client = AsyncRolloutClient(no_router, "actor", workers=fleet, version_wait_s=1.0, router_retry_s=600)
+    with pytest.raises(VersionUnavailable) as caught:
+        run(client, input_ids=PROMPT, sampling_params=GREEDY, min_version=2, deadline_s=600)
+    tried = [a.target for a in caught.value.attempts]
+    assert sorted(tried[1:]) == ["one", "other"] and all(a.kept_tokens == 0 for a in caught.value.attempts)
+
+
+def test_a_client_abort_ends_a_request_that_waits_for_its_version(
+    spawn: Callable[..., Proc], no_router: RouterRegistry
+) -> None:
+    (a,) = engines(spawn, "1")
+    client = AsyncRolloutClient(
+        no_router,
+        "actor",
+        workers=Fleet([Worker(a.url, "actor", "regular", "1", id="a")]),
+        version_wait_s=600,
+    )
+
+    async def go() -> RolloutResult:
+        async with client:
+            asyncio.get_running_loop().call_later(0.3, client.abort_all)
+            return await client.generate(PROMPT, sampling_params=GREEDY, min_version=2)
+
+    result = asyncio.run(go())
+    assert result.aborted and result.output_ids == () and result.attempts == ()

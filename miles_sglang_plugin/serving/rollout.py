@@ -72,6 +72,8 @@ _GONE = frozenset({"lost", "restarting", "failed", "stopped"})
 _RETRYABLE_4XX = frozenset({404, 408, 409, 425, 429})
 _FIRST_PAUSE_S = 0.05
 _ABORTED = "aborted by the client"
+#: Constrained decoding (``sampling_params``): its grammar state cannot be continued in another request.
+_GRAMMARS = ("json_schema", "regex", "ebnf", "structural_tag")
 #: How long the end of a stream (``[DONE]``) is waited for after its finish.
 _AFTER_FINISH_S = 1.0
 _MAX_PAUSE_S = 1.0
@@ -158,9 +160,9 @@ MAX_LISTING_BYTES = 8 * 1024 * 1024
 
 
 class HttpWorkers:
-    """A rollout client's view of the engines, read from a deployment's ``/v1/rl/workers`` (or SMG's) every
-    ``interval_s`` by a thread of its own (so that a slow answer never holds up a request); the last good
-    listing is kept while the listing does not answer."""
+    """A rollout client's view of the engines, read from a deployment's ``/v1/rl/workers`` (or SMG's) once
+    when it is made, then every ``interval_s`` by a thread of its own (so that a slow answer never holds up a
+    request); the last good listing is kept while the listing does not answer."""
 
     def __init__(
         self, url: str, headers: Mapping[str, str] | None = None, *, interval_s: float = 0.5
@@ -171,32 +173,33 @@ class HttpWorkers:
         self._rows: list[Worker] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._read_once = threading.Event()
+        self._client = httpx.Client(headers=self._headers, timeout=httpx.Timeout(2.0))
+        self._rows = _read_listing(self._client, self.url) or []  # here, not on the caller's event loop
         self._thread = threading.Thread(target=self._poll, name="msp-rl-workers", daemon=True)
         self._thread.start()
 
     def workers(self, model: str) -> list[Worker]:
-        self._read_once.wait(timeout=2 * self.interval_s + 2.0)
         with self._lock:
             return [w for w in self._rows if w.model == model]
 
     def _poll(self) -> None:
-        with httpx.Client(headers=self._headers, timeout=httpx.Timeout(2.0)) as client:
-            while not self._stop.is_set():
-                started = time.monotonic()
-                rows = _read_listing(client, self.url)
+        try:
+            while not self._stop.wait(self.interval_s):
+                rows = _read_listing(self._client, self.url)
                 if rows is not None:
                     with self._lock:
                         self._rows = rows
-                self._read_once.set()
-                self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - started)))
+        finally:
+            self._client.close()
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
 
 
-def _read_listing(client: httpx.Client, url: str) -> list[Worker] | None:
+def _read_listing(client: httpx.Client, url: str, deadline_s: float = 5.0) -> list[Worker] | None:
+    """The listing at ``url`` (None: no whole answer within ``deadline_s``, larger than the cap, or not one)."""
+    until = time.monotonic() + deadline_s
     try:
         with client.stream("GET", url) as response:
             if response.status_code != 200:
@@ -204,10 +207,10 @@ def _read_listing(client: httpx.Client, url: str) -> list[Worker] | None:
             raw = b""
             for chunk in response.iter_raw():
                 raw += chunk
-                if len(raw) > MAX_LISTING_BYTES:
+                if len(raw) > MAX_LISTING_BYTES or time.monotonic() > until:
                     return None
         listing = json.loads(raw)
-    except (httpx.HTTPError, ValueError):
+    except Exception:  # whatever the listing does, the client goes on with the last good one
         return None
     rows = listing.get("workers") if isinstance(listing, dict) else None
     if not isinstance(rows, list):
@@ -386,7 +389,7 @@ class _Try:
             self.logprobs.extend(tuple(e) if isinstance(e, list) else (e,) for e in new)
         if isinstance(meta.get("prompt_tokens"), int):
             self.prompt_tokens = meta["prompt_tokens"]
-        self.spans = _spans(meta, len(self.ids))
+        self.spans = _spans(meta, len(self.ids), self.spans)
         self.meta = meta
         self.finish = meta.get("finish_reason") if isinstance(meta.get("finish_reason"), dict) else None
 
@@ -397,7 +400,12 @@ class _Try:
         return self.spans[-1][0] if self.spans else None
 
 
-def _spans(meta: Mapping[str, Any], count: int) -> list[tuple[str | None, int, int]]:
+def _spans(
+    meta: Mapping[str, Any], count: int, before: list[tuple[str | None, int, int]]
+) -> list[tuple[str | None, int, int]]:
+    """The versions of a try's ``count`` tokens: SGLang's exact spans where the event has them (its last one);
+    else the tokens new in this event are the event's ``weight_version``'s (SGLang's intermediate events carry
+    only the version the engine has as it sends them)."""
     spans = meta.get("weight_versions")
     out: list[tuple[str | None, int, int]] = []
     if isinstance(spans, list):
@@ -408,10 +416,18 @@ def _spans(meta: Mapping[str, Any], count: int) -> list[tuple[str | None, int, i
                 and isinstance(span.get("end"), int)
             ):
                 out.append((str(span.get("version")), span["start"], min(span["end"], count)))
-    if not out:
-        version = meta.get("weight_version")
-        out = [(None if version is None else str(version), 0, count)]
-    return out
+    if out:
+        return out
+    raw = meta.get("weight_version")
+    version = None if raw is None else str(raw)
+    out = [span for span in before if span[2] <= count]
+    done = out[-1][2] if out else 0
+    if count > done:
+        if out and out[-1][0] == version:
+            out[-1] = (version, out[-1][1], count)
+        else:
+            out.append((version, done, count))
+    return out or [(version, 0, count)]
 
 
 def _short(value: Any, limit: int = 300) -> str:
@@ -435,14 +451,14 @@ class _Chunks:
         except Exception as exc:  # handed to the reader, which says what broke
             await self._queue.put(exc)
 
-    async def next(self, stall_s: float, alive: Callable[[], str | None]) -> bytes | None:
+    async def next(self, stall_s: float | None, alive: Callable[[], str | None]) -> bytes | None:
         """The next chunk (None at the end); :class:`_Broken` when the stream broke, nothing came for
         ``stall_s``, or ``alive()`` names why the engine will not finish it."""
         quiet_since = time.monotonic()
         while True:
             try:
                 if self._queue.empty():  # (asyncio.wait_for would make a task of every wait)
-                    async with asyncio.timeout(min(0.5, stall_s)):
+                    async with asyncio.timeout(0.5 if stall_s is None else min(0.5, stall_s)):
                         item = await self._queue.get()
                 else:
                     item = self._queue.get_nowait()
@@ -450,7 +466,7 @@ class _Chunks:
                 gone = alive()
                 if gone:
                     raise _Broken(gone) from None
-                if time.monotonic() - quiet_since >= stall_s:
+                if stall_s is not None and time.monotonic() - quiet_since >= stall_s:
                     raise _Broken(f"no output for {stall_s:g} s") from None
                 continue
             if isinstance(item, BaseException):
@@ -464,7 +480,7 @@ class _Chunks:
 
 
 async def _events(
-    response: httpx.Response, stall_s: Callable[[], float], alive: Callable[[], str | None]
+    response: httpx.Response, stall_s: Callable[[], float | None], alive: Callable[[], str | None]
 ) -> AsyncIterator[Mapping[str, Any]]:
     """The ``data:`` events of a server-sent stream, each at most :data:`MAX_EVENT_BYTES`, until ``[DONE]``;
     ``stall_s()``: how long the next chunk may take."""
@@ -496,8 +512,18 @@ def _event(payload: bytes) -> Mapping[str, Any]:
     if not isinstance(event, dict):
         raise _Broken(f"an event that is not an object: {_short(event)}")
     if "error" in event and "output_ids" not in event:
-        raise _Broken(f"the engine reports an error: {_short(event['error'])}")
+        # SGLang refuses some requests only once their stream has begun (a prompt longer than the context, a
+        # rid in use): an error event with the HTTP code it would have answered, and ``retryable``.
+        error = event["error"]
+        code = error.get("code") if isinstance(error, dict) else None
+        refused = isinstance(error, dict) and (error.get("retryable") is False or _refusal(code))
+        raise _Broken(f"the engine reports an error: {_short(error)}", retry=not refused)
     return event
+
+
+def _refusal(status: object) -> bool:
+    """An HTTP status that says the request itself is wrong (sending it again cannot help)."""
+    return isinstance(status, int) and 400 <= status < 500 and status not in _RETRYABLE_4XX
 
 
 # ----------------------------------------------------------------------------------------------- the client
@@ -525,6 +551,9 @@ class _Request:
     version_wait_started: float | None = None
     #: A try came back with tokens of a version the constraint does not allow (go to engines, not the router).
     wrong_version_seen: bool = False
+    #: Engines that answered this request with a version it does not allow -> the version the deployment
+    #: listed for them then (they are asked again once it lists another).
+    wrong_engines: dict[str, str | None] = field(default_factory=dict)
     on_tokens: Callable[[str, int], None] | None = None
 
     @property
@@ -657,13 +686,17 @@ class AsyncRolloutClient:
         epoch = self._abort_epoch
         pause = _FIRST_PAUSE_S
         while True:
-            if request.remaining <= 0:
+            if request.remaining <= 0 and (request.attempts or request.max_new_tokens > 0):
                 request.finish = request.finish or {"type": "length", "length": len(request.ids)}
                 return self._result(request)
             if self._abort_epoch != epoch:
                 request.finish = {"type": "abort", "message": _ABORTED}
                 return self._result(request)
-            target, url = await self._target(request)
+            where = await self._target(request, epoch)
+            if where is None:
+                request.finish = {"type": "abort", "message": _ABORTED}
+                return self._result(request)
+            target, url = where
             try:
                 await self._try(request, target, url, epoch)
             except _Broken as broken:
@@ -752,12 +785,14 @@ class AsyncRolloutClient:
             return []
         return [w for w in self._workers.workers(self.model) if w.state == _SERVING]
 
-    async def _target(self, request: _Request) -> tuple[str, str]:
+    async def _target(self, request: _Request, epoch: int) -> tuple[str, str] | None:
         """(name, base URL) of where the next try goes: the router, or one engine. With a version constraint,
         the router only while every engine that decides tokens has the version (for a PD model, which is
         reached only through its router: otherwise wait); else an engine that has it."""
         router = (f"router {self.model}", self.route.base_url)
         while True:
+            if self._abort_epoch != epoch:
+                return None  # the client aborted its requests while this one waited
             now = time.monotonic()
             deciding = [w for w in self._engines() if w.worker_type != "prefill"]
             constraint = request.constraint
@@ -775,8 +810,8 @@ class AsyncRolloutClient:
                 return router
             else:
                 eligible = allowed
+            eligible = [w for w in eligible if request.wrong_engines.get(w.url, ...) != w.weight_version]
             if eligible:
-                request.version_wait_started = None
                 usable = [w for w in eligible if self._avoid.get(w.url, 0.0) <= now] or eligible
                 turn = next(self._turn)
                 order = {w.url: (i - turn) % len(usable) for i, w in enumerate(usable)}
@@ -796,6 +831,15 @@ class AsyncRolloutClient:
             request.version_wait_started = now
         return now - request.version_wait_started
 
+    def _alive(self, url: str, direct: bool, epoch: int) -> Callable[[], str | None]:
+        """Why a try will not finish where it runs (asked every half second while no output comes)."""
+        gone = self._gone(url) if direct else _answers
+
+        def check() -> str | None:
+            return _ABORTED if self._abort_epoch != epoch else gone()
+
+        return check
+
     def _gone(self, url: str) -> Callable[[], str | None]:
         def check() -> str | None:
             if self._workers is None:
@@ -810,7 +854,9 @@ class AsyncRolloutClient:
     # -- one try
     def _body(self, request: _Request, prompt_ids: list[int] | None) -> dict[str, Any]:
         body: dict[str, Any] = {}
-        if request.attempts:
+        if (
+            request.ids
+        ):  # going on from tokens it has: what concerns the prompt's own logprobs is not asked again
             body.update(
                 {k: v for k, v in request.extra.items() if k not in ("logprob_start_len", "top_logprobs_num")}
             )
@@ -836,6 +882,9 @@ class AsyncRolloutClient:
     async def _prompt_ids(self, request: _Request, url: str) -> list[int] | None:
         """The prompt as token ids: given, or (a text prompt with tokens to continue) from a tokenizer of the
         model (``/tokenize`` of the target, else of its engines); None: send the text (and start again)."""
+        if request.ids and any(request.sampling.get(k) is not None for k in _GRAMMARS):
+            # A grammar's state cannot be carried over a seam: such a request starts again from its prompt.
+            request.ids, request.text_parts, request.logprobs, request.segments = [], [], [], []
         if request.prompt_ids is not None or not request.ids:
             return request.prompt_ids
         for base in dict.fromkeys([url, *(w.url for w in self._engines())]):
@@ -875,20 +924,27 @@ class AsyncRolloutClient:
             await self._stream(request, target, url, body, got, epoch)
             if got.finish is None:
                 raise _Broken(f"the stream ended after {len(got.ids)} tokens without a finish")
-            if got.finish.get("type") == "abort":
-                raise _Broken(f"the engine aborted it: {_short(got.finish.get('message', ''))}")
+            if got.finish.get("type") == "abort":  # a 4xx status: the scheduler refused it (too long, ...)
+                why = f"the engine aborted it: {_short(got.finish.get('message', ''))}"
+                raise _Broken(why, retry=not _refusal(got.finish.get("status_code")))
         except _Broken as broken:
-            request.keep(target, got, self._allowed(request, got))
             kept = self._allowed(request, got)
+            request.keep(target, got, kept)
             request.attempts.append(Attempt(target, sent, kept, broken.why, *_times(request, began)))
             if broken.why == _ABORTED:
                 request.finish = {"type": "abort", "message": _ABORTED}
                 return
             if direct:
                 self._avoid[url] = time.monotonic() + self.router_retry_s
+                if broken.wrong_version is not None:
+                    listed = [w.weight_version for w in self._engines() if w.url == url]
+                    request.wrong_engines[url] = listed[0] if listed else None
+            if kept:
+                request.version_wait_started = None  # it got somewhere: the wait for its version starts anew
             raise
         finally:
             self._load[url] -= 1
+        request.version_wait_started = None
         request.keep(target, got, len(got.ids))
         request.finish = got.finish
         request.attempts.append(Attempt(target, sent, len(got.ids), "finished", *_times(request, began)))
@@ -910,10 +966,8 @@ class AsyncRolloutClient:
                         if not direct and status >= 500:
                             self._router_down_until = time.monotonic() + self.router_retry_s
                         why = f"HTTP {status}: {_short(raw.decode(errors='replace'))}"
-                        raise _Broken(why, retry=status >= 500 or status in _RETRYABLE_4XX)
-                    await self._read(
-                        request, target, got, epoch, response, self._gone(url) if direct else _answers
-                    )
+                        raise _Broken(why, retry=not _refusal(status))
+                    await self._read(request, target, got, epoch, response, self._alive(url, direct, epoch))
         except TimeoutError:
             raise _Broken("the deadline passed") from None
         except httpx.HTTPError as exc:
@@ -934,8 +988,13 @@ class AsyncRolloutClient:
         too, for at most a second, so that its connection is kept for the next request."""
         finished = [False]  # (read by the stall below, set by the loop)
 
-        def stall_s() -> float:
-            return _AFTER_FINISH_S if finished[0] else self.stall_s
+        def stall_s() -> float | None:
+            """Until its first token a request may wait in the engine's queue or behind a paused engine as
+            long as its deadline allows (a lost engine is seen by ``alive``); then ``stall_s`` between two
+            events; after its finish, a second for the stream's end."""
+            if finished[0]:
+                return _AFTER_FINISH_S
+            return self.stall_s if got.ids else None
 
         try:
             async for event in _events(response, stall_s, alive):
@@ -995,6 +1054,7 @@ class RolloutClient:
     future); the requests run on one event loop of a thread of the client's own."""
 
     def __init__(self, registry: RouterRegistry, model: str, **kwargs: Any) -> None:
+        registry[model]  # an unknown model raises before any thread starts
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"rollout-{model}", daemon=True)
         self._thread.start()
@@ -1024,6 +1084,7 @@ class RolloutClient:
             registry = RouterRegistry.from_json(registry)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         url = workers_url or environ.get(WORKERS_ENV_VAR)
+        registry[model]  # an unknown model raises before the listing's thread starts
         if url and "workers" not in kwargs:
             kwargs["workers"] = HttpWorkers(url, headers)
         return cls(registry, model, headers=headers, **kwargs)
@@ -1052,10 +1113,18 @@ class RolloutClient:
                 return
             self._closed = True
         with contextlib.suppress(Exception):
-            asyncio.run_coroutine_threadsafe(self.aio.aclose(), self._loop).result(timeout=10)
+            asyncio.run_coroutine_threadsafe(self._shut(), self._loop).result(timeout=10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
         self._loop.close()
+
+    async def _shut(self) -> None:
+        """Requests still running end (their callers get CancelledError), then the connections close."""
+        running = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in running:
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+        await self.aio.aclose()
 
     def __enter__(self) -> RolloutClient:
         return self

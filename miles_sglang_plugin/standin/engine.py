@@ -578,8 +578,15 @@ async def _sse(
         for index, event in enumerate(events):
             timing = await pacing.before(index) if pacing is not None else None
             if aborted is not None and aborted():
-                final = previous if previous is not None else {**event, "text": "", "output_ids": []}
-                final["meta_info"] = {**final["meta_info"], "finish_reason": dict(ABORT_FINISH)}
+                if previous is not None:
+                    final = previous
+                    final["meta_info"] = {**final["meta_info"], "finish_reason": dict(ABORT_FINISH)}
+                else:  # aborted before its first token: nothing made
+                    meta = {**event["meta_info"], "completion_tokens": 0, "finish_reason": dict(ABORT_FINISH)}
+                    meta["weight_versions"] = [{**meta["weight_versions"][0], "end": 0}]
+                    if "output_token_logprobs" in meta:
+                        meta["output_token_logprobs"] = []
+                    final = {**event, "text": "", "output_ids": [], "meta_info": meta}
                 await response.write(b"data: " + json.dumps(final).encode() + b"\n\n")
                 break
             if timing is not None:  # the last event: what the request waited, as SGLang reports it

@@ -61,7 +61,7 @@ $(VENV)/.smg-installed: pyproject.toml | $(VENV)/.base-installed
 ROUTER_TESTS := tests/test_routers.py tests/test_launcher.py tests/test_launcher_faults.py \
 	tests/test_supervision.py tests/test_control.py tests/test_control_lifecycle.py \
 	tests/test_standin_control.py tests/test_external_engines_live.py tests/test_serving_faults.py \
-	tests/test_change_safety.py tests/test_elastic.py
+	tests/test_change_safety.py tests/test_elastic.py tests/test_rollout_live.py
 
 # The ray backend's extra (Ray itself), for the tests.
 $(VENV)/.ray-installed: pyproject.toml | $(VENV)/.base-installed

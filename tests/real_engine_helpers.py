@@ -93,11 +93,8 @@ def _train_tokenizer() -> object:
     return fast
 
 
-def make_tiny_model(path: Path, seed: int, lm_head_scale: float = 1.0) -> Path:
-    """A Llama checkpoint at ``path``: random weights of ``seed`` (float32), the locally trained tokenizer.
-    ``lm_head_scale`` multiplies the output layer: random weights give logits so close together that a greedy
-    path has near-ties (top-2 gaps of 0.015 at best over the lane's sentences), which a scale of 30 widens
-    thirtyfold without changing which token is best."""
+def make_tiny_model(path: Path, seed: int) -> Path:
+    """A Llama checkpoint at ``path``: random weights of ``seed`` (float32), the locally trained tokenizer."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -118,10 +115,7 @@ def make_tiny_model(path: Path, seed: int, lm_head_scale: float = 1.0) -> Path:
         torch_dtype="float32",
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(lm_head_scale)
-    model.save_pretrained(path)
+    LlamaForCausalLM(config).save_pretrained(path)
     return path
 
 

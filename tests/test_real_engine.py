@@ -8,9 +8,8 @@ What only the real server can prove: that the command line the plan renders (min
 ``rendering/cpu_engine.py``) starts it; generation through the router; the trainer loop's control operations
 with the real server's answers (release/resume answer ``null``, a weight update from disk changes the output
 and the version, ``in_place`` holds a request until ``continue``); a SIGKILLed engine healed and given its state
-back (the new weights and version); the rollout client's continuation of a request whose engine is killed in
-the middle of its stream (the tokens of an uninterrupted greedy run) and its choice of the engine that has the
-weight version a request asks for; nothing left after stop.
+back (the new weights and version); the rollout client's choice of the engine that has the weight version a
+request asks for; nothing left after stop.
 
 Run with ``make test-real-engine`` (its own venv, ``.venv-real``); elsewhere these tests skip, and fail with
 ``MSP_REQUIRE_REAL_ENGINE_TESTS=1`` (``.ci/run``). At most two engines run at a time (about 3 GB each).
@@ -35,10 +34,9 @@ import httpx
 import pytest
 
 from miles_sglang_plugin import compose_config, launch_from_config, prepare_from_config
-from miles_sglang_plugin.serving.registry import ModelRoute, RouterRegistry
 from miles_sglang_plugin.serving.rollout import AsyncRolloutClient, Worker
 from tests import real_engine_helpers as real
-from tests.launch_helpers import port_accepts, refusing_port
+from tests.launch_helpers import port_accepts
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(900)]
 
@@ -308,10 +306,6 @@ def test_a_sigkilled_real_engine_is_healed_and_given_its_state_back(lane: Lane):
 
 
 # -------------------------------------------------------------------------------------- the rollout client
-#: Tokens of the continuity requests.
-CONTINUED = 8
-
-
 class _Fleet:
     """The lane's two engines as a rollout client's fleet (the test knows which engine a try is on)."""
 
@@ -320,76 +314,6 @@ class _Fleet:
 
     def workers(self, model: str) -> list[Worker]:
         return self.list
-
-
-def _greedy(url: str, ids: list[int], top: int = 0) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "input_ids": ids,
-        "sampling_params": {"max_new_tokens": CONTINUED, "temperature": 0, "ignore_eos": True},
-    }
-    if top:
-        body.update(return_logprob=True, top_logprobs_num=top)
-    return post(url, "/generate", body).json()
-
-
-def _margin(answer: dict[str, Any]) -> float:
-    """The smallest gap between the best and the second-best token's logprob along a greedy answer."""
-    return min(entries[0][0] - entries[1][0] for entries in answer["meta_info"]["output_top_logprobs"])
-
-
-def test_the_rollout_client_loses_no_token_of_a_real_engine_killed_mid_stream(lane: Lane):
-    """SGLang's own server, greedy: the engine a request streams from is SIGKILLed after 1, half and all but
-    one of its tokens; the other engine pre-fills the prompt and those tokens and goes on, and the tokens are
-    an uninterrupted run's. The prompt is the lane's sentence whose greedy path has the widest gap between the
-    two best tokens (shown), so that a pre-fill's float differences from decoding cannot flip a token."""
-    url = lane.url(ENGINES[0])
-    prompts = [post(url, "/tokenize", {"prompt": s}).json()["tokens"] for s in real.SENTENCES]
-    margin, prompt = max((_margin(_greedy(url, ids, top=2)), ids) for ids in prompts)
-    real.record_measurement("continuity prompt: smallest top-2 logprob gap", f"{margin:.3f}")
-    assert margin >= 0.05
-    whole = _greedy(url, prompt)["output_ids"]
-    assert len(whole) == CONTINUED
-    for after in (1, CONTINUED // 2, CONTINUED - 1):
-        _kill_after(lane, prompt, whole, after)
-    for engine in ENGINES:
-        post(lane.url(engine), "/slow_down", {"forward_sleep_time": 0}).raise_for_status()
-
-
-def _kill_after(lane: Lane, prompt: list[int], whole: list[int], after: int) -> None:
-    """One request to the two engines (no router: the test knows which engine a try is on), its engine killed
-    once it has ``after`` tokens; then the deployment heals that engine."""
-    deployment = lane.deployment
-    for engine in ENGINES:  # a token every 0.5 s: the kill lands before the next one is made
-        post(lane.url(engine), "/slow_down", {"forward_sleep_time": 0.5}).raise_for_status()
-    pids = {e: engine_pid_of(lane, e) for e in ENGINES}
-    killed: list[str] = []
-
-    def kill(target: str, count: int) -> None:
-        if count >= after and not killed:
-            killed.append(target)
-            os.kill(pids[target], signal.SIGKILL)
-
-    since = len(deployment.events())
-    fleet = _Fleet([Worker(lane.url(e), "actor", id=e) for e in ENGINES])
-    sampling = {"max_new_tokens": CONTINUED, "temperature": 0, "ignore_eos": True}
-    with refusing_port(
-        real.HOST
-    ) as port:  # the router the client tries first refuses: it goes to the engines
-        closed = RouterRegistry([ModelRoute("actor", real.HOST, port)])
-        client = AsyncRolloutClient(closed, "actor", workers=fleet, router_retry_s=600)
-        result = asyncio.run(_generate(client, prompt, sampling, kill))
-    assert list(result.output_ids) == whole, (after, result.attempts)
-    assert len(killed) == 1 and result.segments[0].engine == killed[0] and result.segments[0].end >= after
-    assert result.segments[-1].engine != killed[0] and result.attempts[-1].outcome == "finished"
-    deployment.wait_for_event("engine_recovered", subject=killed[0], since=since, timeout_s=600)
-    lane.record_processes()
-
-
-async def _generate(
-    client: AsyncRolloutClient, prompt: list[int], sampling: dict[str, Any], on_tokens: Any
-) -> Any:
-    async with client:
-        return await client.generate(prompt, sampling_params=sampling, on_tokens=on_tokens)
 
 
 def test_a_request_for_a_minimum_version_gets_a_real_engine_that_has_it(lane: Lane):

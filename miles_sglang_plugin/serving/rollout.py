@@ -40,6 +40,7 @@ from typing import Any, Protocol, TypeVar
 
 import httpx
 
+from miles_sglang_plugin.serving import wire
 from miles_sglang_plugin.serving.registry import ModelRoute, RouterRegistry
 
 __all__ = [
@@ -312,7 +313,7 @@ class RolloutResult:
     @property
     def aborted(self) -> bool:
         """Ended by the client's :meth:`AsyncRolloutClient.abort_all` (the tokens so far are kept)."""
-        return bool(self.finish_reason) and (self.finish_reason or {}).get("type") == "abort"
+        return (self.finish_reason or {}).get("type") == "abort"
 
 
 class RolloutError(RuntimeError):
@@ -888,28 +889,18 @@ class AsyncRolloutClient:
         if request.prompt_ids is not None or not request.ids:
             return request.prompt_ids
         for base in dict.fromkeys([url, *(w.url for w in self._engines())]):
-            answer = await self._post_json(base + "/tokenize", {"prompt": request.text}, request.deadline)
-            tokens = answer.get("tokens") if isinstance(answer, dict) else None
+            deadline_s = max(0.1, min(10.0, request.deadline - time.monotonic()))
+            answer = await wire.call(
+                self._client(), "POST", base + "/tokenize", body={"prompt": request.text},
+                deadline_s=deadline_s, max_bytes=MAX_EVENT_BYTES,
+            )  # fmt: skip
+            tokens = answer.body.get("tokens") if answer.ok and isinstance(answer.body, dict) else None
             if isinstance(tokens, list) and tokens and all(isinstance(t, int) for t in tokens):
                 request.prompt_ids = tokens
                 return tokens
         # No tokenizer answers: drop what was made and start again from the text (never mix the two).
         request.ids, request.text_parts, request.logprobs, request.segments = [], [], [], []
         return None
-
-    async def _post_json(self, url: str, body: Mapping[str, Any], deadline: float) -> Any:
-        try:
-            async with asyncio.timeout(max(0.1, min(10.0, deadline - time.monotonic()))):
-                response = await self._client().post(url, json=dict(body))
-                raw = await response.aread()
-        except (TimeoutError, httpx.HTTPError):
-            return None
-        if response.status_code != 200 or len(raw) > MAX_EVENT_BYTES:
-            return None
-        try:
-            return json.loads(raw)
-        except ValueError:
-            return None
 
     async def _try(self, request: _Request, target: str, url: str, epoch: int) -> None:
         """One submission; the request keeps what it made. :class:`_Broken` when it ended before its finish."""

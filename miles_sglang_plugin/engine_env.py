@@ -10,7 +10,10 @@ from collections.abc import Mapping
 #: The node an engine process runs on, as its backend names it (the ray backend: the Ray node id).
 NODE_ID_ENV = "MSP_ENGINE_NODE_ID"
 
-#: Engine environment defaults (Miles), below the user's ``sglang_deploy.env``.
+#: Engine environment defaults (Miles: ``miles/ray/rollout/server_group.py`` at 31f1ca961, lines 99-115, and
+#: ``SGLANG_EXPOSE_OWN_ENV_VARS`` from its refactor, ``miles/ray/specs/inference.py`` at 727f91769), below the
+#: user's ``sglang_deploy.env``. Each is a default only: where the launcher's own environment has the variable,
+#: its value is the one the engines get (:func:`engine_env_defaults`).
 MILES_ENGINE_ENV: Mapping[str, str] = {
     "NVSHMEM_DISABLE_NCCL": "1",
     "SGLANG_JIT_DEEPGEMM_PRECOMPILE": "false",
@@ -20,7 +23,20 @@ MILES_ENGINE_ENV: Mapping[str, str] = {
     "SGLANG_BATCH_INVARIANT_OPS_ENABLE_MM_FALLBACK_VARIANT": "true",
     "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false",
     "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "false",
+    # SGLang then reports its own environment variables in /server_info (``internal_states[].env_vars``).
+    "SGLANG_EXPOSE_OWN_ENV_VARS": "1",
 }
+
+#: Miles' custom all-reduce switch: its default depends on the engines (see ``rendering.launch_specs``), and
+#: like the others it is a default only.
+CUSTOM_ALL_REDUCE_ENV = "SGLANG_OPT_USE_CUSTOM_ALL_REDUCE_V2"
+
+
+def engine_env_defaults(defaults: Mapping[str, str], launcher_env: Mapping[str, str]) -> dict[str, str]:
+    """Miles' rule for its engine defaults (``os.environ.get(key, default)``): the launcher's value wherever its
+    environment has the variable (even empty), else the default."""
+    return {name: launcher_env.get(name, value) for name, value in defaults.items()}
+
 
 #: What a ``cpu_sglang`` engine needs on top (SGLang's CPU engine); its shim's PYTHONPATH is added where it
 #: is rendered (:mod:`~miles_sglang_plugin.rendering.cpu_engine`).
@@ -32,7 +48,7 @@ PACKAGE_ENV_NAMES: frozenset[str] = frozenset(
     {
         *MILES_ENGINE_ENV,
         *CPU_ENGINE_ENV,
-        "SGLANG_OPT_USE_CUSTOM_ALL_REDUCE_V2",
+        CUSTOM_ALL_REDUCE_ENV,
         "CUDA_VISIBLE_DEVICES",
         "MSP_STANDIN_START_DELAY_S",
         "MSP_STANDIN_FAIL_AT_START",

@@ -14,6 +14,7 @@ os.environ.pop("CUDA_VISIBLE_DEVICES", None)
 import pytest
 
 from miles_sglang_plugin.config.deployment_spec import DeploymentSpec, GroupSpec, ModelSpec
+from miles_sglang_plugin.engine_env import CUSTOM_ALL_REDUCE_ENV, MILES_ENGINE_ENV
 from miles_sglang_plugin.rendering.router_specs import (
     GATEWAY_ENV,
     GATEWAYS,
@@ -21,6 +22,11 @@ from miles_sglang_plugin.rendering.router_specs import (
     gateway_installed,
     gateway_version,
 )
+
+# Likewise Miles' engine variables: a launcher's own value wins over Miles' default (its rule), and the tests'
+# expected environments are those of a launcher that exported none. Tests of that rule pass their own.
+for _name in (*MILES_ENGINE_ENV, CUSTOM_ALL_REDUCE_ENV):
+    os.environ.pop(_name, None)
 
 #: The gateway the suite's routers run on: ``--gateway`` or ``$MSP_ROUTER_GATEWAY``, else sglang-router (the
 #: default dependency). It is what ``sglang_deploy.router.gateway: auto`` (the default) means in every test,

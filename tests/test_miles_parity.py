@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import os
 from pathlib import Path
 from typing import Any
 
@@ -923,3 +924,290 @@ def test_a_dashed_override_key_of_a_miles_file_is_read_as_its_field_with_a_note(
         "read dashed.yaml: sglang[0] (actor).server_groups[0].overrides.pp-size as pp_size, as slime does; Miles "
         "drops a key spelt with '-' (no ServerArgs field has that name): write pp_size for both to read it"
     ) in plan.notes
+
+
+# ============================================================================= round 4 (issue 30): environment
+#: Miles' engine defaults, copied by hand from radixark/miles ``miles/ray/rollout/server_group.py`` (31f1ca961,
+#: lines 99-115) with its refactor's DeepGEMM cache switch and ``SGLANG_EXPOSE_OWN_ENV_VARS``
+#: (``miles/ray/specs/inference.py`` at 727f91769, lines 364-381); the custom all-reduce one is tested apart.
+MILES_DEFAULTS_BY_HAND = {
+    "NVSHMEM_DISABLE_NCCL": "1",
+    "SGLANG_JIT_DEEPGEMM_PRECOMPILE": "false",
+    "SGLANG_DG_CACHE_DIR_PER_PROCESS": "1",
+    "SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK": "false",
+    "SGLANG_MEMORY_SAVER_CUDA_GRAPH": "true",
+    "SGLANG_BATCH_INVARIANT_OPS_ENABLE_MM_FALLBACK_VARIANT": "true",
+    "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false",
+    "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "false",
+    "SGLANG_EXPOSE_OWN_ENV_VARS": "1",
+}
+
+
+def colocated_tp2_plan():
+    """One colocated group of 2 engines x 2 GPUs: Miles' custom all-reduce default there is "0"."""
+    return resolve_deployment(
+        spec(model("actor", group("regular", 4, gpe=2))),
+        TrainerInputs(hf_checkpoint="/c", colocate=True, actor_num_gpus_per_node=4),
+    )
+
+
+def test_the_launchers_exported_engine_variables_win_over_miles_defaults(monkeypatch):
+    # server_group.py:99-100 (31f1ca961): env_vars = {key: os.environ.get(key, default_val) for ...}: a value the
+    # launcher's environment holds (even an empty one) is what the engine gets; a default only fills a gap.
+    # Above both: sglang_deploy.env (the user's own config), and the plan's CUDA_VISIBLE_DEVICES.
+    launcher = {
+        "SGLANG_JIT_DEEPGEMM_PRECOMPILE": "true",
+        "SGLANG_MEMORY_SAVER_CUDA_GRAPH": "false",
+        "NVSHMEM_DISABLE_NCCL": "",
+        "SGLANG_OPT_USE_CUSTOM_ALL_REDUCE_V2": "1",  # Miles' default here would be "0" (colocated, TP 2)
+        "HF_TOKEN": "hf_launcher_secret",  # not one of Miles' variables: inherited, never rendered
+    }
+    prepared = prepare_deployment(colocated_tp2_plan(), SGLangDeployConf(), launcher_env=launcher)
+    env = prepared.launch.engines[0].env
+    assert env["SGLANG_JIT_DEEPGEMM_PRECOMPILE"] == "true"
+    assert env["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] == "false"
+    assert env["NVSHMEM_DISABLE_NCCL"] == ""
+    assert env["SGLANG_OPT_USE_CUSTOM_ALL_REDUCE_V2"] == "1"
+    assert env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "false"  # not exported: Miles' default
+    assert "HF_TOKEN" not in env
+    # The printed plan records what runs: the launcher's values, shown (Miles' switches hold no secret).
+    data = prepared.to_dict()
+    shown = data["models"]["actor"]["groups"]["regular"]["engines"][0]["launch"][0]["env"]
+    assert (
+        shown["SGLANG_JIT_DEEPGEMM_PRECOMPILE"] == "true"
+        and shown["SGLANG_OPT_USE_CUSTOM_ALL_REDUCE_V2"] == "1"
+    )
+    assert (
+        "engine environment from the launcher's, over Miles' defaults (as Miles does): NVSHMEM_DISABLE_NCCL='' "
+        "(Miles: 1), SGLANG_JIT_DEEPGEMM_PRECOMPILE=true (Miles: false), SGLANG_MEMORY_SAVER_CUDA_GRAPH=false "
+        "(Miles: true), SGLANG_OPT_USE_CUSTOM_ALL_REDUCE_V2=1"
+    ) in data["notes"]
+
+    # sglang_deploy.env wins over the launcher's value, and then no note claims the launcher's.
+    own = SGLangDeployConf(env={"SGLANG_JIT_DEEPGEMM_PRECOMPILE": "0"})
+    prepared = prepare_deployment(
+        colocated_tp2_plan(), own, launcher_env={"SGLANG_JIT_DEEPGEMM_PRECOMPILE": "true"}
+    )
+    assert prepared.launch.engines[0].env["SGLANG_JIT_DEEPGEMM_PRECOMPILE"] == "0"
+    assert not any("from the launcher's" in note for note in prepared.launch.notes)
+
+    # Without launcher_env, the launcher is this process: what the operator exported before `miles-sglang`.
+    monkeypatch.setenv("SGLANG_JIT_DEEPGEMM_PRECOMPILE", "true")
+    cfg = compose_config(["sglang=default", "hf_checkpoint=/c", "sglang.actor.regular.num_gpus=2"])
+    for process in prepare_from_config(cfg).launch.engines:
+        assert process.env["SGLANG_JIT_DEEPGEMM_PRECOMPILE"] == "true"
+        assert process.env["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] == "true"
+
+
+def test_without_exported_values_every_engine_gets_miles_defaults_and_exposes_its_environment():
+    # inference.py:364-381 (727f91769): every engine's variables, SGLANG_EXPOSE_OWN_ENV_VARS=1 among them (SGLang
+    # then lists its own variables in /server_info's internal_states[].env_vars); server_group.py:110-112:
+    # SGLANG_OPT_USE_CUSTOM_ALL_REDUCE_V2 is "0" when colocated with engines wider than one GPU, else "1".
+    for kind in ("sglang", "simulated", "cpu_sglang"):
+        settings = SGLangDeployConf()
+        settings.launch.engine = kind
+        prepared = prepare_deployment(colocated_tp2_plan(), settings, launcher_env={})
+        for process in prepared.launch.engines:
+            env = process.env
+            assert {k: env[k] for k in MILES_DEFAULTS_BY_HAND} == MILES_DEFAULTS_BY_HAND, kind
+            assert env["SGLANG_OPT_USE_CUSTOM_ALL_REDUCE_V2"] == "0", kind
+        assert not any("from the launcher's" in note for note in prepared.launch.notes)
+    apart = resolve_deployment(
+        spec(model("actor", group("regular", 4, gpe=2))), TrainerInputs(hf_checkpoint="/c", colocate=False)
+    )
+    env = prepare_deployment(apart, SGLangDeployConf(), launcher_env={}).launch.engines[0].env
+    assert env["SGLANG_OPT_USE_CUSTOM_ALL_REDUCE_V2"] == "1" and env["SGLANG_EXPOSE_OWN_ENV_VARS"] == "1"
+
+
+def test_the_custom_all_reduce_default_follows_each_groups_own_engine_width():
+    # server_group.py:110-112 (31f1ca961) decides it by args.rollout_num_gpus_per_engine, one width for every
+    # group; this project keeps its own rule on purpose (docs: Miles and slime formats, deliberate differences):
+    # each group by its own engines, so a colocated group of 1-GPU engines next to a TP-2 one gets "1".
+    plan = resolve_deployment(
+        spec(
+            model("actor", group("regular", 2, gpe=2, name="wide"), group("regular", 2, gpe=1, name="narrow"))
+        ),
+        TrainerInputs(hf_checkpoint="/c", colocate=True, actor_num_gpus_per_node=4),
+    )
+    by_group = {
+        p.group: p.env["SGLANG_OPT_USE_CUSTOM_ALL_REDUCE_V2"]
+        for p in prepare_deployment(plan, SGLangDeployConf(), launcher_env={}).launch.engines
+    }
+    assert by_group == {"wide": "0", "narrow": "1"}
+
+
+# ====================================================================== round 4 (issue 30): LoRA preloading
+def lora_settings(**paths: str) -> SGLangDeployConf:
+    settings = SGLangDeployConf()
+    settings.lora.enabled = True
+    settings.lora.paths = dict(paths)
+    return settings
+
+
+def lora_plan(rollout_only: bool):
+    return resolve_deployment(
+        spec(model("actor", group("regular", 2, gpe=2))),  # one engine
+        TrainerInputs(hf_checkpoint="/c", debug_rollout_only=rollout_only),
+    )
+
+
+def peft_dir(path: Path) -> Path:
+    """An adapter as SGLang reads one (HF PEFT form): adapter_config.json with its weights."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 16}')
+    (path / "adapter_model.safetensors").write_bytes(b"")
+    return path
+
+
+def megatron_only_dir(path: Path) -> Path:
+    """A resumed LoRA checkpoint with only Megatron-native shards (Miles' own test's file name)."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "adapter_megatron_tp0_pp0_ep0.pt").write_bytes(b"")
+    return path
+
+
+def lora_paths_of(prepared) -> list[list[str] | None]:
+    """Each engine's --lora-paths values, from its rendered command line (None: no such flag)."""
+    out: list[list[str] | None] = []
+    for process in prepared.launch.engines:
+        argv = list(process.argv)
+        if "--lora-paths" not in argv:
+            out.append(None)
+            continue
+        start = argv.index("--lora-paths") + 1
+        end = next((i for i in range(start, len(argv)) if argv[i].startswith("--")), len(argv))
+        out.append(argv[start:end])
+    return out
+
+
+def test_a_training_run_leaves_miles_adapter_to_the_first_weight_sync(tmp_path):
+    # radixark/miles PR #2708 (Part of #2705): "Normal train drivers start resumed rollout engines from the base
+    # model and let the mandatory initial weight publish install the trainer's restored adapter"; only
+    # --debug-rollout-only, which skips that publish, needs the preload. So no --lora-paths for a training run,
+    # whatever the directory holds, and a note that says why.
+    for adapter in (peft_dir(tmp_path / "peft"), megatron_only_dir(tmp_path / "native"), tmp_path / "absent"):
+        prepared = prepare_deployment(lora_plan(False), lora_settings(miles_lora=str(adapter)))
+        assert lora_paths_of(prepared) == [None]
+        assert "--enable-lora" in prepared.launch.engines[0].argv  # LoRA itself is on
+        (note,) = [n for n in prepared.launch.notes if n.startswith("LoRA adapter miles_lora")]
+        assert note.startswith(
+            f"LoRA adapter miles_lora ({adapter}) is not preloaded: as in Miles, the first weight sync installs the "
+            "trainer's adapter before the first rollout (a preload is for debug_rollout_only runs)"
+        )
+    assert note.endswith("; it is no directory here")
+
+
+def test_a_rollout_only_run_preloads_only_a_directory_sglang_can_read(tmp_path, run_cli):
+    # sglang_engine.py:785-788 (b53603cff): peft_export_available = os.path.isfile(join(path,
+    # "adapter_config.json")); lora_paths only then ("SGLang would abort at startup on the missing
+    # adapter_config.json"). Miles' test_compute_server_args.py: test_preloads_a_directory_sglang_can_read,
+    # test_skips_a_native_only_checkpoint. Rollout-only has no weight sync to bring it instead: refused here.
+    adapter = peft_dir(tmp_path / "peft")
+    prepared = prepare_deployment(lora_plan(True), lora_settings(miles_lora=str(adapter)))
+    assert lora_paths_of(prepared) == [[f"miles_lora={adapter}"]]
+    assert not any(n.startswith("LoRA adapter") for n in prepared.launch.notes)
+
+    native = megatron_only_dir(tmp_path / "native")
+    with pytest.raises(DeploymentConfigError) as exc:
+        prepare_deployment(lora_plan(True), lora_settings(miles_lora=str(native)))
+    assert problems_of(exc) == {
+        "sglang_deploy.lora.paths.miles_lora": (
+            f"{str(native)!r} holds no adapter_config.json: debug_rollout_only runs no weight sync, so the engines "
+            "must load the adapter at start, and SGLang reads one only from a directory with adapter_config.json "
+            "(HF PEFT form); export the adapter in that form, or remove the path"
+        )
+    }
+    # The same through the command: one message naming the key, exit 2, no traceback.
+    rc, _, err = run_cli(
+        "plan", "sglang=default", "hf_checkpoint=/c", "debug_rollout_only=true", "sglang.actor.regular.num_gpus=2",
+        "sglang_deploy.lora.enabled=true", f"+sglang_deploy.lora.paths.miles_lora={tmp_path / 'absent'}",
+    )  # fmt: skip
+    assert rc == 2 and "Traceback" not in err
+    assert f"sglang_deploy.lora.paths.miles_lora: {str(tmp_path / 'absent')!r} is no directory here" in err
+
+
+def test_the_adapter_check_reads_nothing_and_follows_only_a_files_own_links(tmp_path):
+    # Miles checks with os.path.isfile (sglang_engine.py:785, b53603cff): a regular file, through symbolic links
+    # (a Hugging Face cache's snapshot links each file into its blobs); a FIFO or a directory of that name is
+    # none, and the check must not open it (a FIFO's open would wait for a writer).
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    (blobs / "cfg").write_text("{}")
+    linked = tmp_path / "snapshot"
+    linked.mkdir()
+    (linked / "adapter_config.json").symlink_to(blobs / "cfg")
+    fifo = tmp_path / "fifo"
+    fifo.mkdir()
+    os.mkfifo(fifo / "adapter_config.json")
+    dir_named = tmp_path / "dir_named"
+    (dir_named / "adapter_config.json").mkdir(parents=True)
+    prepared = prepare_deployment(lora_plan(True), lora_settings(miles_lora=str(linked)))
+    assert lora_paths_of(prepared) == [[f"miles_lora={linked}"]]
+    for odd in (fifo, dir_named):
+        with pytest.raises(DeploymentConfigError) as exc:
+            prepare_deployment(lora_plan(True), lora_settings(miles_lora=str(odd)))
+        assert problems_of(exc)["sglang_deploy.lora.paths.miles_lora"].startswith(
+            f"{str(odd)!r} holds no adapter_config.json"
+        )
+    # A path is taken as written: "~" is not the home directory (SGLang would not expand it either).
+    with pytest.raises(DeploymentConfigError) as exc:
+        prepare_deployment(lora_plan(True), lora_settings(miles_lora="~/adapters/a"))
+    assert problems_of(exc)["sglang_deploy.lora.paths.miles_lora"].startswith(
+        "'~/adapters/a' is no directory here"
+    )
+
+
+def test_an_adapter_no_weight_sync_brings_is_always_preloaded_but_never_from_a_directory_sglang_cannot_read(
+    tmp_path,
+):
+    # Miles' weight sync loads only its own adapter (LORA_ADAPTER_NAME, miles_lora); another adapter of this
+    # project's paths is loaded at start or never, so a training run preloads it too. The SGLang rule is the same
+    # (sglang_engine.py:782-783, b53603cff: it aborts at start on a directory without adapter_config.json).
+    sql = peft_dir(tmp_path / "sql")
+    prepared = prepare_deployment(lora_plan(False), lora_settings(sql=str(sql)))
+    assert lora_paths_of(prepared) == [[f"sql={sql}"]]
+    native = megatron_only_dir(tmp_path / "native")
+    with pytest.raises(DeploymentConfigError) as exc:
+        prepare_deployment(lora_plan(False), lora_settings(sql=str(native)))
+    assert problems_of(exc) == {
+        "sglang_deploy.lora.paths.sql": (
+            f"{str(native)!r} holds no adapter_config.json: SGLang would abort at start (it loads an adapter in HF "
+            "PEFT form); point it at such a directory, or remove the path"
+        )
+    }
+    # No directory here: passed as given (SGLang fetches a name that is no local directory from the Hub).
+    prepared = prepare_deployment(lora_plan(False), lora_settings(sql="org/sql-adapter"))
+    assert lora_paths_of(prepared) == [["sql=org/sql-adapter"]]
+    assert (
+        "LoRA adapter sql (org/sql-adapter) is no directory here: the engines get it as given (SGLang loads a path "
+        "that is no directory on its machine as a Hugging Face repository id)"
+    ) in prepared.launch.notes
+
+
+def test_engines_loading_dummy_weights_preload_no_adapter(tmp_path):
+    # sglang_engine.py:788 (b53603cff; the same condition at 31f1ca961:780): lora_paths only when
+    # kwargs.get("load_format") != "dummy"; the weight sync brings adapter and weights together.
+    adapter = peft_dir(tmp_path / "peft")
+    settings = lora_settings(miles_lora=str(adapter))
+    settings.server_defaults = {"load_format": "dummy"}
+    prepared = prepare_deployment(lora_plan(True), settings, server_arg_fields=FIELDS_0_5_23)
+    assert lora_paths_of(prepared) == [None]
+    assert (
+        "LoRA adapters not preloaded by actor/regular: their engines load dummy weights (load_format=dummy), and the "
+        "first weight sync brings the adapter with the weights, as in Miles"
+    ) in prepared.launch.notes
+
+
+def test_a_target_sglangs_command_line_does_not_list_is_refused_not_widened_to_all(run_cli):
+    # radixark/miles 7d7cc9b5c, sglang_engine.py:221-226 (_lora_target_modules_for_cli): a target outside
+    # SGLang's --lora-target-modules choices turns the whole list into ["all"]. This project keeps its own rule
+    # on purpose (docs: Miles and slime formats, deliberate differences): the plan refuses it, naming the target,
+    # since "all" would put adapters on every module SGLang finds, not only the ones the trainer trains.
+    # linear_qkv -> q_proj k_proj v_proj (listed); out_proj (GDN's output projection) is not in 0.5.23's list.
+    rc, _, err = run_cli(
+        "plan", "sglang=default", "hf_checkpoint=/c", "sglang_deploy.lora.enabled=true",
+        "sglang_deploy.lora.target_modules=[layers.*.self_attention.linear_qkv,out_proj]",
+    )  # fmt: skip
+    assert rc == 2 and "Traceback" not in err
+    assert "sglang_deploy.lora: 'out_proj' is not one of q_proj, k_proj, v_proj, o_proj, " in err
+    assert "(SGLang's --lora-target-modules)" in err

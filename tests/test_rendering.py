@@ -483,15 +483,18 @@ def test_group_spec_keeps_overrides_read_only():
         g.overrides["a"] = 2  # type: ignore[index]
 
 
-def test_lora_replay_fp16_and_command_prefix_render_for_real_sglang():
+def test_lora_replay_fp16_and_command_prefix_render_for_real_sglang(tmp_path):
+    adapter = tmp_path / "a"  # an adapter SGLang can load at start (a rollout-only run preloads it)
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
     prep = prepared_for(
         "sglang=default", "hf_checkpoint=/c", "debug_rollout_only=true", "sglang.actor.regular.num_gpus=2",
         "use_rollout_routing_replay=true", "fp16=true", "sglang_deploy.lora.enabled=true",
-        "+sglang_deploy.lora.paths.miles_lora=/adapters/a", "sglang_deploy.lora.max_loras_per_batch=2",
+        f"+sglang_deploy.lora.paths.miles_lora={adapter}", "sglang_deploy.lora.max_loras_per_batch=2",
         "sglang_deploy.lora.target_modules=[q_proj,v_proj]", "+sglang_deploy.server_defaults.mem_fraction_static=0.6",
     )  # fmt: skip
     sa = parsed(prep.launch.engines[0])
-    assert sa["enable_lora"] is True and sa["lora_paths"] == ["miles_lora=/adapters/a"]
+    assert sa["enable_lora"] is True and sa["lora_paths"] == [f"miles_lora={adapter}"]
     assert (sa["max_loras_per_batch"], sa["max_lora_rank"]) == (2, 8)
     assert sa["lora_target_modules"] == ["q_proj", "v_proj"]
     assert sa["enable_return_routed_experts"] is True and sa["dtype"] == "float16"

@@ -250,7 +250,7 @@ class LoraConf:
     enabled: bool = False
     """Single LoRA on every engine (Miles: ``--lora-rank`` > 0 or ``--lora-adapter-path``, not ``--lora-train-only``)."""
     paths: dict[str, str] = field(default_factory=dict)
-    """Adapters to load at start (name -> path), rendered as ``--lora-paths name=path`` (Miles: ``miles_lora=...``)."""
+    """Adapters (name -> path) loaded at start as ``--lora-paths name=path`` (a directory must hold ``adapter_config.json``); Miles' ``miles_lora`` only under debug_rollout_only (else its weight sync brings it)."""
     max_loras_per_batch: int | None = None
     """Most adapters in one batch; null: Miles' value (1; multi-LoRA: ``multi_lora_n_adapters``)."""
     max_lora_rank: int = 8

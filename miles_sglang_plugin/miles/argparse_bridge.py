@@ -23,6 +23,7 @@ from miles_sglang_plugin.miles.sglang_config import load_miles_config
 from miles_sglang_plugin.planning.plan import DeploymentPlan
 from miles_sglang_plugin.planning.resolution import resolve_deployment
 from miles_sglang_plugin.rendering.launch_specs import PLAN_OWNED_DEFAULTS
+from miles_sglang_plugin.rendering.lora import MILES_LORA_ADAPTER_NAME
 
 #: Miles' ``--sglang-*`` flags arrive as ``sglang_<ServerArgs field>``.
 SGLANG_PREFIX = "sglang_"
@@ -49,8 +50,6 @@ def server_defaults_from_namespace(ns: Any, fields: Collection[str]) -> dict[str
 #: Miles' ``--target-modules all-linear`` (``arguments.py``), for the dense attention and MLP projections; the
 #: MLA projections Miles adds for checkpoints whose config has them are not known here (name them instead).
 ALL_LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-#: The adapter name Miles gives ``--lora-adapter-path`` (``miles/utils/lora.py``).
-MILES_LORA_ADAPTER_NAME = "miles_lora"
 
 
 def _target_modules(value: Any) -> list[str]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 import json
+import os
 import sys
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import asdict, dataclass, field, replace
@@ -27,7 +28,12 @@ from miles_sglang_plugin.addresses import host_port, http_base_url
 from miles_sglang_plugin.config.deployment_spec import WorkerType, thaw
 from miles_sglang_plugin.config.schema import EngineKind, SGLangDeployConf
 from miles_sglang_plugin.config.trainer_inputs import TrainerInputs
-from miles_sglang_plugin.engine_env import MILES_ENGINE_ENV, PACKAGE_ENV_NAMES
+from miles_sglang_plugin.engine_env import (
+    CUSTOM_ALL_REDUCE_ENV,
+    MILES_ENGINE_ENV,
+    PACKAGE_ENV_NAMES,
+    engine_env_defaults,
+)
 from miles_sglang_plugin.errors import Problem
 from miles_sglang_plugin.masking import mask_argv, mask_env
 from miles_sglang_plugin.planning.plan import (
@@ -39,7 +45,7 @@ from miles_sglang_plugin.planning.plan import (
     ModelPlan,
 )
 from miles_sglang_plugin.planning.resolution import PLAN_OWNED_OVERRIDES, suggest
-from miles_sglang_plugin.printable import shell_join
+from miles_sglang_plugin.printable import shell_join, shell_quote
 from miles_sglang_plugin.rendering.cpu_engine import (
     cpu_engine_env,
     cpu_notes,
@@ -525,15 +531,17 @@ def _engine_server_args(
     settings: SGLangDeployConf,
     fields: Collection[str] | None,
     dropped: set[str],
+    lora_paths: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """The ServerArgs values of an engine process of ``group`` whose own values are ``own``: Miles' derived
     defaults (colocate) < server defaults < the plan's values < group overrides. Values the plan derives for
-    fields the installed SGLang lacks are left out and added to ``dropped``."""
+    fields the installed SGLang lacks are left out and added to ``dropped``. ``lora_paths``: the adapters to
+    preload (None: ``settings.lora.paths``)."""
     derived = {
         **_placement_args(plan, group, own),
         **_disaggregation_args(group.worker_type, own),
         **_trainer_feature_args(plan.trainer),
-        **lora_server_args(settings.lora, colocate=plan.trainer.colocate),
+        **lora_server_args(settings.lora, colocate=plan.trainer.colocate, paths=lora_paths),
     }
     if settings.api_key:
         derived["api_key"] = settings.api_key
@@ -630,9 +638,16 @@ class _EngineRendering:
     server_arg_fields: Collection[str] | None
     kind: EngineKind
     prefix: tuple[str, ...]
+    #: The launcher's values of Miles' engine variables (those its environment has): they win over Miles'
+    #: defaults, as in Miles.
+    launcher_env: Mapping[str, str] = field(default_factory=dict)
+    #: The adapters the engines preload (None: ``settings.lora.paths``, as given).
+    lora_paths: Mapping[str, str] | None = None
     dropped: set[str] = field(default_factory=set)
     #: ``cpu_sglang``: the fields left out because a CPU cannot run them -> why.
     cpu_dropped: dict[str, str] = field(default_factory=dict)
+    #: Groups (``model/group``) whose engines load dummy weights, so preload no adapter (Miles' rule).
+    dummy_lora: list[str] = field(default_factory=list)
 
     def model_engines(self, model: ModelPlan) -> tuple[list[EngineProcessLaunch], list[WorkerRegistration]]:
         """Every engine process of ``model``, and the workers its router registers (one per engine)."""
@@ -654,33 +669,45 @@ class _EngineRendering:
                     own = _process_values(
                         self.plan, engine, process, self.ports, host_of(process.node), dist_host
                     )
-                    template = template or self.template(group, own)
+                    template = template or self.template(model, group, own)
                     launch = self.process_launch(model, group, engine, process, own, template)
                     launches.append(launch)
                     if process.node_rank == 0:
                         workers.append(_worker_registration(launch, model, group))
         return launches, workers
 
-    def template(self, group: GroupPlan, own: Mapping[str, Any]) -> ProcessTemplate:
+    def template(self, model: ModelPlan, group: GroupPlan, own: Mapping[str, Any]) -> ProcessTemplate:
         """What the processes of ``group`` share, from the values of one of them (``own``)."""
         values = _engine_server_args(
-            self.plan, group, own, self.settings, self.server_arg_fields, self.dropped
+            self.plan, group, own, self.settings, self.server_arg_fields, self.dropped, self.lora_paths
         )
+        if (
+            values.get("load_format") == "dummy"
+            and values.get("lora_paths")
+            and "lora_paths" not in group.overrides
+        ):
+            # Miles preloads no adapter into dummy weights (sglang_engine.py): the weight sync brings both.
+            del values["lora_paths"]
+            self.dummy_lora.append(f"{model.name}/{group.name}")
         cpu = self.kind is EngineKind.cpu_sglang
         if cpu:
             values = cpu_server_args(values, self.cpu_dropped)
         own_keys = tuple(k for k in values if k in own and k not in group.overrides)
+        # Miles' rule by this group's own engine width (Miles: by rollout_num_gpus_per_engine, one width for
+        # every group); the launcher's value, where it has one, wins as for Miles' other defaults.
         custom_all_reduce = "0" if self.plan.trainer.colocate and group.num_gpus_per_engine > 1 else "1"
-        # Miles' engine defaults < the stand-in's faults < sglang_deploy.env < the CPU kind's variables (its
-        # shim before the user's PYTHONPATH) < CUDA_VISIBLE_DEVICES
+        # Miles' engine defaults (the launcher's values where it has them) < the stand-in's faults <
+        # sglang_deploy.env < the CPU kind's variables (its shim before the user's PYTHONPATH) <
+        # CUDA_VISIBLE_DEVICES
         env_tail = {
-            "SGLANG_OPT_USE_CUSTOM_ALL_REDUCE_V2": custom_all_reduce,
+            CUSTOM_ALL_REDUCE_ENV: self.launcher_env.get(CUSTOM_ALL_REDUCE_ENV, custom_all_reduce),
             **self.settings.env,
             **(cpu_engine_env(self.settings.env.get("PYTHONPATH")) if cpu else {}),
         }
         simulated = self.kind is EngineKind.simulated
+        env_head = engine_env_defaults(MILES_ENGINE_ENV, self.launcher_env)
         return ProcessTemplate.of(
-            self.prefix, values, own_keys, MILES_ENGINE_ENV, env_tail, self.settings if simulated else None
+            self.prefix, values, own_keys, env_head, env_tail, self.settings if simulated else None
         )
 
     def process_launch(
@@ -760,6 +787,22 @@ def _dp_aware_note(model: ModelPlan, router: RouterLaunch) -> str | None:
     return note
 
 
+def _launcher_env_notes(launcher_values: Mapping[str, str], user_env: Mapping[str, str]) -> tuple[str, ...]:
+    """A note naming Miles' engine variables whose value comes from the launcher's environment (those that
+    ``sglang_deploy.env`` does not set, which wins over both)."""
+    taken = [
+        f"{name}={shell_quote(value)}"
+        + (f" (Miles: {MILES_ENGINE_ENV[name]})" if name in MILES_ENGINE_ENV else "")
+        for name, value in launcher_values.items()
+        if name not in user_env
+    ]
+    if not taken:
+        return ()
+    return (
+        "engine environment from the launcher's, over Miles' defaults (as Miles does): " + ", ".join(taken),
+    )
+
+
 def render_launch(
     plan: DeploymentPlan,
     settings: SGLangDeployConf,
@@ -769,9 +812,20 @@ def render_launch(
     router_host: str,
     server_arg_fields: Collection[str] | None = None,
     python: str = sys.executable,
+    launcher_env: Mapping[str, str] | None = None,
+    lora_paths: Mapping[str, str] | None = None,
 ) -> LaunchSpecs:
-    """Every engine process's argv and environment, and every router's launch spec (pure: no I/O)."""
+    """Every engine process's argv and environment, and every router's launch spec (no I/O).
+
+    ``launcher_env``: the launcher's environment (None: this process's), read once here for Miles' engine
+    variables: where it has one of them, its value wins over Miles' default, as in Miles
+    (``server_group.py``: ``os.environ.get(key, default)``), and the rendered environment records it.
+    ``lora_paths``: the adapters the engines preload (None: ``settings.lora.paths``, as given; see
+    :func:`~miles_sglang_plugin.rendering.lora.lora_preload`)."""
     kind = EngineKind(settings.launch.engine)
+    environ = os.environ if launcher_env is None else launcher_env
+    miles_names = (*MILES_ENGINE_ENV, CUSTOM_ALL_REDUCE_ENV)
+    launcher_values = {name: environ[name] for name in miles_names if name in environ}
     prefix = STANDIN_COMMAND if kind is EngineKind.simulated else tuple(settings.launch.command)
     rendering = _EngineRendering(
         plan=plan,
@@ -781,6 +835,8 @@ def render_launch(
         server_arg_fields=server_arg_fields,
         kind=kind,
         prefix=tuple(python if part == "{python}" else part for part in prefix),
+        launcher_env=launcher_values,
+        lora_paths=lora_paths,
     )
     engines: list[EngineProcessLaunch] = []
     routers: list[RouterLaunch] = []
@@ -796,4 +852,10 @@ def render_launch(
     ) + tuple(note for model in plan.models for router in routers if (note := _dp_aware_note(model, router)))
     if kind is EngineKind.cpu_sglang:
         notes += cpu_notes(rendering.cpu_dropped)
+    notes += _launcher_env_notes(launcher_values, settings.env)
+    if rendering.dummy_lora:
+        notes += (
+            f"LoRA adapters not preloaded by {', '.join(rendering.dummy_lora)}: their engines load dummy weights "
+            "(load_format=dummy), and the first weight sync brings the adapter with the weights, as in Miles",
+        )
     return LaunchSpecs(engine_kind=kind, engines=tuple(engines), routers=tuple(routers), notes=notes)

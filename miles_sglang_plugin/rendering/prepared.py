@@ -12,7 +12,7 @@ from miles_sglang_plugin.config.schema import EngineKind, SGLangDeployConf
 from miles_sglang_plugin.errors import DeploymentConfigError, ProblemCollector
 from miles_sglang_plugin.planning.plan import DeploymentPlan, EnginePlan
 from miles_sglang_plugin.rendering.launch_specs import LaunchSpecs, check_deploy_settings, render_launch
-from miles_sglang_plugin.rendering.lora import lora_problems
+from miles_sglang_plugin.rendering.lora import lora_preload, lora_problems
 from miles_sglang_plugin.rendering.ports import (
     HostNotUsableError,
     NodePortFinder,
@@ -167,6 +167,7 @@ def prepare_deployment(
     router_host: str | None = None,
     find_node_ports: NodePortFinder | None = None,
     fixed_ports: PortAssignment | None = None,
+    launcher_env: Mapping[str, str] | None = None,
 ) -> PreparedDeployment:
     """Check the deployment-wide settings, assign ports and render every launch spec.
 
@@ -174,10 +175,16 @@ def prepare_deployment(
     backend runs a multi-node plan side by side only with stand-ins); a backend whose nodes are other machines
     passes each node's address (``host_of_node``), the routers' (``router_host``) and, to find engine ports on
     the nodes themselves, ``find_node_ports``. ``fixed_ports``: the ports of processes and routers that keep
-    running through a change of the deployment (theirs, and nobody else's)."""
+    running through a change of the deployment (theirs, and nobody else's). ``launcher_env``: the environment
+    whose values of Miles' engine variables win over Miles' defaults (None: this process's). Which LoRA
+    adapters the engines preload is decided here, looking at their directories once
+    (:func:`~miles_sglang_plugin.rendering.lora.lora_preload`)."""
     problems = ProblemCollector("sglang_deploy")
     problems.extend(check_deploy_settings(settings, server_arg_fields))
     problems.extend(lora_problems(settings.lora, colocate=plan.trainer.colocate))
+    problems.raise_if_any()
+    preload = lora_preload(settings.lora, rollout_only=plan.trainer.debug_rollout_only)
+    problems.extend(preload.problems)
     problems.raise_if_any()
     host = settings.launch.host
     node_host = host_of_node or (lambda _node: host)
@@ -207,7 +214,11 @@ def prepare_deployment(
         host_of_node=node_host,
         router_host=routers_on,
         server_arg_fields=server_arg_fields,
+        launcher_env=launcher_env,
+        lora_paths=preload.paths,
     )
+    if preload.notes:
+        launch = replace(launch, notes=(*preload.notes, *launch.notes))
     real_launch = probe and launch.engine_kind is not EngineKind.simulated
     problems.extend(
         server_arg_value_problems(plan, settings, launch.engines, launching_real_engines=real_launch)

@@ -350,6 +350,15 @@ class Ledger:
         return Record(recorded=True, diverged=tuple(refused), deferred=tuple(later))
 
     @_locked
+    def extend(self, effect: Effect, engines: Iterable[str]) -> None:
+        """An operation some engine accepted (recorded before) concerns ``engines`` too, which were down when
+        it was sent to them: they should have it (they get it by replay)."""
+        for engine in engines:
+            if engine in self._desired:
+                self._desired[engine] = effect(self._desired[engine])
+        self.version += 1
+
+    @_locked
     def join_group(self, name: str, members: Mapping[str, int]) -> None:
         """Engines (id -> generation) accepted ``/init_weights_update_group`` of group ``name``: the group as
         formed now (an earlier forming of the same name is replaced)."""

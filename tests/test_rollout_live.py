@@ -13,6 +13,7 @@ import threading
 from pathlib import Path
 
 import httpx
+import pytest
 
 from miles_sglang_plugin.app.hydra_edge import launch_from_config
 from miles_sglang_plugin.serving.deployment import Deployment
@@ -252,3 +253,33 @@ def test_a_rolling_update_under_load_keeps_half_the_engines_serving_and_loses_no
         assert carried and all(len(r.output_ids) == 40 for r in carried)
         kinds = [e.kind for e in d.events()]
         assert kinds.count("engine_updating") == 4 and kinds.count("engine_updated") == 4
+
+
+def test_a_relaunch_goes_on_with_the_trainers_version_and_a_restarted_engine_keeps_it(
+    tmp_path: Path, leak_check: LeakTracker
+) -> None:
+    """``initial_weight_version``: every engine starts with it (a restored step), a request may ask for it at
+    once, an engine restarted after a loss has it again, and one ``apply`` adds starts with it too."""
+    with launch_from_config(compose(*PACED, *FAST), log_dir=tmp_path / "logs", initial_weight_version=7) as d:
+        assert [e.weight_version for e in d.engines()] == ["7", "7"]
+        with d.client("actor", version_wait_s=0.5) as client:
+            sampling = {"max_new_tokens": 4, "temperature": 0}
+            assert client.generate(PROMPT, sampling_params=sampling, min_version=7).weight_versions == ("7",)
+            since = len(d.events())
+            os.kill(pid_of(d, "actor.regular.1"), signal.SIGKILL)
+            d.wait_for_event("engine_recovered", subject="actor.regular.1", since=since, timeout_s=60)
+            assert [e.weight_version for e in d.engines()] == ["7", "7"]
+            assert stats(d.engines()[1].url)["weight_version"] == "7"
+            d.resize("actor", "regular", 3)
+            assert [e.weight_version for e in d.engines()] == ["7", "7", "7"]
+            assert client.generate(PROMPT, sampling_params=sampling, min_version=7).weight_versions == ("7",)
+
+
+def test_an_initial_weight_version_that_is_not_a_string_or_an_integer_is_refused(tmp_path: Path) -> None:
+    pattern = "initial_weight_version must be a non-empty string or an integer"
+    for bad in (True, 1.5, ""):
+        with (
+            pytest.raises(ValueError, match=pattern),
+            launch_from_config(compose(*PACED), log_dir=tmp_path, initial_weight_version=bad),  # type: ignore[arg-type]
+        ):
+            raise AssertionError("started")

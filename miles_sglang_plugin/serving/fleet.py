@@ -305,6 +305,13 @@ class EngineRow:
     def lead(self) -> EngineProcessLaunch | None:
         return self.launches[0] if self.launches else None
 
+    @property
+    def command_line_version(self) -> str | None:
+        """The weight version its command line starts it with (``--weight-version``; SGLang's default is
+        ``default``); None for an external engine (not started here)."""
+        lead = self.lead
+        return None if lead is None else str(lead.server_args.get("weight_version") or "default")
+
     def info(self) -> EngineInfo:
         return EngineInfo(
             id=self.id,

@@ -103,10 +103,14 @@ def _replaced(**changes: Any) -> Effect:
     return effect
 
 
-def initial_state(lora_at_start: Iterable[tuple[str, str]] = ()) -> ControlState:
-    """The state of a freshly started engine process: its command line's adapters, its checkpoint, nothing
-    released or paused."""
-    return ControlState(lora=tuple(sorted((name, path, False) for name, path in lora_at_start)))
+def initial_state(
+    lora_at_start: Iterable[tuple[str, str]] = (), weight_version: str | None = None
+) -> ControlState:
+    """The state of a freshly started engine process: its command line's adapters and weight version, its
+    checkpoint, nothing released or paused."""
+    return ControlState(
+        lora=tuple(sorted((name, path, False) for name, path in lora_at_start)), weight_version=weight_version
+    )
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,10 @@
     engines) that also moves one GPU between prefill and decode every 30 s (``move_gpus``) and runs a trainer's
     control cycle every 25 s (pause, offload and onload of the KV cache, a new weight version, continue); after
     each move the deployment's plan must name exactly the engines of its fleet (state mismatches: goal 0).
+    With ``--soak-client`` (and in the smoke run) every request goes through the rollout client, asking for at
+    least the weight version of the last update that ended, and each control cycle ends with a rolling disk
+    update to a new version: failed requests (goal 0, router kills included), samples with a token below their
+    minimum version (goal 0), tokens sent again (the cost of carrying requests on).
 (5) router kills: 2 engines, 4 clients sending ``/generate`` without pause, the router SIGKILLed ``--router-kills``
     (20) times, each time once it serves again. Per kill: detection (the kill to ``router_lost``), the router's own
     start (``router_lost`` to the new process first answering ``/readiness`` 200, polled by the benchmark every
@@ -33,6 +37,7 @@
 Everything binds 127.0.0.1 with ports from a random base; everything started is stopped (context managers).
 
     python benchmarks/bench_control.py [--reps 5] [--latency 0.5] [--requests 2000] [--soak-s 300] [--soak-applies]
+                                       [--soak-client]
                                        [--router-kills 20] [--skip fan_out,healing,requests,chaos,router_kills] [--json]
     python benchmarks/bench_control.py --smoke    # one quick repetition at the smallest sizes (run by the tests)
 """
@@ -282,6 +287,35 @@ async def _soak_clients(url: str, clients: int, running: Callable[[], bool], log
     return refused
 
 
+async def _soak_rollout_clients(
+    d: Deployment, clients: int, running: Callable[[], bool], log: list[_Request], versions: dict[str, Any]
+) -> int:
+    """The soak's clients through the deployment's rollout client, each request asking for at least the
+    version of the last weight update that ended (``versions["floor"]``); a sample with a token of an older
+    version is counted in ``versions["below"]``, the prompt and tokens sent again in ``versions["resubmitted"]``."""
+    async with d.async_client("actor", deadline_s=600, router_retry_s=120, version_wait_s=120) as rollout:
+
+        async def client() -> None:
+            while running():
+                floor, started = versions["floor"], time.monotonic()
+                try:
+                    result = await rollout.generate(
+                        [11, 22, 33], sampling_params={"max_new_tokens": 4}, min_version=floor or None
+                    )
+                    outcome = "200"
+                    versions["resubmitted"] += result.resubmitted_tokens
+                    seen = [s.weight_version for s in result.segments]
+                    versions["below"] += bool(floor) and any(
+                        not (v or "").isdigit() or int(v) < floor for v in seen
+                    )
+                except Exception as exc:  # counted: the goal is none
+                    outcome = type(exc).__name__
+                log.append(_Request(started, time.monotonic(), outcome))
+
+        await asyncio.gather(*(client() for _ in range(clients)))
+    return 0
+
+
 def _chaos(
     d: Deployment, stop: float, router_kills: list[float], faults: list[tuple[float, str, str]]
 ) -> None:
@@ -319,11 +353,18 @@ def _pd_soak(k: int) -> list[str]:
 
 
 def chaos_soak(
-    k: int, clients: int, soak_s: float, tmp: Path, verbose: bool, applies: bool = False
+    k: int,
+    clients: int,
+    soak_s: float,
+    tmp: Path,
+    verbose: bool,
+    applies: bool = False,
+    rollout: bool = False,
 ) -> dict[str, Any]:
     log: list[_Request] = []
     faults: list[tuple[float, str, str]] = []
     driven: dict[str, Any] = {"moves": 0, "cycles": 0, "mismatches": 0, "errors": []}
+    versions: dict[str, Any] = {"floor": 0, "below": 0, "resubmitted": 0, "rolling": rollout}
     # A fault every 5-15 s for the whole soak can hit one engine more often than its restart budget allows
     # within restart_budget_reset_s (3 in 600 s): the soak measures what clients see, not the budget.
     extra = ["sglang_deploy.router.policy=round_robin", "sglang_deploy.supervision.max_restarts=1000"]
@@ -334,11 +375,16 @@ def chaos_soak(
         kills = [started + soak_s / 3, started + 2 * soak_s / 3]
         chaos = threading.Thread(target=_chaos, args=(d, stop, list(kills), faults), daemon=True)
         chaos.start()
-        driver = threading.Thread(target=_drive, args=(d, stop, driven), daemon=True)
+        driver = threading.Thread(target=_drive, args=(d, stop, driven, versions), daemon=True)
         if applies:
             driver.start()
         url = d.registry.get_model_url("actor")
-        refused = asyncio.run(_soak_clients(url, clients, lambda: time.monotonic() < stop, log))
+        running = lambda: time.monotonic() < stop  # noqa: E731
+        refused = asyncio.run(
+            _soak_rollout_clients(d, clients, running, log, versions)
+            if rollout
+            else _soak_clients(url, clients, running, log)
+        )
         chaos.join(timeout=30)
         if applies:
             driver.join(timeout=600)
@@ -355,6 +401,9 @@ def chaos_soak(
         "clients": clients,
         "soak_s": soak_s,
         "applies": applies,
+        "rollout_client": rollout,
+        "below_min_version": versions["below"],
+        "resubmitted_tokens": versions["resubmitted"],
         "requests": len(log),
         "refused_connections": refused,
         "engine_faults": sum(1 for _t, what, _how in faults if what != "router"),
@@ -383,10 +432,12 @@ def _state(pid: int | None) -> str | None:
         return None
 
 
-def _drive(d: Deployment, stop: float, record: dict[str, Any]) -> None:
+def _drive(d: Deployment, stop: float, record: dict[str, Any], versions: dict[str, Any]) -> None:
     """Until ``stop``: one GPU moved between prefill and decode every 30 s (back and forth), a control cycle
-    (generation paused, the KV cache offloaded and onloaded, a new weight version, generation continued) every 25 s (both more often in a soak shorter
-    than 150 s); after each move, does the plan name exactly the fleet's engines?"""
+    (generation paused, the KV cache offloaded and onloaded, a new weight version, generation continued) every
+    25 s (both more often in a soak shorter than 150 s); after each move, does the plan name exactly the
+    fleet's engines? With the rollout client (``versions["rolling"]``) the new version comes with a rolling
+    disk update (half of each group serving) after the cycle, and is the clients' floor once it is done."""
     begun = time.monotonic()
     move_s, cycle_s = min(30.0, (stop - begun) / 5), min(25.0, (stop - begun) / 6)
     next_move, next_cycle, moves = begun + move_s, begun + cycle_s, 0
@@ -409,8 +460,19 @@ def _drive(d: Deployment, stop: float, record: dict[str, Any]) -> None:
                 d.control.offload(["kv_cache"])
                 d.control.onload(["kv_cache"])
                 record["cycles"] += 1
-                d.control.update_weight_version(f"v{record['cycles']}")
-                d.control.continue_generation()
+                if versions["rolling"]:
+                    d.control.continue_generation()
+                    version = record["cycles"]
+                    d.control.update_weights_from_disk(
+                        f"/ckpt/{version}",
+                        weight_version=str(version),
+                        rolling=True,
+                        min_serving_fraction=0.5,
+                    )
+                    versions["floor"] = version
+                else:
+                    d.control.update_weight_version(f"v{record['cycles']}")
+                    d.control.continue_generation()
                 next_cycle = time.monotonic() + cycle_s
         except Exception as exc:  # a benchmark reports what failed, and goes on
             record["errors"].append(f"{type(exc).__name__}: {str(exc)[:200]}")
@@ -535,6 +597,11 @@ def _print_chaos(row: dict[str, Any]) -> None:
         f"in a killed router; goal 0), 503s {row['http_503']} (goal 0); {row['refused_connections']} connections "
         f"refused while the router was down (tried again)"
     )
+    if row["rollout_client"]:
+        print(
+            f"    through the rollout client: samples below their minimum version {row['below_min_version']} "
+            f"(goal 0), tokens sent again {row['resubmitted_tokens']}"
+        )
     print(
         f"    failures: {row['failure_kinds']}; events: {row['events']}; processes left {row['processes_left']} "
         f"(exited, not reaped: {row['processes_unreaped']})"
@@ -612,6 +679,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--soak-applies", action="store_true", help="the soak on PD engines, moving GPUs and running control"
     )
+    parser.add_argument(
+        "--soak-client",
+        action="store_true",
+        help="the soak's requests through the rollout client, with rolling weight updates and version floors",
+    )
     parser.add_argument("--router-kills", type=int, default=20)
     parser.add_argument(
         "--skip", default="", help="parts to leave out: fan_out,healing,requests,chaos,router_kills"
@@ -655,6 +727,7 @@ def main(argv: list[str] | None = None) -> int:
                 tmp,
                 args.verbose,
                 applies=args.soak_applies or args.smoke,
+                rollout=args.soak_client or args.smoke,
             )
         if "router_kills" not in skip:
             results["router_kills"] = router_kills(2 if args.smoke else args.router_kills, tmp, args.verbose)

@@ -473,7 +473,12 @@ class Harness:
         self.routers = {r.url: FakeRouter(r.name, r.url, self.trace, self.backend) for r in router_rows}
         self.pool = FakePool(self.trace, self.backend, self.routers)
         self.fleet = build_fleet(self.prepared, router_rows, to_start=True)
-        self.ledger = Ledger({row.id: initial_state(row.initial_lora) for row in self.fleet.engines()})
+        self.ledger = Ledger(
+            {
+                row.id: initial_state(row.initial_lora, row.command_line_version)
+                for row in self.fleet.engines()
+            }
+        )
         self.events = ClockedEvents(self.clock)
         self.exits = FakeExitWatcher()
         self.serving = InlineLoop(self.loop)

@@ -102,6 +102,7 @@ BENCHMARK_OUTPUT = {
     "bench_control.py": "one killed: failed 0",
     "bench_elastic.py": "failed 0 (goal 0)",
     "bench_rollout_client.py": "client: failed 0 (goal 0;",
+    "bench_rolling_update.py": "failed 0 (goal 0)",
     "bench_sweep.py": "(1) packed/sequential:",
 }
 

@@ -13,13 +13,14 @@ import threading
 from pathlib import Path
 
 import httpx
+import pytest
 
 from miles_sglang_plugin.app.hydra_edge import launch_from_config
 from miles_sglang_plugin.serving.deployment import Deployment
-from miles_sglang_plugin.serving.rollout import RolloutClient
+from miles_sglang_plugin.serving.rollout import RolloutClient, RolloutResult
 from tests.conftest_launch import leak_check  # noqa: F401  (fixture)
 from tests.launch_helpers import LeakTracker, compose
-from tests.test_serving_faults import FAST, pid_of, stats
+from tests.test_serving_faults import FAST, pid_of, stats, wait_until
 
 PACED = [
     "sglang.actor.regular.num_gpus=2",
@@ -196,3 +197,89 @@ def test_a_trainer_process_with_the_registry_and_the_engine_listing_survives_the
             result = client.generate(PROMPT, sampling_params=GREEDY, on_tokens=kill_router_at_10)
         assert list(result.output_ids) == uninterrupted(d, d.auth_headers())
         assert result.attempts[-1].target in {"actor.regular.0", "actor.regular.1"}
+
+
+def test_a_rolling_update_under_load_keeps_half_the_engines_serving_and_loses_no_request(
+    tmp_path: Path, leak_check: LeakTracker
+) -> None:
+    """Four engines, four clients sending without pause, a rolling update with half of them kept serving and
+    0.3 s to finish their requests (what is left is aborted and carried on by the client elsewhere): every
+    request ends well, never fewer than two engines serve, every engine ends on the new weights."""
+    cfg = compose(*PACED, "sglang.actor.regular.num_gpus=4", *FAST)
+    with launch_from_config(cfg, log_dir=tmp_path / "logs") as d:
+        stop = threading.Event()
+        results: list[RolloutResult] = []
+        errors: list[BaseException] = []
+        serving: list[int] = []
+
+        def send() -> None:
+            with d.client("actor") as client:
+                while not stop.is_set():
+                    try:
+                        results.append(
+                            client.generate(PROMPT, sampling_params={"max_new_tokens": 40, "temperature": 0})
+                        )
+                    except Exception as exc:  # counted: the test asks for none
+                        errors.append(exc)
+
+        def sample() -> None:
+            while not stop.is_set():
+                serving.append(sum(e.state == "serving" for e in d.state().engines))
+                stop.wait(0.01)
+
+        threads = [threading.Thread(target=send) for _ in range(4)] + [threading.Thread(target=sample)]
+        for thread in threads:
+            thread.start()
+        try:
+            wait_until(lambda: len(results) >= 8, "eight requests before the update")
+            update = d.control.update_weights_from_disk(
+                "/ckpt/step2", weight_version="2", rolling=True, min_serving_fraction=0.5, drain_timeout_s=0.3
+            )
+            done = len(results)
+            wait_until(lambda: len(results) >= done + 8, "eight requests after the update")
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join(60)
+        assert not errors, errors[:3]
+        assert update.ok and update.accepted == tuple(f"actor.regular.{i}" for i in range(4))
+        assert serving and min(serving) >= 2
+        assert [e.weight_version for e in d.engines()] == ["2"] * 4
+        assert {s.weight_version for r in results for s in r.segments} <= {"default", "2"}
+        assert results[-1].weight_versions == ("2",)
+        # a request takes 2 s and each engine nearly always has one: some were cut at the end of a drain (0.3 s)
+        # and went on elsewhere, keeping their tokens
+        carried = [r for r in results if len(r.attempts) > 1]
+        assert carried and all(len(r.output_ids) == 40 for r in carried)
+        kinds = [e.kind for e in d.events()]
+        assert kinds.count("engine_updating") == 4 and kinds.count("engine_updated") == 4
+
+
+def test_a_relaunch_goes_on_with_the_trainers_version_and_a_restarted_engine_keeps_it(
+    tmp_path: Path, leak_check: LeakTracker
+) -> None:
+    """``initial_weight_version``: every engine starts with it (a restored step), a request may ask for it at
+    once, an engine restarted after a loss has it again, and one ``apply`` adds starts with it too."""
+    with launch_from_config(compose(*PACED, *FAST), log_dir=tmp_path / "logs", initial_weight_version=7) as d:
+        assert [e.weight_version for e in d.engines()] == ["7", "7"]
+        with d.client("actor", version_wait_s=0.5) as client:
+            sampling = {"max_new_tokens": 4, "temperature": 0}
+            assert client.generate(PROMPT, sampling_params=sampling, min_version=7).weight_versions == ("7",)
+            since = len(d.events())
+            os.kill(pid_of(d, "actor.regular.1"), signal.SIGKILL)
+            d.wait_for_event("engine_recovered", subject="actor.regular.1", since=since, timeout_s=60)
+            assert [e.weight_version for e in d.engines()] == ["7", "7"]
+            assert stats(d.engines()[1].url)["weight_version"] == "7"
+            d.resize("actor", "regular", 3)
+            assert [e.weight_version for e in d.engines()] == ["7", "7", "7"]
+            assert client.generate(PROMPT, sampling_params=sampling, min_version=7).weight_versions == ("7",)
+
+
+def test_an_initial_weight_version_that_is_not_a_string_or_an_integer_is_refused(tmp_path: Path) -> None:
+    pattern = "initial_weight_version must be a non-empty string or an integer"
+    for bad in (True, 1.5, ""):
+        with (
+            pytest.raises(ValueError, match=pattern),
+            launch_from_config(compose(*PACED), log_dir=tmp_path, initial_weight_version=bad),  # type: ignore[arg-type]
+        ):
+            raise AssertionError("started")

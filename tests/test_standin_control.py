@@ -361,3 +361,29 @@ def test_paused_engine_refuses_nothing_it_holds(spawn: Callable[..., Proc], rout
             return (await held).status_code
 
     assert asyncio.run(scenario()) == 200
+
+
+def test_a_request_that_comes_while_weights_load_from_disk_waits_for_them_and_gets_the_new_version(
+    spawn: Callable[..., Proc],
+) -> None:
+    """With a control latency a disk update loads for that long; SGLang's scheduler serves nothing meanwhile:
+    a generation that comes during the load is answered after it, with the new weights' version."""
+    engine = start_standin(spawn, env={"MSP_STANDIN_CONTROL_LATENCY_S": "1.0"})
+    wait_http(engine)
+    answers: dict[str, httpx.Response] = {}
+
+    def update() -> None:
+        body = {"model_path": "/ckpt/9", "weight_version": "9"}
+        answers["update"] = post(engine, "/update_weights_from_disk", body)
+
+    loading = threading.Thread(target=update)
+    loading.start()
+    deadline = time.monotonic() + 20
+    while "/update_weights_from_disk" not in str(stats(engine).get("control_calls", "")):
+        assert time.monotonic() < deadline, stats(engine)
+        time.sleep(0.02)
+    answers["generate"] = post(engine, "/generate", GENERATE)  # sent while the load runs (it takes 1 s)
+    loading.join(20)
+    assert answers["update"].json()["success"] is True
+    # answered once the load was done: a request served at once would carry the old version, "default"
+    assert answers["generate"].json()["meta_info"]["weight_version"] == "9"

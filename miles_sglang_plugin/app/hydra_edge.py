@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hydra.errors import CompactHydraException
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from miles_sglang_plugin.config.reading import read_config
 from miles_sglang_plugin.config.schema import BackendKind, EngineKind, SGLangDeployConf
@@ -190,6 +190,18 @@ class HydraConfigSource:
         return config
 
 
+def with_weight_version(cfg: DictConfig, version: str | int) -> DictConfig:
+    """A copy of ``cfg`` whose engines start with weight version ``version``
+    (``sglang_deploy.server_defaults.weight_version``); ValueError for a version that is not a string or an
+    integer."""
+    if isinstance(version, bool) or not isinstance(version, str | int) or str(version) == "":
+        raise ValueError(f"initial_weight_version must be a non-empty string or an integer, got {version!r}")
+    copied = copy.deepcopy(cfg)
+    with open_dict(copied):
+        OmegaConf.update(copied, "sglang_deploy.server_defaults.weight_version", str(version), force_add=True)
+    return copied
+
+
 @contextlib.contextmanager
 def launch_from_config(
     cfg: DictConfig,
@@ -199,6 +211,7 @@ def launch_from_config(
     placement_group: Any = None,
     bundle_indices: Sequence[int] | None = None,
     backend: Backend | None = None,
+    initial_weight_version: str | int | None = None,
 ) -> Iterator[Deployment]:
     """Resolve, render and start the deployment of ``cfg``; stop everything when the block ends.
 
@@ -208,9 +221,16 @@ def launch_from_config(
 
     ``placement_group`` (and ``bundle_indices``, GPU slot -> bundle): the trainer's Ray placement group to
     place the engines in, for ``sglang_deploy.launch.backend=ray`` (Miles: its placement group and
-    ``reordered_bundle_indices``). ``backend``: a backend instance to use instead of the configured one."""
+    ``reordered_bundle_indices``). ``backend``: a backend instance to use instead of the configured one.
+
+    ``initial_weight_version``: the weight version every engine starts with (SGLang's ``--weight-version``,
+    ``default`` otherwise), e.g. the trainer's restored step, so that the version sequence goes on after a
+    relaunch: as ``sglang_deploy.server_defaults.weight_version`` (a group's own override still wins); ``apply``
+    keeps it."""
     from miles_sglang_plugin.serving.deployment import Deployment
 
+    if initial_weight_version is not None:
+        cfg = with_weight_version(cfg, initial_weight_version)
     fields = known_server_arg_fields().fields
     checked = prepare_from_config(cfg, sglang_key=sglang_key, server_arg_fields=fields)
     settings = checked.settings

@@ -120,7 +120,7 @@ class Converging:
                 continue  # its model's router is replaced first
             self.waiting.discard(engine)
             row = self.new_rows[engine]
-            initial = initial_state(row.initial_lora)
+            initial = initial_state(row.initial_lora, row.command_line_version)
             if engine in self.kept_desired:
                 desired = self.kept_desired.pop(engine)  # the same engine: what it should have stays
             else:

@@ -35,7 +35,7 @@ from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 from miles_sglang_plugin.config.schema import SGLangDeployConf
 from miles_sglang_plugin.serving import operations as ops
 from miles_sglang_plugin.serving.errors import DeploymentFailedError, DeploymentStoppedError
-from miles_sglang_plugin.serving.fleet import EngineInfo, EngineRow, Fleet
+from miles_sglang_plugin.serving.fleet import CatchUp, EngineInfo, EngineRow, EngineState, Fleet
 from miles_sglang_plugin.serving.ledger import Effect, Ledger
 from miles_sglang_plugin.serving.operations import DEFAULT_GROUP_NAME, OPERATIONS, OperationSpec
 from miles_sglang_plugin.serving.reconciler import Reconciler, ServingLoop
@@ -45,6 +45,7 @@ from miles_sglang_plugin.serving.results import (
     WeightUpdateGroup,
     WeightUpdateRank,
 )
+from miles_sglang_plugin.serving.rolling import GroupProgress, check_fraction, next_wave
 from miles_sglang_plugin.serving.rollout import ClientSet
 from miles_sglang_plugin.serving.wire import Answer, ClientPool
 
@@ -99,6 +100,61 @@ async def _ask_while_busy(
         pause, tries = min(pause * 2, BUSY_MAX_PAUSE_S), tries + 1
         answer = await pool.call(url, spec.method, route, body=payload, deadline_s=ends - time.monotonic())
     return answer
+
+
+def _serving_now(fleet: Fleet, engine: str) -> bool:
+    return (
+        engine in fleet
+        and not fleet.engine(engine).retired
+        and fleet.engine(engine).state is EngineState.SERVING
+    )
+
+
+def _drained_or_gone(fleet: Fleet, engine: str) -> bool:
+    """A held engine is ready for its update: out of its router with its requests finished (or its time to
+    finish them over), or no longer there to update (lost, removed: it gets the weights by replay)."""
+    if engine not in fleet or fleet.engine(engine).retired:
+        return True
+    row = fleet.engine(engine)
+    if row.state is EngineState.SERVING:
+        return row.update_hold is None
+    return row.state is not EngineState.UPDATING or row.drained
+
+
+def _back_or_gone(fleet: Fleet, engine: str) -> bool:
+    """An updated engine is back: it serves again (or it is lost or removed: nothing to wait for)."""
+    if engine not in fleet or fleet.engine(engine).retired:
+        return True
+    row = fleet.engine(engine)
+    coming_back = row.state is EngineState.CATCHING_UP and row.catch_up == CatchUp.UPDATE
+    return not (row.state is EngineState.UPDATING or coming_back)
+
+
+def _progress(
+    fleet: Fleet, groups: Mapping[tuple[str, str], Sequence[str]], waiting: Collection[str]
+) -> dict[str, GroupProgress]:
+    """Each group of a rolling update as it stands now."""
+    return {
+        f"{model}.{group}": GroupProgress(
+            engines=tuple(ids),
+            serving=frozenset(e for e in ids if _serving_now(fleet, e)),
+            waiting=tuple(e for e in ids if e in waiting),
+        )
+        for (model, group), ids in groups.items()
+    }
+
+
+def _all(check: Callable[[Fleet, str], bool], fleet: Fleet, engines: Sequence[str]) -> bool:
+    return all(check(fleet, engine) for engine in engines)
+
+
+async def _bounded(future: asyncio.Future[None], seconds: float) -> bool:
+    """Wait for ``future`` at most ``seconds``: True when it was set in time (it is cancelled otherwise)."""
+    try:
+        await asyncio.wait_for(future, seconds)
+    except TimeoutError:
+        return False
+    return True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -467,8 +523,18 @@ class AsyncDeploymentControl:
         model: str | None = None,
         timeout_s: float | None = None,
         check: bool = True,
+        rolling: bool = False,
+        min_serving_fraction: float = 0.75,
+        drain_timeout_s: float | None = None,
     ) -> OperationResult:
-        """``/update_weights_from_disk`` on the engines of the model(s) with ``update_weights``."""
+        """``/update_weights_from_disk`` on the engines of the model(s) with ``update_weights``.
+
+        ``rolling``: in waves, so that at least ``min_serving_fraction`` of each group serves throughout
+        (:mod:`.rolling`): a wave's engines leave their router (``updating``), finish their requests (up to
+        ``drain_timeout_s``, default ``sglang_deploy.launch.drain_timeout_s``; what is left then is aborted,
+        and the rollout client carries it on elsewhere), load the weights, and serve again before the next
+        wave leaves. ``timeout_s`` bounds each wave's load and its return to service. A wave that no engine
+        accepts ends the update: the engines after it keep their weights and are among the failed."""
         if weight_version is not None:
             weight_version = ops.check_version(weight_version, "weight_version")
         body = ops.disk_weights_body(
@@ -478,14 +544,110 @@ class AsyncDeploymentControl:
             abort_all_requests=abort_all_requests,
             flush_cache=flush_cache,
         )
-        return await self._run(
-            "update_weights_from_disk",
-            body,
-            ops.disk_weights_effect(body),
-            model=model,
-            group=None,
-            timeout_s=timeout_s,
-            check=check,
+        effect = ops.disk_weights_effect(body)
+        if not rolling:
+            return await self._run(
+                "update_weights_from_disk",
+                body,
+                effect,
+                model=model,
+                group=None,
+                timeout_s=timeout_s,
+                check=check,
+            )
+        fraction = check_fraction(min_serving_fraction)
+        drain_s = ops.check_timeout(drain_timeout_s) or self._serving.settings.launch.drain_timeout_s
+        deadline = ops.check_timeout(timeout_s) or self._serving.settings.control.timeout_s
+        self._running()
+        result = await self._on_loop(self._roll(body, effect, model, deadline, fraction, drain_s))
+        return result.raise_for_errors() if check else result
+
+    async def _roll(
+        self,
+        body: Mapping[str, Any],
+        effect: Effect,
+        model: str | None,
+        deadline_s: float,
+        fraction: float,
+        drain_s: float,
+    ) -> OperationResult:
+        """The waves of a rolling disk update (on the serving loop)."""
+        spec = OPERATIONS["update_weights_from_disk"]
+        fleet, reconciler = self._serving.fleet, self._serving.reconciler
+        first = self._targets(spec, model, None)
+        concerned = [r for r in self._select(model, None) if spec.concerns(r)]
+        groups: dict[tuple[str, str], list[str]] = {}
+        for row in concerned:
+            groups.setdefault((row.model, row.group), []).append(row.id)
+        waiting = {r.id for r in first.sent}
+        # what is left of a wave's requests once its drain time is over is aborted (the client goes on with it)
+        sent_body = {**body, "abort_all_requests": True}
+        replies: list[EngineReply] = []
+        deferred: list[str] = []
+        # engines down when their turn came (or at the start): they get the weights by replay once some engine
+        # took them (they go with the next wave that is sent)
+        carried, why = list(first.deferred), dict(first.why_deferred)
+        accepted = False
+        stopped: str | None = None
+        while waiting and stopped is None:
+            self._running()
+            wave = next_wave(_progress(fleet, groups, waiting), fraction)
+            waiting -= set(wave)
+            held = [e for e in wave if _serving_now(fleet, e)]
+            reconciler.hold_for_update(held, drain_s)
+            try:
+                await _bounded(
+                    reconciler.wait_until(functools.partial(_all, _drained_or_gone, fleet, tuple(held))),
+                    drain_s * 2,
+                )
+                rows = [fleet.engine(e) for e in wave if e in fleet and not fleet.engine(e).retired]
+                carried += [r.id for r in rows if not r.state.up]
+                why.update({r.id: f"not sent: it is {r.state.value} now" for r in rows if not r.state.up})
+                sent = tuple(r for r in rows if r.state.up)
+                targets = _Targets(sent, (), tuple(carried), why)
+                result = (
+                    await self._execute(
+                        spec, sent_body, effect, model, None, deadline_s, False, None, targets
+                    )
+                    if sent
+                    else None
+                )
+            finally:
+                reconciler.release_update(held)
+            if result is None:
+                continue
+            replies += result.replies
+            if not result.accepted:
+                stopped = f"no engine of the wave of {', '.join(r.id for r in sent)} took it"
+                break
+            accepted, carried = True, []
+            deferred += result.deferred
+            back = reconciler.wait_until(functools.partial(_all, _back_or_gone, fleet, tuple(held)))
+            if not await _bounded(back, deadline_s):
+                late = [e for e in held if not _back_or_gone(fleet, e)]
+                stopped = f"{', '.join(late)} did not serve again within {deadline_s:g} s"
+        carried = [e for e in carried if e in fleet and not fleet.engine(e).retired]
+        if carried and accepted:  # down when their wave came, after some engine took it: replayed when back
+            self._serving.ledger.extend(effect, carried)
+            deferred += carried
+        elif carried:
+            replies += [self._not_recorded(e, why.get(e, "")) for e in carried]
+        for engine in sorted(waiting, key=[r.id for r in concerned].index):
+            replies.append(self._not_recorded_roll(engine, stopped or ""))
+        order = {r.id: i for i, r in enumerate(fleet.engines())}
+        replies.sort(key=lambda reply: order.get(reply.engine, 0))
+        return OperationResult(spec.name, tuple(replies), first.skipped, tuple(dict.fromkeys(deferred)))
+
+    def _not_recorded_roll(self, engine: str, why: str) -> EngineReply:
+        row = self._serving.fleet.engine(engine) if engine in self._serving.fleet else None
+        return EngineReply(
+            engine,
+            row.url if row is not None else "",
+            False,
+            None,
+            None,
+            f"not sent: the rolling update stopped ({why}); it keeps the weights it has",
+            0.0,
         )
 
     def weight_update_group(

@@ -157,7 +157,12 @@ class Deployment:
         self.install_signal_handlers = install_signal_handlers
         self.notes = backend.check(prepared)
         self.fleet: Fleet = build_fleet(prepared, self._router_rows(), to_start=True)
-        self.ledger = Ledger({row.id: initial_state(row.initial_lora) for row in self.fleet.engines()})
+        self.ledger = Ledger(
+            {
+                row.id: initial_state(row.initial_lora, row.command_line_version)
+                for row in self.fleet.engines()
+            }
+        )
         self.event_log = EventLog()
         self.serving_loop = ServingLoop()
         self.pool = ClientPool(self.auth_headers(), max_connections=self.settings.control.max_concurrency)
@@ -210,17 +215,11 @@ class Deployment:
         )
 
     def _weight_version(self, engine: str) -> str | None:
+        """What the ledger knows the engine has (its command line's version until an update)."""
         try:
-            accepted = self.ledger.has(engine).weight_version
+            return self.ledger.has(engine).weight_version
         except KeyError:
             return None
-        if accepted is not None:
-            return accepted
-        try:
-            lead = self.fleet.engine(engine).lead
-        except KeyError:
-            return None
-        return None if lead is None else str(lead.server_args.get("weight_version") or "default")
 
     def client(self, model: str, **settings: Any) -> RolloutClient:
         """A rollout client of ``model`` (blocking calls; see :mod:`miles_sglang_plugin.serving.rollout`): it

@@ -43,7 +43,13 @@ _CAPABILITIES = {
     "reports_weight_version": True,
 }
 #: The deployment's engine states as SMG's ``health`` values.
-_HEALTH = {"serving": "ready", "draining": "draining", "lost": "unhealthy", "failed": "unhealthy"}
+_HEALTH = {
+    "serving": "ready",
+    "draining": "draining",
+    "updating": "draining",
+    "lost": "unhealthy",
+    "failed": "unhealthy",
+}
 
 
 def _row(engine: EngineInfo) -> dict[str, Any]:

@@ -31,6 +31,8 @@ EVENT_LEVELS: Mapping[str, int] = MappingProxyType(
         "engine_diverged": logging.WARNING,
         "engine_added": logging.INFO,
         "engine_removed": logging.INFO,
+        "engine_updating": logging.INFO,
+        "engine_updated": logging.INFO,
         "engine_placed_again": logging.WARNING,
         "external_engine_lost": logging.WARNING,
         "external_engine_back": logging.WARNING,

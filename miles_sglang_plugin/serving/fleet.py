@@ -14,8 +14,11 @@ starting           its processes run (or, external: not answered yet); not     c
 catching_up        answers; being brought to the ledger (replay of the         serving, pending_weights,
                    control state it should have), then registered              lost, draining, stopped
 serving            in its model's router, serving requests                     catching_up (it disagrees with
-                                                                               the ledger), lost, draining,
-                                                                               stopped
+                                                                               the ledger), updating, lost,
+                                                                               draining, stopped
+updating           up, out of its router for a rolling weight update:          catching_up, lost, draining,
+                   finishing its requests, then given the new weights;         stopped
+                   back into service through catching_up
 pending_weights    up, out of its router: its weights can only come through    catching_up, lost, draining,
                    a weights update group the trainer forms again              stopped
 lost               exited or stopped answering: out of its router, its         restarting, catching_up
@@ -79,6 +82,7 @@ class EngineState(enum.Enum):
     STARTING = "starting"
     CATCHING_UP = "catching_up"
     SERVING = "serving"
+    UPDATING = "updating"
     PENDING_WEIGHTS = "pending_weights"
     LOST = "lost"
     RESTARTING = "restarting"
@@ -92,7 +96,7 @@ class EngineState(enum.Enum):
         return self in _UP
 
 
-_UP = frozenset({EngineState.SERVING, EngineState.PENDING_WEIGHTS})
+_UP = frozenset({EngineState.SERVING, EngineState.UPDATING, EngineState.PENDING_WEIGHTS})
 
 _E = EngineState
 ENGINE_TRANSITIONS: Mapping[EngineState, frozenset[EngineState]] = MappingProxyType(
@@ -100,7 +104,8 @@ ENGINE_TRANSITIONS: Mapping[EngineState, frozenset[EngineState]] = MappingProxyT
         _E.NEW: frozenset({_E.STARTING, _E.LOST, _E.STOPPED}),
         _E.STARTING: frozenset({_E.CATCHING_UP, _E.LOST, _E.DRAINING, _E.STOPPED}),
         _E.CATCHING_UP: frozenset({_E.SERVING, _E.PENDING_WEIGHTS, _E.LOST, _E.DRAINING, _E.STOPPED}),
-        _E.SERVING: frozenset({_E.CATCHING_UP, _E.LOST, _E.DRAINING, _E.STOPPED}),
+        _E.SERVING: frozenset({_E.CATCHING_UP, _E.UPDATING, _E.LOST, _E.DRAINING, _E.STOPPED}),
+        _E.UPDATING: frozenset({_E.CATCHING_UP, _E.LOST, _E.DRAINING, _E.STOPPED}),
         _E.PENDING_WEIGHTS: frozenset({_E.CATCHING_UP, _E.LOST, _E.DRAINING, _E.STOPPED}),
         _E.LOST: frozenset({_E.RESTARTING, _E.CATCHING_UP, _E.FAILED, _E.DRAINING, _E.STOPPED}),
         _E.RESTARTING: frozenset({_E.STARTING, _E.LOST, _E.STOPPED}),
@@ -127,6 +132,8 @@ class CatchUp(enum.StrEnum):
     DIVERGENCE = "divergence"
     #: added by a change of the deployment (given up, not failing the deployment, if it never starts)
     NEW = "new"
+    #: back from a rolling weight update
+    UPDATE = "update"
 
 
 class RouterState(enum.Enum):
@@ -170,8 +177,8 @@ class EngineInfo:
     #: The engine's ``CUDA_VISIBLE_DEVICES`` on its first node ("" for an external engine).
     gpus: str
     nnodes: int
-    #: One of :class:`EngineState`'s values: starting, catching_up, serving, pending_weights, lost,
-    #: restarting, failed, stopped.
+    #: One of :class:`EngineState`'s values: new, starting, catching_up, serving, updating, pending_weights,
+    #: lost, restarting, draining, failed, stopped.
     state: str
     #: ``time.monotonic()`` when its current processes were started, and when it (last) answered its health
     #: endpoint for the first time.
@@ -285,12 +292,25 @@ class EngineRow:
     slots: tuple[int, ...] = ()
     #: Removed by a change of the deployment: it drains and stops, and is then dropped from the fleet.
     retired: bool = False
-    #: A draining engine is stopped at this ``time.monotonic()`` even if it still has requests.
+    #: A draining engine is stopped at this ``time.monotonic()`` even if it still has requests (an updating
+    #: one is given its new weights then).
     drain_until: float | None = None
+    #: A rolling weight update asks it out of its router, with this many seconds to finish its requests
+    #: (None: not asked). Set and cleared by the reconciler for the update; a loss clears it.
+    update_hold: float | None = None
+    #: An updating engine has finished its requests (or its time to finish them is over).
+    drained: bool = False
 
     @property
     def lead(self) -> EngineProcessLaunch | None:
         return self.launches[0] if self.launches else None
+
+    @property
+    def command_line_version(self) -> str | None:
+        """The weight version its command line starts it with (``--weight-version``; SGLang's default is
+        ``default``); None for an external engine (not started here)."""
+        lead = self.lead
+        return None if lead is None else str(lead.server_args.get("weight_version") or "default")
 
     def info(self) -> EngineInfo:
         return EngineInfo(

@@ -103,10 +103,14 @@ def _replaced(**changes: Any) -> Effect:
     return effect
 
 
-def initial_state(lora_at_start: Iterable[tuple[str, str]] = ()) -> ControlState:
-    """The state of a freshly started engine process: its command line's adapters, its checkpoint, nothing
-    released or paused."""
-    return ControlState(lora=tuple(sorted((name, path, False) for name, path in lora_at_start)))
+def initial_state(
+    lora_at_start: Iterable[tuple[str, str]] = (), weight_version: str | None = None
+) -> ControlState:
+    """The state of a freshly started engine process: its command line's adapters and weight version, its
+    checkpoint, nothing released or paused."""
+    return ControlState(
+        lora=tuple(sorted((name, path, False) for name, path in lora_at_start)), weight_version=weight_version
+    )
 
 
 @dataclass(frozen=True)
@@ -348,6 +352,15 @@ class Ledger:
                 self._desired[engine] = effect(self._desired[engine])
         self.version += 1
         return Record(recorded=True, diverged=tuple(refused), deferred=tuple(later))
+
+    @_locked
+    def extend(self, effect: Effect, engines: Iterable[str]) -> None:
+        """An operation some engine accepted (recorded before) concerns ``engines`` too, which were down when
+        it was sent to them: they should have it (they get it by replay)."""
+        for engine in engines:
+            if engine in self._desired:
+                self._desired[engine] = effect(self._desired[engine])
+        self.version += 1
 
     @_locked
     def join_group(self, name: str, members: Mapping[str, int]) -> None:

@@ -293,7 +293,13 @@ class _Scratch:
 
 # ------------------------------------------------------------------------------------------ the decisions
 _ACTIVE = frozenset(
-    {EngineState.STARTING, EngineState.CATCHING_UP, EngineState.SERVING, EngineState.PENDING_WEIGHTS}
+    {
+        EngineState.STARTING,
+        EngineState.CATCHING_UP,
+        EngineState.SERVING,
+        EngineState.UPDATING,
+        EngineState.PENDING_WEIGHTS,
+    }
 )
 
 
@@ -540,6 +546,8 @@ def _lose(s: _Scratch, row: EngineRow, reason: str, policy: Policy, now: float) 
         cleaned_up=row.external,
         health_failures=0,
         probed_at=now,
+        # a rolling update no longer waits for it: it gets the weights by replay
+        **({"update_hold": None, "drained": False} if row.update_hold is not None or row.drained else {}),
     )
     kind = "external_engine_lost" if row.external else "engine_lost"
     s.emit(kind, row.id, f"engine {row.id} ({row.url}) lost: {reason}", reason=reason)
@@ -636,6 +644,8 @@ def _advance_engine(
         _advance_starting(s, row, policy, now, phase)
     elif state is EngineState.CATCHING_UP:
         _advance_catching_up(s, row, ledger, now, phase)
+    elif state is EngineState.UPDATING:
+        _advance_updating(s, row, ledger, now, phase)
     elif state.up:
         _advance_up(s, row, ledger, policy, now, phase)
     elif state is EngineState.LOST:
@@ -685,9 +695,12 @@ def _retire_failed(s: _Scratch, row: EngineRow) -> None:
 def _on_drain(
     s: _Scratch, row: EngineRow, o: Observation, ledger: Ledger, policy: Policy, now: float, phase: str
 ) -> None:
-    """A draining engine reported how many requests it still has (``ok``: none, or it does not answer)."""
+    """A draining or updating engine reported how many requests it still has (``ok``: none, or it does not
+    answer)."""
     if row.state is EngineState.DRAINING and o.ok and "cleanup" not in row.pending:
         s.start(row, ActionKind.CLEANUP)
+    elif row.state is EngineState.UPDATING and o.ok and row.update_hold is not None:
+        s.set(row, drained=True)
 
 
 _ENGINE_OBSERVERS[ObservationKind.DRAIN] = _on_drain
@@ -750,7 +763,7 @@ def _advance_catching_up(s: _Scratch, row: EngineRow, ledger: Ledger, now: float
         if _router_accepts(s, row.model):
             s.start(row, ActionKind.REGISTER)
         return
-    _serve(s, row, now)
+    _serve(s, row, now, ledger)
 
 
 def _await_weights(s: _Scratch, row: EngineRow, now: float) -> None:
@@ -770,7 +783,7 @@ def _await_weights(s: _Scratch, row: EngineRow, now: float) -> None:
     )
 
 
-def _serve(s: _Scratch, row: EngineRow, now: float) -> None:
+def _serve(s: _Scratch, row: EngineRow, now: float, ledger: Ledger) -> None:
     came_from = row.catch_up
     downtime = now - row.lost_at if row.lost_at is not None else 0.0
     start_s = (row.healthy_at or now) - (row.started_at or now)
@@ -790,6 +803,14 @@ def _serve(s: _Scratch, row: EngineRow, now: float) -> None:
     elif came_from == CatchUp.PENDING:
         s.set(row, recovered_at=now, lost_at=None)
         s.emit("engine_admitted", row.id, f"engine {row.id} got weights and serves again", **back)
+    elif came_from == CatchUp.UPDATE:
+        version = ledger.has(row.id).weight_version
+        s.emit(
+            "engine_updated",
+            row.id,
+            f"engine {row.id} serves again after its weight update (weight version {version or 'default'})",
+            weight_version=version,
+        )
     elif came_from == CatchUp.NEW:
         s.emit(
             "engine_added",
@@ -800,6 +821,9 @@ def _serve(s: _Scratch, row: EngineRow, now: float) -> None:
 
 
 def _advance_up(s: _Scratch, row: EngineRow, ledger: Ledger, policy: Policy, now: float, phase: str) -> None:
+    if phase == "serving" and row.state is EngineState.SERVING and row.update_hold is not None:
+        _leave_for_update(s, row, now)
+        return
     if phase == "serving" and not row.ops_in_flight and "replay" not in row.pending:
         if row.state is EngineState.PENDING_WEIGHTS and not ledger.needs_weights(row.id):
             s.move(row, EngineState.CATCHING_UP, catch_up=CatchUp.PENDING)  # it got its weights: admission
@@ -834,6 +858,38 @@ def _advance_up(s: _Scratch, row: EngineRow, ledger: Ledger, policy: Policy, now
             path=_health_endpoint(row, ledger, policy),
             timeout_s=policy.health_timeout_s,
         )
+
+
+def _leave_for_update(s: _Scratch, row: EngineRow, now: float) -> None:
+    """A rolling weight update asks a serving engine out of its router (the general rule takes it out:
+    :func:`_deregister_if_out`); it finishes its requests until its drain time is over."""
+    hold = row.update_hold or 0.0
+    s.move(row, EngineState.UPDATING, drain_until=now + hold, drained=False, probed_at=None)
+    s.emit(
+        "engine_updating",
+        row.id,
+        f"engine {row.id} leaves its router for a rolling weight update (up to {hold:g} s to finish its "
+        "requests)",
+        drain_s=hold,
+    )
+
+
+def _advance_updating(s: _Scratch, row: EngineRow, ledger: Ledger, now: float, phase: str) -> None:
+    """Out of its router for a rolling weight update: its requests are counted until none is left or its
+    drain time is over (then it is ``drained``: the update is sent); once the update lets it go it comes
+    back through catching_up (the ledger's state by replay, then its router)."""
+    if row.update_hold is None:
+        if phase == "serving" and not row.ops_in_flight:
+            s.move(row, EngineState.CATCHING_UP, catch_up=CatchUp.UPDATE, drained=False, drain_until=None)
+            _advance_catching_up(s, row, ledger, now, phase)
+        return
+    if row.drained or row.registered or row.pending & {"drain", "deregister"}:
+        return
+    if row.drain_until is not None and now >= row.drain_until:
+        s.set(row, drained=True)
+    elif _due(row.probed_at, RESTART_POLL_S * 2, now):
+        s.set(row, probed_at=now)
+        s.start(row, ActionKind.DRAIN)
 
 
 def _health_endpoint(row: EngineRow, ledger: Ledger, policy: Policy) -> str:
@@ -1051,6 +1107,10 @@ def _engine_due(row: EngineRow, policy: Policy, now: float, phase: str) -> float
     """When ``row`` needs a decision without an observation (a poll, a restart, a deadline), or None."""
     if row.state is EngineState.DRAINING:
         return _draining_due(row, now)
+    if row.state is EngineState.UPDATING:
+        if row.update_hold is None:
+            return None if row.ops_in_flight else now  # let go: back into service at once
+        return None if row.drained else _draining_due(row, now)
     if row.state is EngineState.STARTING:
         interval = (
             policy.poll_interval_s if phase == "starting" else min(policy.poll_interval_s, RESTART_POLL_S)

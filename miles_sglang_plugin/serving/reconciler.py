@@ -215,6 +215,8 @@ class Reconciler:
         #: it is out joins it: it gets the operation's state by replay before it serves).
         self._operations: dict[int, _Operation] = {}
         self._next_operation = 0
+        #: Waits on the fleet's rows (:meth:`wait_until`): each one's condition, checked after every pass.
+        self._waits: list[tuple[Callable[[], bool], asyncio.Future[None]]] = []
         #: Processes a spawn started that are not in their row yet (the teardown stops them too).
         self._starting: list[EngineProcess] = []
         self._starting_lock = threading.Lock()
@@ -242,6 +244,7 @@ class Reconciler:
             try:
                 self._apply(self._decide(observations))
                 self._settle_changes()
+                self._settle_waits()
             except Exception:  # the loop outlives any surprise; it is logged
                 log.exception("supervision: a decision failed")
             if self._inbox or self.phase not in ("starting", "serving"):
@@ -316,6 +319,49 @@ class Reconciler:
             if not change.finished.done():
                 change.finished.set_exception(LaunchError(f"{why}: {change.describe()}"))
         self.changes.clear()
+
+    # ----------------------------------------------------------------------------------------- waits
+    def wait_until(self, done: Callable[[], bool]) -> asyncio.Future[None]:
+        """On the loop: a future set once ``done()`` (a condition on the fleet's rows) holds after a pass of
+        the loop; the caller bounds its wait."""
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if done():
+            future.set_result(None)
+        else:
+            self._waits.append((done, future))
+            self.poke_here()
+        return future
+
+    def _settle_waits(self) -> None:
+        kept = []
+        for condition, future in self._waits:
+            if future.done():
+                continue  # its caller stopped waiting
+            try:
+                if condition():
+                    future.set_result(None)
+                    continue
+            except Exception as exc:  # a condition that fails ends its wait with the error
+                future.set_exception(exc)
+                continue
+            kept.append((condition, future))
+        self._waits = kept
+
+    # ----------------------------------------------------------------------------------------- rolling updates
+    def hold_for_update(self, engines: Iterable[str], drain_s: float) -> None:
+        """On the loop: a rolling weight update asks these serving engines out of their router, with
+        ``drain_s`` seconds to finish their requests (the decisions move them to ``updating``)."""
+        for engine in engines:
+            if engine in self.fleet and self.fleet.engine(engine).state is EngineState.SERVING:
+                self.fleet.update(engine, update_hold=drain_s)
+        self.poke_here()
+
+    def release_update(self, engines: Iterable[str]) -> None:
+        """On the loop: the update is done with these engines: they come back into service."""
+        for engine in engines:
+            if engine in self.fleet and self.fleet.engine(engine).update_hold is not None:
+                self.fleet.update(engine, update_hold=None)
+        self.poke_here()
 
     # ----------------------------------------------------------------------------------------- applying
     def _apply(self, actions: Iterable[Action]) -> None:

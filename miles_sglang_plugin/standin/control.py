@@ -33,15 +33,18 @@ SGLang's own server answers them (held to it by ``tests/test_engine_contract.py`
   ``/v1/models`` (as SGLang lists them) and ``/stand_in/stats``.
 
 ``MSP_STANDIN_CONTROL_LATENCY_S`` makes each control call take that long (a real engine's take from a fraction
-of a second to minutes).
+of a second to minutes). A ``/update_weights_from_disk`` then loads for that long: ``abort_all_requests`` ends
+what runs when the call comes, and generation requests that arrive meanwhile wait until the load is done (SGLang's
+scheduler serves nothing while it loads).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,7 +101,11 @@ class ControlState:
     aborts: int = 0
     #: The checkpoint of the last ``/update_weights_from_disk`` (None: the one it started with).
     disk_model_path: str | None = None
+    #: Weight loads from disk under way (with a control latency, the load takes that long): new generation
+    #: requests wait for them, as SGLang's scheduler runs nothing while it loads.
+    loading: int = 0
     _resumed: asyncio.Event | None = None
+    _loaded: asyncio.Event | None = None
 
     # -------------------------------------------------------------------------------------------- generation
     def generation_refusal(self) -> str | None:
@@ -118,10 +125,31 @@ class ControlState:
                 self._resumed.set()
         return self._resumed
 
+    def loaded(self) -> asyncio.Event:
+        if self._loaded is None:
+            self._loaded = asyncio.Event()
+            if not self.loading:
+                self._loaded.set()
+        return self._loaded
+
     async def wait_until_running(self) -> None:
-        """Wait while generation is paused (an abort of all requests does not end the wait, as in SGLang)."""
-        while self.paused is not None:
+        """Wait while generation is paused (an abort of all requests does not end the wait, as in SGLang) and
+        while weights load."""
+        while self.paused is not None or self.loading:
             await self.resumed().wait()
+            await self.loaded().wait()
+
+    @contextlib.contextmanager
+    def loading_weights(self) -> Iterator[None]:
+        """A weight load is under way for the block."""
+        self.loading += 1
+        self.loaded().clear()
+        try:
+            yield
+        finally:
+            self.loading -= 1
+            if not self.loading:
+                self.loaded().set()
 
     def abort_all(self) -> None:
         self.aborts += 1
@@ -185,9 +213,8 @@ def _set_version(state: ControlState, version: Any) -> None:
 
 
 def update_weights_from_disk(state: ControlState, body: dict[str, Any]) -> dict[str, Any]:
+    """(What was running was aborted when the call came: :func:`_route`.)"""
     _require_weights(state, "cannot load weights from disk")
-    if body.get("abort_all_requests"):
-        state.abort_all()
     state.model_path = state.disk_model_path = body["model_path"]
     state.weight_updates += 1
     _set_version(state, body.get("weight_version"))
@@ -322,9 +349,13 @@ def _route(handler: Handler) -> Callable[[web.Request], Awaitable[web.StreamResp
             )
         state.calls.append([request.path, body])
         state.unanswered.append(request.path)
+        loads = request.path == "/update_weights_from_disk"
+        if loads and body.get("abort_all_requests"):
+            state.abort_all()  # at once, as SGLang does before it waits to load
         try:
             if state.latency_s:
-                await asyncio.sleep(state.latency_s)
+                with state.loading_weights() if loads else contextlib.nullcontext():
+                    await asyncio.sleep(state.latency_s)
             answer = handler(state, body)
         finally:
             state.unanswered.remove(request.path)

@@ -75,6 +75,8 @@ class Serving(Protocol):
     def pool(self) -> ClientPool: ...
     @property
     def settings(self) -> SGLangDeployConf: ...
+    @property
+    def rollout_clients(self) -> ClientSet: ...
 
     def refusal(self, when: str) -> Exception | None:
         """Why operations no longer run (stopped or failed), ``when`` saying at which point; None: they do."""
@@ -950,9 +952,8 @@ class AsyncDeploymentControl:
     ) -> OperationResult:
         """``/abort_request`` with ``abort_all`` on every engine. The deployment's rollout clients first end
         their running requests with the tokens they have (an abort from the trainer is not a loss to heal)."""
-        clients = getattr(self._serving, "rollout_clients", None)
-        if isinstance(clients, ClientSet) and group is None:
-            clients.abort_all(model)
+        if group is None:
+            self._serving.rollout_clients.abort_all(model)
         return await self._run(
             "abort_all", {"abort_all": True}, None, model=model, group=group, timeout_s=timeout_s, check=check
         )

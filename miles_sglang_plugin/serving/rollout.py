@@ -372,7 +372,7 @@ class _Try:
         ids = event.get("output_ids")
         meta = event.get("meta_info")
         if not isinstance(ids, list) or not isinstance(meta, dict):
-            raise _Broken(f"an event without output_ids and meta_info: {_short(event)}")
+            raise _Broken(f"an event without output_ids and meta_info: {_brief(event)}")
         completion = meta.get("completion_tokens", len(ids))
         if len(ids) == completion:  # the output so far (its first tokens are those already taken)
             self.ids.extend(ids[len(self.ids) :])
@@ -431,9 +431,8 @@ def _spans(
     return out or [(version, 0, count)]
 
 
-def _short(value: Any, limit: int = 300) -> str:
-    text = value if isinstance(value, str) else json.dumps(value, default=str)
-    return text if len(text) <= limit else text[:limit] + "…"
+def _brief(value: Any) -> str:
+    return wire.short(value, 300)
 
 
 class _Chunks:
@@ -509,16 +508,16 @@ def _event(payload: bytes) -> Mapping[str, Any]:
     try:
         event = json.loads(payload)
     except ValueError:
-        raise _Broken(f"an event that is not JSON: {_short(payload.decode(errors='replace'))}") from None
+        raise _Broken(f"an event that is not JSON: {_brief(payload.decode(errors='replace'))}") from None
     if not isinstance(event, dict):
-        raise _Broken(f"an event that is not an object: {_short(event)}")
+        raise _Broken(f"an event that is not an object: {_brief(event)}")
     if "error" in event and "output_ids" not in event:
         # SGLang refuses some requests only once their stream has begun (a prompt longer than the context, a
         # rid in use): an error event with the HTTP code it would have answered, and ``retryable``.
         error = event["error"]
         code = error.get("code") if isinstance(error, dict) else None
         refused = isinstance(error, dict) and (error.get("retryable") is False or _refusal(code))
-        raise _Broken(f"the engine reports an error: {_short(error)}", retry=not refused)
+        raise _Broken(f"the engine reports an error: {_brief(error)}", retry=not refused)
     return event
 
 
@@ -916,7 +915,7 @@ class AsyncRolloutClient:
             if got.finish is None:
                 raise _Broken(f"the stream ended after {len(got.ids)} tokens without a finish")
             if got.finish.get("type") == "abort":  # a 4xx status: the scheduler refused it (too long, ...)
-                why = f"the engine aborted it: {_short(got.finish.get('message', ''))}"
+                why = f"the engine aborted it: {_brief(got.finish.get('message', ''))}"
                 raise _Broken(why, retry=not _refusal(got.finish.get("status_code")))
         except _Broken as broken:
             kept = self._allowed(request, got)
@@ -956,7 +955,7 @@ class AsyncRolloutClient:
                         status = response.status_code
                         if not direct and status >= 500:
                             self._router_down_until = time.monotonic() + self.router_retry_s
-                        why = f"HTTP {status}: {_short(raw.decode(errors='replace'))}"
+                        why = f"HTTP {status}: {_brief(raw.decode(errors='replace'))}"
                         raise _Broken(why, retry=not _refusal(status))
                     await self._read(request, target, got, epoch, response, self._alive(url, direct, epoch))
         except TimeoutError:

@@ -49,15 +49,22 @@ class Answer:
         if self.error is not None:
             return self.error
         if self.status is None or self.status >= 400 or self.status < 200:
-            return f"HTTP {self.status}: {_short(self.body)}"
+            return f"HTTP {self.status}: {short(self.body)}"
         if isinstance(self.body, dict) and self.body.get("success") is False:
             message = self.body.get("message") or self.body.get("error_message") or self.body
-            return f"the engine reports failure: {_short(message)}"
+            return f"the engine reports failure: {short(message)}"
         return None
 
 
-def _short(value: Any, limit: int = 500) -> str:
-    text = value if isinstance(value, str) else json.dumps(value) if value is not None else "<empty body>"
+def short(value: Any, limit: int = 500) -> str:
+    """``value`` (a body, an event, a message) in at most ``limit`` characters, for an error message."""
+    text = (
+        value
+        if isinstance(value, str)
+        else json.dumps(value, default=str)
+        if value is not None
+        else "<empty body>"
+    )
     return text if len(text) <= limit else text[:limit] + "…"
 
 

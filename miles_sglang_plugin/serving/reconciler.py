@@ -125,6 +125,19 @@ class ServingLoop:
         if tasks:
             await asyncio.wait(tasks, timeout=timeout_s)
 
+    async def _close_generators(self, timeout_s: float) -> None:
+        """Close the async generators still open (an HTTP body's iterators, left by a read that stopped at its
+        size cap or deadline) and let the closings the garbage collector scheduled run: a loop closed under
+        them printed "Task was destroyed but it is pending!"."""
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.loop.shutdown_asyncgens(), timeout_s)
+        current = asyncio.current_task()
+        strays = [t for t in asyncio.all_tasks() if t is not current and not t.done()]
+        for task in strays:
+            task.cancel()
+        if strays:
+            await asyncio.wait(strays, timeout=timeout_s)
+
     def close(
         self, before: Callable[[], Coroutine[Any, Any, None]] | None = None, timeout_s: float = 5.0
     ) -> None:
@@ -140,6 +153,7 @@ class ServingLoop:
             if before is not None:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(before(), timeout_s / 2)
+            await self._close_generators(timeout_s / 4)
 
         if not self._thread.is_alive():
             return

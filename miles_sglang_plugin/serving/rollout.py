@@ -34,7 +34,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -481,7 +481,7 @@ class _Chunks:
 
 async def _events(
     response: httpx.Response, stall_s: Callable[[], float | None], alive: Callable[[], str | None]
-) -> AsyncIterator[Mapping[str, Any]]:
+) -> AsyncGenerator[Mapping[str, Any], None]:
     """The ``data:`` events of a server-sent stream, each at most :data:`MAX_EVENT_BYTES`, until ``[DONE]``;
     ``stall_s()``: how long the next chunk may take."""
     chunks = _Chunks(response)
@@ -987,9 +987,10 @@ class AsyncRolloutClient:
             return self.stall_s if got.ids else None
 
         try:
-            async for event in _events(response, stall_s, alive):
-                if not finished[0]:
-                    finished[0] = self._took(request, target, got, event, epoch)
+            async with contextlib.aclosing(_events(response, stall_s, alive)) as events:
+                async for event in events:
+                    if not finished[0]:
+                        finished[0] = self._took(request, target, got, event, epoch)
         except _Broken:
             if not finished[0]:
                 raise
@@ -1030,11 +1031,12 @@ def _answers() -> str | None:
 
 async def _bounded(response: httpx.Response, limit: int = 64 * 1024) -> bytes:
     chunks, size = [], 0
-    async for chunk in response.aiter_raw():
-        chunks.append(chunk)
-        size += len(chunk)
-        if size >= limit:
-            break
+    async with contextlib.aclosing(wire.raw_chunks(response)) as body:  # closed here when it stops early
+        async for chunk in body:
+            chunks.append(chunk)
+            size += len(chunk)
+            if size >= limit:
+                break
     return b"".join(chunks)[:limit]
 
 

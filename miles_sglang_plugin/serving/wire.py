@@ -9,11 +9,12 @@ to a control POST without one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import httpx
 
@@ -78,14 +79,23 @@ def _decode(raw: bytes) -> Any:
         return text
 
 
+def raw_chunks(response: httpx.Response) -> AsyncGenerator[bytes, None]:
+    """The body's chunks as they come (an async generator: close it, with ``contextlib.aclosing``, when the
+    read may stop before its end)."""
+    return cast("AsyncGenerator[bytes, None]", response.aiter_raw())
+
+
 async def _read(response: httpx.Response, max_bytes: int) -> bytes | None:
-    """The whole body, or None once it grows past ``max_bytes``."""
+    """The whole body, or None once it grows past ``max_bytes``. The body's iterator is closed here when the
+    read stops early (left to the garbage collector, its closing became a task the loop never ran: "Task was
+    destroyed but it is pending!")."""
     chunks, size = [], 0
-    async for chunk in response.aiter_raw():
-        size += len(chunk)
-        if size > max_bytes:
-            return None
-        chunks.append(chunk)
+    async with contextlib.aclosing(raw_chunks(response)) as body:
+        async for chunk in body:
+            size += len(chunk)
+            if size > max_bytes:
+                return None
+            chunks.append(chunk)
     return b"".join(chunks)
 
 

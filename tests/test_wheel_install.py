@@ -486,7 +486,9 @@ class EditableInstall:
 
 
 @pytest.fixture(scope="module", params=sorted(EDITABLE_MODES))
-def editable_install(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> EditableInstall:
+def editable_install(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> EditableInstall:
     """A copy of the checkout (the strict mode writes under its build/), installed editable into a new venv that
     sees the outer venv's packages but none of this package's (see :func:`_is_this_package`)."""
     _require_setuptools_build()

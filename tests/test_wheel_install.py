@@ -20,6 +20,12 @@ the ``hydra_plugins`` namespace resolve inside the fresh venv and that the repos
 ``sys.path``. (Outer packages that need their own ``.pth`` processing would not work this way; hydra-core,
 omegaconf, PyYAML and rich do not.)
 
+Editable installs (issue 30): a copy of the checkout is installed with ``pip install -e`` in each of setuptools'
+editable modes (default, strict, compat) into a fresh venv of the same kind, whose outer path line leads to a
+directory of links to the outer site-packages without anything of this package's (see ``_is_this_package``);
+the build runs without isolation, in that venv, so it needs no index either. A bare Hydra app must then find
+the group, and an edit of the checkout must show without a new install.
+
 The wheel is built from a copy of the tree so that the build's ``build/`` and ``*.egg-info`` directories never
 land in the working tree (which other processes may be editing) and concurrent runs do not collide.
 ``--skip-dependency-check``: setuptools >= 70.1 builds wheels itself, so the ``wheel`` package in

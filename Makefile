@@ -41,10 +41,16 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
-# The package and its test tools. "compat" editable mode keeps hydra_plugins/ a plain directory on sys.path,
-# which Hydra's plugin discovery needs.
+# pip shows what the build warns, even with --quiet; the one warning left (pyproject.toml declares every
+# directory it ships) is setuptools' notice that the compat editable mode is transitional, 14 lines at every
+# install of this package: filtered out here (PYTHONWARNINGS, after any filters of the caller's own).
+QUIET_COMPAT := PYTHONWARNINGS="$${PYTHONWARNINGS:+$$PYTHONWARNINGS,}ignore:Compat editable installs"
+
+# The package and its test tools, editable in setuptools' "compat" mode: the checkout's root on sys.path. Every
+# editable mode gives Hydra apps the plugin (docs/install.md, tests/test_wheel_install.py); the repository's
+# own venvs keep this one, which they have always had.
 $(VENV)/.base-installed: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e '.[test]' --config-settings editable_mode=compat
+	$(QUIET_COMPAT) $(BIN)/python -m pip install --quiet -e '.[test]' --config-settings editable_mode=compat
 	touch $@
 
 # SGLang's real argument parser on CPU (sglang --no-deps + CPU torch + a few pure-Python packages).
@@ -54,7 +60,7 @@ $(VENV)/.sglang-installed: scripts/install-sglang-cpu.sh | $(VENV)/.base-install
 
 # SMG, the second gateway the router-facing tests run against (the [smg] extra).
 $(VENV)/.smg-installed: pyproject.toml | $(VENV)/.base-installed
-	$(BIN)/python -m pip install --quiet -e '.[test,smg]' --config-settings editable_mode=compat
+	$(QUIET_COMPAT) $(BIN)/python -m pip install --quiet -e '.[test,smg]' --config-settings editable_mode=compat
 	touch $@
 
 # The tests that start routers, run a second time with SMG as the gateway (the first run: sglang-router).
@@ -65,7 +71,7 @@ ROUTER_TESTS := tests/test_routers.py tests/test_launcher.py tests/test_launcher
 
 # The ray backend's extra (Ray itself), for the tests.
 $(VENV)/.ray-installed: pyproject.toml | $(VENV)/.base-installed
-	$(BIN)/python -m pip install --quiet -e '.[test,ray]' --config-settings editable_mode=compat
+	$(QUIET_COMPAT) $(BIN)/python -m pip install --quiet -e '.[test,ray]' --config-settings editable_mode=compat
 	touch $@
 
 # verl 0.9.1's and skyrl-train 0.3.1's own config code (tests/test_trainers.py), in a venv of its own: their
@@ -86,7 +92,7 @@ $(RAY_FLOOR_BIN)/python:
 	$(RAY_FLOOR_BIN)/python -m pip install --quiet --upgrade pip
 
 $(RAY_FLOOR_VENV)/.installed: pyproject.toml Makefile | $(RAY_FLOOR_BIN)/python
-	$(RAY_FLOOR_BIN)/python -m pip install --quiet -e '.[test,ray]' 'ray==$(RAY_FLOOR)' --config-settings editable_mode=compat
+	$(QUIET_COMPAT) $(RAY_FLOOR_BIN)/python -m pip install --quiet -e '.[test,ray]' 'ray==$(RAY_FLOOR)' --config-settings editable_mode=compat
 	touch $@
 
 # The real-engine lane's venv: torch 2.14.1 (the build SGLang pins; a CUDA build, run on the CPU), sglang --no-deps
@@ -151,7 +157,7 @@ typecheck: $(VENV)/.base-installed
 
 # The docs' tools (the [docs] extra: mkdocs, mkdocs-material), in the main venv.
 $(VENV)/.docs-installed: pyproject.toml | $(VENV)/.base-installed
-	$(BIN)/python -m pip install --quiet -e '.[test,docs]' --config-settings editable_mode=compat
+	$(QUIET_COMPAT) $(BIN)/python -m pip install --quiet -e '.[test,docs]' --config-settings editable_mode=compat
 	touch $@
 
 # The generated pages (config reference, placement picture) must be what the code gives; then a strict build

@@ -39,8 +39,11 @@ fi
 log="$(mktemp)"
 trap 'rm -f "$log"' EXIT
 
+# pip install, quietly; setuptools' notice that the compat editable mode is transitional is left out (as in the
+# Makefile).
 quiet_pip_install() {
-    if ! "$python" -m pip install --quiet --disable-pip-version-check "$@" >"$log" 2>&1; then
+    if ! PYTHONWARNINGS="${PYTHONWARNINGS:+$PYTHONWARNINGS,}ignore:Compat editable installs" \
+        "$python" -m pip install --quiet --disable-pip-version-check "$@" >"$log" 2>&1; then
         cat "$log" >&2
         echo "install-trainers.sh: pip install $* failed" >&2
         return 1

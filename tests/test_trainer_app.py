@@ -431,3 +431,130 @@ def test_live_never_prints_no_start_up_lines(app_dir: Path):
     assert not STATUS_LINE.search(proc.stderr), proc.stderr
     assert "SGLang deployment ready in" in proc.stderr  # the summary stays
     assert _processes_in(app_dir.resolve()) == []
+
+
+# ------------------------------------------------- SkyRL's keys, without SkyRL installed (issue 30)
+#: The keys of skyrl-train 0.3.1's ppo_base_config that the skyrl mapping reads, at SkyRL's own defaults (1 policy
+#: node x 4 GPUs, colocate_all, 1 engine of TP 4, vLLM started by SkyRL itself). SkyRL's own tree is read in the
+#: trainers' lane (tests/test_trainers.py); these tests run wherever the package does.
+SKYRL_KEYS = """\
+trainer:
+  seed: 42
+  policy:
+    model:
+      path: Qwen/Qwen2.5-1.5B-Instruct
+  placement:
+    colocate_all: true
+    policy_num_nodes: 1
+    policy_num_gpus_per_node: 4
+generator:
+  backend: vllm
+  run_engines_locally: true
+  num_inference_engines: 1
+  inference_engine_tensor_parallel_size: 4
+  inference_engine_pipeline_parallel_size: 1
+  inference_engine_data_parallel_size: 1
+  inference_engine_expert_parallel_size: 1
+  gpu_memory_utilization: 0.8
+  engine_init_kwargs: {}
+"""
+SKYRL_ARGS = [
+    "+sglang=default",
+    "+sglang_trainer=skyrl",
+    "generator.backend=sglang",
+    "generator.run_engines_locally=false",
+]
+GEN = "generator."
+POLICY = "(trainer.placement.policy_num_nodes=1 x policy_num_gpus_per_node=4)"
+
+
+@pytest.fixture
+def skyrl_keys(tmp_path: Path) -> Path:
+    config_dir = tmp_path / "skyrl_config"
+    config_dir.mkdir()
+    (config_dir / "ppo_base_config.yaml").write_text(SKYRL_KEYS)
+    return config_dir
+
+
+def skyrl_problems(config_dir: Path, *overrides: str) -> list[str]:
+    cfg = compose_config([*SKYRL_ARGS, *overrides], "ppo_base_config", config_dir=config_dir)
+    with pytest.raises(DeploymentConfigError) as exc:
+        resolve_config(cfg)
+    return [str(p) for p in exc.value.problems]
+
+
+def test_skyrls_defaults_plan_one_engine_on_the_policys_four_gpus(skyrl_keys: Path, monkeypatch):
+    monkeypatch.delenv("SGLANG_API_KEY", raising=False)
+    plan = resolve_config(compose_config(SKYRL_ARGS, "ppo_base_config", config_dir=skyrl_keys))
+    assert groups(plan) == [("actor.regular", 4, 4, 0, 1)]
+
+
+def test_a_skyrl_engine_size_that_misses_the_policys_gpus_names_the_parallel_keys_typed(
+    skyrl_keys: Path, monkeypatch
+):
+    """Colocated, SkyRL's engines must fill its policy's 4 GPUs: TP 3 cannot (no count of 3-GPU engines makes
+    4), 2 engines of TP 1 give 2 (4 would do), 2 engines of TP 2 x DP 2 give 8 (1 would do)."""
+    monkeypatch.delenv("SGLANG_API_KEY", raising=False)
+    tp = f"{GEN}inference_engine_tensor_parallel_size"
+    head = f"{GEN}num_inference_engines: "
+    colocated = (
+        f"but colocated (trainer.placement.colocate_all=true) rollout runs on the policy's 4 GPUs {POLICY}"
+    )
+    assert skyrl_problems(skyrl_keys, f"{tp}=3") == [
+        f"{head}1 engine(s) x 3 GPUs each ({tp}=3) = 3 GPUs, {colocated}, as SkyRL requires: no engine count "
+        f"fills 4 GPUs with 3 GPUs per engine: make the engine's GPUs ({tp}=3) divide 4"
+    ]
+    assert skyrl_problems(skyrl_keys, f"{tp}=1", f"{GEN}num_inference_engines=2") == [
+        f"{head}2 engine(s) x 1 GPU each ({tp}=1) = 2 GPUs, {colocated}, as SkyRL requires: set "
+        f"{GEN}num_inference_engines=4"
+    ]
+    dp = f"{GEN}inference_engine_data_parallel_size"
+    assert skyrl_problems(
+        skyrl_keys, f"{tp}=2", f"{dp}=2", f"{GEN}num_inference_engines=2",
+        f"+{GEN}engine_init_kwargs.enable_dp_attention=true",
+    ) == [
+        f"{head}2 engine(s) x 4 GPUs each ({tp}=2 x {dp}=2) = 8 GPUs, {colocated}, as SkyRL requires: set "
+        f"{GEN}num_inference_engines=1"
+    ]  # fmt: skip
+
+
+def test_an_api_key_with_skyrls_client_is_refused_naming_where_it_came_from(skyrl_keys: Path, monkeypatch):
+    """skyrl-train's remote engine client sends no API key (and has no setting for one): engines started with
+    one would answer each of its requests 401. The key itself is never printed."""
+    monkeypatch.setenv("SGLANG_API_KEY", "sk-from-the-environment")
+    (problem,) = skyrl_problems(skyrl_keys)
+    assert problem.startswith(
+        "SGLANG_API_KEY (environment variable): is set, but with sglang_trainer=skyrl SkyRL's own client sends "
+        "the rollout requests, and it sends no API key"
+    ), problem
+    assert "401" in problem and "sk-from-the-environment" not in problem
+    monkeypatch.delenv("SGLANG_API_KEY")
+    (problem,) = skyrl_problems(skyrl_keys, "sglang_deploy.api_key=sk-in-the-config")
+    assert problem.startswith("sglang_deploy.api_key: is set, but with sglang_trainer=skyrl"), problem
+    assert "sk-in-the-config" not in problem
+    # Without the SkyRL mapping the key is the deployment's business: the trainer app plans with it.
+    monkeypatch.setenv("SGLANG_API_KEY", "sk-from-the-environment")
+    assert groups(resolve_config(app_config())) == [
+        ("actor.prefill", 8, 2, 0, 4),
+        ("actor.decode", 24, 2, 8, 12),
+    ]
+
+
+def test_the_skyrl_refusals_from_the_command_line_exit_2_without_a_traceback(
+    skyrl_keys: Path, tmp_path: Path
+):
+    env = {k: v for k, v in os.environ.items() if k != "SGLANG_API_KEY"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "miles_sglang_plugin", "plan", "-cp", str(skyrl_keys), "-cn", "ppo_base_config",
+         *SKYRL_ARGS, f"{GEN}inference_engine_tensor_parallel_size=3"],
+        cwd=tmp_path, env={**env, "SGLANG_API_KEY": "sk-from-the-environment"}, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert (
+        f"{GEN}num_inference_engines: 1 engine(s) x 3 GPUs each ({GEN}inference_engine_tensor_parallel_size=3)"
+        in proc.stderr
+    )
+    assert "SGLANG_API_KEY (environment variable): is set, but with sglang_trainer=skyrl" in proc.stderr
+    assert "sk-from-the-environment" not in proc.stdout + proc.stderr

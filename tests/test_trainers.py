@@ -286,9 +286,11 @@ def test_skyrl_engine_counts_size_the_group():
     assert groups(plan) == [("regular", 12, 4, 4, 3)]  # after the policy's 4 GPUs
     text = problems_of(skyrl_config("generator.num_inference_engines=2"))
     assert text.startswith(
-        "generator.num_inference_engines: 2 engines x 4 GPUs = 8 GPUs, but colocated "
+        "generator.num_inference_engines: 2 engine(s) x 4 GPUs each "
+        "(generator.inference_engine_tensor_parallel_size=4) = 8 GPUs, but colocated "
         "(trainer.placement.colocate_all=true) rollout runs on the policy's 4 GPUs"
     )
+    assert "as SkyRL requires: set generator.num_inference_engines=1" in text
 
 
 def test_skyrl_backend_and_local_engines_are_refused_naming_the_keys():

@@ -20,6 +20,12 @@ the ``hydra_plugins`` namespace resolve inside the fresh venv and that the repos
 ``sys.path``. (Outer packages that need their own ``.pth`` processing would not work this way; hydra-core,
 omegaconf, PyYAML and rich do not.)
 
+Editable installs (issue 30): a copy of the checkout is installed with ``pip install -e`` in each of setuptools'
+editable modes (default, strict, compat) into a fresh venv of the same kind, whose outer path line leads to a
+directory of links to the outer site-packages without anything of this package's (see ``_is_this_package``);
+the build runs without isolation, in that venv, so it needs no index either. A bare Hydra app must then find
+the group, and an edit of the checkout must show without a new install.
+
 The wheel is built from a copy of the tree so that the build's ``build/`` and ``*.egg-info`` directories never
 land in the working tree (which other processes may be editing) and concurrent runs do not collide.
 ``--skip-dependency-check``: setuptools >= 70.1 builds wheels itself, so the ``wheel`` package in
@@ -40,6 +46,8 @@ import sys
 import sysconfig
 import textwrap
 import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -150,10 +158,8 @@ def _inside(path: str, root: Path) -> bool:
     return Path(path).resolve().is_relative_to(root.resolve())
 
 
-@pytest.fixture(scope="module")
-def built_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if importlib.util.find_spec("build") is None:
-        pytest.skip("the 'build' package is not installed (pip install -e '.[test]')")
+def _require_setuptools_build() -> None:
+    """Skip unless this interpreter can build the package without an index (``--no-isolation``)."""
     # The version from the metadata: importing setuptools here would patch distutils in the test process.
     try:
         version = importlib.metadata.version("setuptools")
@@ -161,12 +167,28 @@ def built_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
         pytest.skip("setuptools is not installed (a --no-isolation build needs setuptools>=77)")
     if int(version.split(".")[0]) < 77:
         pytest.skip(f"setuptools>=77 is needed for a --no-isolation build, found {version}")
+    if importlib.util.find_spec("pip") is None:
+        pytest.skip("pip is not installed in the test interpreter (needed to install the package)")
+
+
+@dataclass(frozen=True)
+class WheelBuild:
+    wheel: Path
+    #: What the build printed, stdout and stderr.
+    output: str
+
+
+@pytest.fixture(scope="module")
+def wheel_build(tmp_path_factory: pytest.TempPathFactory) -> WheelBuild:
+    if importlib.util.find_spec("build") is None:
+        pytest.skip("the 'build' package is not installed (pip install -e '.[test]')")
+    _require_setuptools_build()
 
     tmp = tmp_path_factory.mktemp("wheel")
     src = tmp / "src"
     shutil.copytree(REPO, src, ignore=_copy_ignore)
     outdir = tmp / "dist"
-    _run(
+    proc = _run(
         [
             sys.executable,
             "-m",
@@ -183,7 +205,12 @@ def built_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     wheels = sorted(outdir.glob("miles_sglang_plugin-*.whl"))
     assert len(wheels) == 1, wheels
-    return wheels[0]
+    return WheelBuild(wheels[0], proc.stdout + proc.stderr)
+
+
+@pytest.fixture(scope="module")
+def built_wheel(wheel_build: WheelBuild) -> Path:
+    return wheel_build.wheel
 
 
 @pytest.fixture(scope="module")
@@ -220,19 +247,31 @@ def fresh_venv(built_wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     return venv
 
 
-def _without_sglang(site_dirs: list[str], shadow: Path) -> Path:
-    """A directory of links to every entry of ``site_dirs`` but SGLang's (its package and its metadata), so that
-    a venv seeing it has every dependency of the wheel and no SGLang: ``import sglang`` fails and
-    ``importlib.metadata`` finds no distribution (sglang-router stays: it is another distribution)."""
+def _shadow_site(site_dirs: list[str], shadow: Path, hidden: Callable[[str], bool]) -> Path:
+    """A directory of links to every entry of ``site_dirs`` whose name ``hidden`` does not pick (the first of
+    each name): a venv that has it as a plain path line sees those packages and nothing else of the outer
+    venv's (no ``.pth`` processing either)."""
     shadow.mkdir()
     for site_dir in site_dirs:
         for entry in Path(site_dir).iterdir():
-            hidden = entry.name == "sglang" or (
-                entry.name.startswith("sglang-") and entry.suffix == ".dist-info"
-            )
-            if not hidden and not (shadow / entry.name).exists():
+            if not hidden(entry.name) and not (shadow / entry.name).exists():
                 (shadow / entry.name).symlink_to(entry)
     return shadow
+
+
+def _is_sglang(name: str) -> bool:
+    """SGLang's package and its metadata: a venv without them has every dependency of the wheel and no SGLang
+    (``import sglang`` fails and ``importlib.metadata`` finds no distribution; sglang-router stays: it is
+    another distribution)."""
+    return name == "sglang" or (name.startswith("sglang-") and name.endswith(".dist-info"))
+
+
+def _is_this_package(name: str) -> bool:
+    """Whatever the outer venv holds of this package, in any install mode: the package, its metadata, an
+    editable install's hooks (``__editable__*``) and the ``hydra_plugins`` namespace its plugin lives in (a
+    regular outer install would put a copy of the plugin there, which Hydra's scan would then find)."""
+    normal = name.lower().replace("-", "_")
+    return normal.startswith(("miles_sglang_plugin", "__editable__")) or name == "hydra_plugins"
 
 
 @pytest.fixture(scope="module")
@@ -253,7 +292,7 @@ def venv_without_sglang(built_wheel: Path, tmp_path_factory: pytest.TempPathFact
         [str(python), "-I", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=root
     ).stdout.strip()
     outer = list(dict.fromkeys(sysconfig.get_paths()[k] for k in ("purelib", "platlib")))
-    shadow = _without_sglang(outer, root / "site-packages-without-sglang")
+    shadow = _shadow_site(outer, root / "site-packages-without-sglang", _is_sglang)
     (Path(purelib) / "_outer_site_packages.pth").write_text(f"{shadow}\n")
     return venv
 
@@ -422,3 +461,108 @@ def test_a_trainer_app_with_the_wheel_and_no_sglang(venv_without_sglang: Path, t
         cwd=app, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert typo.returncode == 2 and "did you mean mem_fraction_static?" in typo.stderr
+
+
+def test_the_build_declares_every_directory_it_ships(wheel_build: WheelBuild) -> None:
+    """Issue 31: a directory whose files are shipped but which is not in pyproject's packages list makes
+    setuptools print a screenful per directory ("Package ... is absent from the `packages` configuration",
+    "Package would be ignored"), at every install too (the cpu_sglang shim and its sgl_kernel were two)."""
+    assert "would be ignored" not in wheel_build.output, wheel_build.output
+    assert "absent from the `packages` configuration" not in wheel_build.output, wheel_build.output
+
+
+#: ``pip install -e`` in each of setuptools' editable modes (PEP 660 installs): its default (called "lenient": a
+#: meta path finder, plus a path hook for namespace packages), "strict" (a tree of links under the checkout's
+#: build/ on sys.path) and "compat" (the checkout's root on sys.path).
+EDITABLE_MODES = {
+    "default": [],
+    "strict": ["--config-settings", "editable_mode=strict"],
+    "compat": ["--config-settings", "editable_mode=compat"],
+}
+
+
+@dataclass(frozen=True)
+class EditableInstall:
+    checkout: Path
+    venv: Path
+    #: What pip and the build printed, stdout and stderr.
+    output: str
+
+
+@pytest.fixture(scope="module", params=sorted(EDITABLE_MODES))
+def editable_install(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> EditableInstall:
+    """A copy of the checkout (the strict mode writes under its build/), installed editable into a new venv that
+    sees the outer venv's packages but none of this package's (see :func:`_is_this_package`)."""
+    _require_setuptools_build()
+    root = tmp_path_factory.mktemp(f"editable-{request.param}")
+    checkout = root / "checkout"
+    shutil.copytree(REPO, checkout, ignore=_copy_ignore)
+    venv = root / "venv"
+    _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], cwd=root)
+    python = venv / "bin" / "python"
+    purelib = _run(
+        [str(python), "-I", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=root
+    ).stdout.strip()
+    outer = list(dict.fromkeys(sysconfig.get_paths()[k] for k in ("purelib", "platlib")))
+    # Before the install: without build isolation, the build runs in the new venv and takes setuptools from it.
+    shadow = _shadow_site(outer, root / "site-packages-without-this-package", _is_this_package)
+    (Path(purelib) / "_outer_site_packages.pth").write_text(f"{shadow}\n")
+    proc = _run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index",
+         "--no-build-isolation", "--disable-pip-version-check", "--no-cache-dir", "-e", str(checkout),
+         *EDITABLE_MODES[request.param]],
+        cwd=root, timeout=120,
+    )  # fmt: skip
+    return EditableInstall(checkout, venv, proc.stdout + proc.stderr)
+
+
+EDITABLE_PROBE = textwrap.dedent(
+    """
+    import json, pkgutil
+    import hydra_plugins, miles_sglang_plugin
+    print(json.dumps({
+        "package": miles_sglang_plugin.__file__,
+        "scanned": [m.name for m in pkgutil.iter_modules(hydra_plugins.__path__)],
+    }))
+    """
+)
+
+
+def test_an_editable_install_gives_every_hydra_app_the_group(
+    editable_install: EditableInstall, tmp_path: Path
+) -> None:
+    """Issue 30: in every editable mode a bare Hydra app composes the group's presets, and an edit of the
+    checkout shows without reinstalling. The default mode used to hide the plugin from Hydra's scan (the
+    ``hydra_plugins`` namespace's only portion was the finder's placeholder, which lists no modules): every app
+    failed with ``Could not find 'sglang/pd_actor_ref'`` (Hydra issue #2359)."""
+    python = str(editable_install.venv / "bin" / "python")
+    probe = json.loads(_run([python, "-I", "-c", EDITABLE_PROBE], cwd=tmp_path).stdout)
+    # The checkout's code (in the strict mode through links under the checkout's build/), not a copy in the venv.
+    assert _inside(probe["package"], editable_install.checkout), probe
+    # What Hydra's plugin scan lists: pkgutil over the namespace's portions.
+    assert probe["scanned"] == ["miles_sglang_plugin"], probe
+
+    # The preset as the checkout has it (8 prefill GPUs), changed after the install: 6.
+    preset = editable_install.checkout / "conf" / "sglang" / "pd_actor_ref.yaml"
+    before = "  prefill:\n    num_gpus: 8\n"
+    assert before in preset.read_text()
+    preset.write_text(preset.read_text().replace(before, "  prefill:\n    num_gpus: 6\n"))
+    app_dir = tmp_path / "app"
+    app_dir.mkdir()
+    (app_dir / "app.py").write_text(APP)
+    proc = _run(
+        [python, "-I", "app.py", "sglang=pd_actor_ref", "sglang.actor.decode.num_gpus=12", "hf_checkpoint=/ckpt",
+         f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=app_dir,
+    )  # fmt: skip
+    assert "plugins scanner" not in proc.stderr, proc.stderr
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("CFG_JSON="))
+    sg = json.loads(line[len("CFG_JSON=") :])["sglang"]
+    assert sg["actor"]["prefill"]["num_gpus"] == 6
+    assert sg["actor"]["decode"]["num_gpus"] == 12
+    assert sg["ref"]["regular"]["num_gpus"] == 4
+    assert sg["actor"]["model_path"] == "/ckpt"
+    # The install said nothing about directories left out of the packages list (see the wheel build's test).
+    assert "would be ignored" not in editable_install.output, editable_install.output

@@ -55,7 +55,7 @@ from miles_sglang_plugin.config.schema import (
     SGLangDeployConf,
 )
 from miles_sglang_plugin.config.trainer_inputs import TrainerInputs
-from miles_sglang_plugin.config.trainer_mappings import TrainerMapping, trainer_mapping
+from miles_sglang_plugin.config.trainer_mappings import TrainerKind, TrainerMapping, trainer_mapping
 from miles_sglang_plugin.errors import ProblemCollector, first_line
 from miles_sglang_plugin.masking import secret_value_problem
 
@@ -518,10 +518,33 @@ def read_config(cfg: DictConfig, *, sglang_key: str | None = None) -> ConfigRead
         problems.extend(mapping.problems)
     trainer = _trainer(cfg, group_node, mapping, problems)
     settings = _deploy_settings(cfg, problems, mapping)
+    _skyrl_api_key_problem(cfg, mapping, settings, problems)
     spec = _spec(group_node, key, problems)
     _pd_shape_problems(spec, mapping, key, problems)
     problems.raise_if_any()
     return ConfigReading(spec=spec, trainer=trainer, settings=settings, sglang_key=key, mapping=mapping)
+
+
+def _skyrl_api_key_problem(
+    cfg: DictConfig, mapping: TrainerMapping | None, settings: SGLangDeployConf, problems: ProblemCollector
+) -> None:
+    """With ``sglang_trainer=skyrl`` SkyRL's own client talks to the engines (its remote engines, filled by
+    ``fill_skyrl_engine_urls``). skyrl-train 0.3.1's client sends no API key and its config has no setting for
+    one, so engines started with a key would refuse each of its requests (401): refused here, naming where the
+    key came from."""
+    if mapping is None or mapping.trainer != TrainerKind.skyrl or settings.api_key is None:
+        return
+    in_config = OmegaConf.select(
+        cfg, f"{DEPLOY_KEY}.api_key", default=None, throw_on_resolution_failure=False
+    )
+    where = f"{DEPLOY_KEY}.api_key" if in_config is not None else f"{API_KEY_ENV} (environment variable)"
+    problems.add(
+        where,
+        "is set, but with sglang_trainer=skyrl SkyRL's own client sends the rollout requests, and it sends no API "
+        "key (skyrl-train has no setting for one): the engines would answer each request with 401 Unauthorized. "
+        "Unset it for this deployment (keep the engines on a network only the trainer reaches; "
+        "docs/trainers/skyrl.md)",
+    )
 
 
 def _pd_shape_problems(

@@ -373,12 +373,32 @@ def _skyrl(keys: _Keys) -> None:
     assert engines is not None and per_engine is not None
     keys.give("rollout_num_gpus", engines * per_engine, (g + "num_inference_engines", engines))
     if colocate and nodes is not None and per_node is not None and engines * per_engine != nodes * per_node:
-        keys.problem(
-            g + "num_inference_engines",
-            f"{engines} engines x {per_engine} GPUs = {engines * per_engine} GPUs, but colocated "
-            f"({p}colocate_all=true) rollout runs on the policy's {nodes * per_node} GPUs ({p}policy_num_nodes="
-            f"{nodes} x policy_num_gpus_per_node={per_node}), as SkyRL requires",
+        _skyrl_colocated_size(keys, engines, per_engine, nodes, per_node)
+
+
+def _skyrl_colocated_size(keys: _Keys, engines: int, per_engine: int, nodes: int, per_node: int) -> None:
+    """Colocated, SkyRL's engines fill its policy's GPUs exactly: the refusal names the engine count and the
+    parallel keys that size one engine, as typed, and the count that would fit (if one does)."""
+    g, p = "generator.", "trainer.placement."
+    parallel = " x ".join(f"{k}={v}" for k, v in _parallel_sources(keys, g, _SKYRL_PARALLEL))
+    policy = nodes * per_node
+    if policy % per_engine == 0:
+        fix = f"set {g}num_inference_engines={policy // per_engine}"
+    else:
+        fix = (
+            f"no engine count fills {_gpus(policy)} with {_gpus(per_engine)} per engine: make the engine's GPUs "
+            f"({parallel}) divide {policy}"
         )
+    keys.problem(
+        g + "num_inference_engines",
+        f"{engines} engine(s) x {_gpus(per_engine)} each ({parallel}) = {_gpus(engines * per_engine)}, but colocated "
+        f"({p}colocate_all=true) rollout runs on the policy's {_gpus(policy)} ({p}policy_num_nodes={nodes} x "
+        f"policy_num_gpus_per_node={per_node}), as SkyRL requires: {fix}",
+    )
+
+
+def _gpus(count: int) -> str:
+    return f"{count} GPU" if count == 1 else f"{count} GPUs"
 
 
 _MAPPINGS: dict[str, Callable[[_Keys], str | None]] = {"verl": _verl, "skyrl": _skyrl}

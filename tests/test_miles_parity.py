@@ -450,14 +450,14 @@ def test_the_rollout_size_the_composed_config_reads_is_the_one_the_rules_derive(
     }
     assert {case: TrainerInputs(**dict(case)).miles_rollout_num_gpus for case in cases} == cases
     # The two statements of the rule, held to each other over every combination of what they read.
-    for colocate, rollout_only, train_only, given, (nodes, per_node) in itertools.product(
+    for colocate, rollout_only, train_only, rollout, (nodes, per_node) in itertools.product(
         (False, True), (False, True), (False, True), (None, 0, 4, 8, 16), ((1, 8), (2, 4), (2, 8))
     ):
         t = TrainerInputs(
             colocate=colocate,
             debug_rollout_only=rollout_only,
             debug_train_only=train_only,
-            rollout_num_gpus=given,
+            rollout_num_gpus=rollout,
             actor_num_nodes=nodes,
             actor_num_gpus_per_node=per_node,
         )

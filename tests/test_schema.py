@@ -119,7 +119,10 @@ def _declared_again(cls: type, base: type) -> dict[str, str]:
         narrowed = typing.get_origin(hints[name]) is dict and _as_mapping(hints[name]) == base_hints[name]
         if not narrowed:
             out[name] = f"{hints[name]} over {base_hints[name]}"
-        elif cls.__dataclass_fields__[name].default_factory is not base.__dataclass_fields__[name].default_factory:
+        elif (
+            cls.__dataclass_fields__[name].default_factory
+            is not base.__dataclass_fields__[name].default_factory
+        ):
             out[name] = "a default other than the base's"
     return out
 

@@ -34,7 +34,6 @@ _EXPORTS: dict[str, str] = {
     "ModelSpec": "miles_sglang_plugin.config.deployment_spec",
     "WorkerType": "miles_sglang_plugin.config.deployment_spec",
     "TrainerInputs": "miles_sglang_plugin.config.trainer_inputs",
-    "apply_miles_rules": "miles_sglang_plugin.config.trainer_inputs",
     "MilesTrainerArgs": "miles_sglang_plugin.config.schema",
     "ModelConf": "miles_sglang_plugin.config.schema",
     "SGLangDeployConf": "miles_sglang_plugin.config.schema",
@@ -45,6 +44,7 @@ _EXPORTS: dict[str, str] = {
     "Problem": "miles_sglang_plugin.errors",
     # planning
     "resolve_deployment": "miles_sglang_plugin.planning.resolution",
+    "apply_miles_rules": "miles_sglang_plugin.planning.miles_rules",
     "DeploymentPlan": "miles_sglang_plugin.planning.plan",
     "ModelPlan": "miles_sglang_plugin.planning.plan",
     "GroupPlan": "miles_sglang_plugin.planning.plan",
@@ -240,11 +240,12 @@ if TYPE_CHECKING:  # what static tools see; at run time the names load lazily th
     from miles_sglang_plugin.config.deployment_spec import DeploymentSpec, GroupSpec, ModelSpec, WorkerType
     from miles_sglang_plugin.config.schema import MilesTrainerArgs, ModelConf, SGLangDeployConf
     from miles_sglang_plugin.config.store import register_configs
-    from miles_sglang_plugin.config.trainer_inputs import TrainerInputs, apply_miles_rules
+    from miles_sglang_plugin.config.trainer_inputs import TrainerInputs
     from miles_sglang_plugin.config.trainer_mappings import TrainerMapping, trainer_mapping
     from miles_sglang_plugin.errors import DeploymentConfigError, Problem
     from miles_sglang_plugin.miles.argparse_bridge import lora_from_namespace, resolve_namespace
     from miles_sglang_plugin.miles.sglang_config import load_miles_config
+    from miles_sglang_plugin.planning.miles_rules import apply_miles_rules
     from miles_sglang_plugin.planning.plan import DeploymentPlan, EnginePlan, GroupPlan, ModelPlan
     from miles_sglang_plugin.planning.resolution import resolve_deployment
     from miles_sglang_plugin.planning.stable import PlanDiff, stabilize

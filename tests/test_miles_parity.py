@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import itertools
 import os
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from miles_sglang_plugin import cli
 from miles_sglang_plugin.app.hydra_edge import prepare_from_config, resolve_config
 from miles_sglang_plugin.config.compose import compose_config
 from miles_sglang_plugin.config.schema import SGLangDeployConf
-from miles_sglang_plugin.config.trainer_inputs import TrainerInputs, apply_miles_rules
+from miles_sglang_plugin.config.trainer_inputs import TrainerInputs
 from miles_sglang_plugin.errors import DeploymentConfigError
 from miles_sglang_plugin.miles.argparse_bridge import (
     lora_from_namespace,
@@ -30,6 +31,7 @@ from miles_sglang_plugin.miles.argparse_bridge import (
     server_defaults_from_namespace,
 )
 from miles_sglang_plugin.miles.sglang_config import load_miles_config, spec_to_preset
+from miles_sglang_plugin.planning.miles_rules import apply_miles_rules
 from miles_sglang_plugin.planning.resolution import resolve_deployment
 from miles_sglang_plugin.rendering.lora import hf_target_modules, lora_server_args
 from miles_sglang_plugin.rendering.prepared import prepare_deployment
@@ -430,6 +432,36 @@ def test_miles_rules_under_debug_train_only():
         TrainerInputs(debug_train_only=dto, eval_num_gpus=eval_gpus).starts_inference_engines
         for dto, eval_gpus in ((False, 0), (True, 0), (True, 4))
     ] == [True, False, True]
+
+
+def test_the_rollout_size_the_composed_config_reads_is_the_one_the_rules_derive():
+    # ${msp.rollout_num_gpus:...} is read while the config composes, before planning, so the composed config
+    # reads Miles' rollout size from the inputs themselves (TrainerInputs.miles_rollout_num_gpus); the rules
+    # (planning) derive it step by step. Miles' arguments.py, worked by hand: colocated, the actor's GPUs
+    # (2 x 8 = 16, over a given 24); debug_rollout_only turns colocate off and keeps a given size (4), sizing
+    # as the actor (1 x 8) only an unset one; debug_train_only: 0; otherwise as given.
+    cases = {
+        (("colocate", True), ("actor_num_nodes", 2), ("rollout_num_gpus", 24)): 16,
+        (("colocate", True), ("debug_rollout_only", True), ("rollout_num_gpus", 4)): 4,
+        (("colocate", True), ("debug_rollout_only", True)): 8,
+        (("colocate", True), ("debug_train_only", True), ("rollout_num_gpus", 8)): 0,
+        (("rollout_num_gpus", 12),): 12,
+        (): None,
+    }
+    assert {case: TrainerInputs(**dict(case)).miles_rollout_num_gpus for case in cases} == cases
+    # The two statements of the rule, held to each other over every combination of what they read.
+    for colocate, rollout_only, train_only, rollout, (nodes, per_node) in itertools.product(
+        (False, True), (False, True), (False, True), (None, 0, 4, 8, 16), ((1, 8), (2, 4), (2, 8))
+    ):
+        t = TrainerInputs(
+            colocate=colocate,
+            debug_rollout_only=rollout_only,
+            debug_train_only=train_only,
+            rollout_num_gpus=rollout,
+            actor_num_nodes=nodes,
+            actor_num_gpus_per_node=per_node,
+        )
+        assert t.miles_rollout_num_gpus == apply_miles_rules(t).trainer.rollout_num_gpus, t
 
 
 def test_export_of_a_debug_train_only_eval_fleet_writes_the_eval_model_alone(tmp_path):

@@ -1,6 +1,8 @@
-"""The Hydra schemas and their frozen twins past the Hydra edge declare the same fields (``MilesTrainerArgs`` and
-``TrainerInputs``, ``RouterConf`` and ``RouterSettings``): names, order, types (``dict`` there, ``Mapping``
-here), defaults, options and docstrings. A value set in a config reaches resolution and the routers unchanged."""
+"""The Hydra schemas and their frozen twins past the Hydra edge (``MilesTrainerArgs`` and ``TrainerInputs``,
+``RouterConf`` and ``RouterSettings``) declare their fields once, in a shared base
+(:mod:`miles_sglang_plugin.config.shared_fields`), and so agree on names, order, types (``dict`` there,
+``Mapping`` here), defaults, options and docstrings; a field declared again on one side fails here. A value set
+in a config reaches resolution and the routers unchanged."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from miles_sglang_plugin.config.compose import CompositionError, compose_config
 from miles_sglang_plugin.config.field_docs import field_docs
 from miles_sglang_plugin.config.reading import trainer_from_config
 from miles_sglang_plugin.config.schema import MilesTrainerArgs, RouterConf, SGLangDeployConf
+from miles_sglang_plugin.config.shared_fields import RouterFields, TrainerFields
 from miles_sglang_plugin.config.trainer_inputs import TrainerInputs
 from miles_sglang_plugin.rendering.router_specs import RouterSettings
 
@@ -102,6 +105,73 @@ def test_router_settings_declare_the_router_schemas_fields_one_to_one():
     assert _differences(RouterConf, RouterSettings, names) == []
     assert typing.get_type_hints(RouterSettings)["extra"] == Mapping[str, Any]
     assert (RouterSettings().policy, RouterSettings().request_timeout_secs) == ("cache_aware", 14400)
+
+
+def _declared_again(cls: type, base: type) -> dict[str, str]:
+    """The fields of ``base`` that ``cls`` declares again in its own body, each with why that drifts (a
+    redeclaration may only narrow a ``Mapping`` to the ``dict`` OmegaConf types)."""
+    base_hints = typing.get_type_hints(base)
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for name in vars(cls).get("__annotations__", {}):
+        if name not in base_hints:
+            continue
+        narrowed = typing.get_origin(hints[name]) is dict and _as_mapping(hints[name]) == base_hints[name]
+        if not narrowed:
+            out[name] = f"{hints[name]} over {base_hints[name]}"
+        elif (
+            cls.__dataclass_fields__[name].default_factory
+            is not base.__dataclass_fields__[name].default_factory
+        ):
+            out[name] = "a default other than the base's"
+    return out
+
+
+@pytest.mark.parametrize(
+    ("schema", "frozen", "base", "narrowed"),
+    [
+        (MilesTrainerArgs, TrainerInputs, TrainerFields, ["eval_sglang_overrides"]),
+        (RouterConf, RouterSettings, RouterFields, ["extra"]),
+    ],
+    ids=["trainer", "router"],
+)
+def test_each_schema_and_its_frozen_twin_derive_from_one_declaration(schema, frozen, base, narrowed):
+    assert issubclass(schema, base) and issubclass(frozen, base)
+    shared = [f.name for f in dataclasses.fields(base)]
+    assert [f.name for f in dataclasses.fields(frozen)] == shared
+    assert [f.name for f in dataclasses.fields(schema)][: len(shared)] == shared
+    # The Hydra side declares again only the mapping it narrows to dict; the frozen side declares none.
+    assert sorted(vars(schema).get("__annotations__", {}).keys() & set(shared)) == narrowed
+    assert _declared_again(schema, base) == {}
+    assert vars(frozen).get("__annotations__", {}) == {}
+
+
+def test_the_declared_once_check_sees_a_field_written_again():
+    @dataclasses.dataclass
+    class Widened(TrainerFields):
+        seed: int | None = 1234
+        """Base of each engine's --random-seed (Miles: seed + the engine's rank)."""
+
+    @dataclasses.dataclass
+    class Narrowed(RouterFields):
+        extra: dict[str, Any] = dataclasses.field(default_factory=lambda: {"x": 1})
+
+    assert _declared_again(Widened, TrainerFields) == {"seed": "int | None over <class 'int'>"}
+    assert _declared_again(Narrowed, RouterFields) == {"extra": "a default other than the base's"}
+
+
+@pytest.mark.parametrize("frozen", [TrainerInputs(seed=7), RouterSettings(policy="random")], ids=type)
+def test_the_frozen_twins_are_read_only(frozen):
+    name = "seed" if isinstance(frozen, TrainerInputs) else "policy"
+    before = getattr(frozen, name)
+    with pytest.raises(dataclasses.FrozenInstanceError, match=f"cannot assign to field '{name}'"):
+        setattr(frozen, name, 1)
+    with pytest.raises(dataclasses.FrozenInstanceError, match="cannot assign to field 'added'"):
+        frozen.added = 1
+    with pytest.raises(dataclasses.FrozenInstanceError, match=f"cannot delete field '{name}'"):
+        delattr(frozen, name)
+    assert getattr(frozen, name) == before
+    assert dataclasses.replace(frozen, **{name: before}) == frozen
 
 
 def test_trainer_arguments_in_the_root_schema_are_typed_and_reach_trainer_inputs():

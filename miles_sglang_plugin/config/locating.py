@@ -89,7 +89,7 @@ def _trainer_resolver(name: str, default: Any = None, *, _parent_: Container) ->
     return default if not found or value is None else value
 
 
-#: The trainer's inputs Miles' post-processing reads to size the rollout (``apply_miles_rules``).
+#: The trainer's inputs Miles' post-processing reads to size the rollout (``TrainerInputs.miles_rollout_num_gpus``).
 _ROLLOUT_SIZE_INPUTS = (
     "rollout_num_gpus",
     "colocate",
@@ -103,9 +103,9 @@ _ROLLOUT_SIZE_INPUTS = (
 
 def _rollout_gpus_resolver(default: Any = None, *, _parent_: Container) -> Any:
     """``${msp.rollout_num_gpus:DEFAULT}``: rollout_num_gpus as resolution will read it, after Miles' own
-    post-processing (:func:`~miles_sglang_plugin.config.trainer_inputs.apply_miles_rules`: colocated, the
-    actor's GPUs); DEFAULT when unset. Inputs that do not read are left to resolution to report."""
-    from miles_sglang_plugin.config.trainer_inputs import TrainerInputs, apply_miles_rules
+    post-processing (:attr:`~miles_sglang_plugin.config.trainer_inputs.TrainerInputs.miles_rollout_num_gpus`:
+    colocated, the actor's GPUs); DEFAULT when unset. Inputs that do not read are left to resolution to report."""
+    from miles_sglang_plugin.config.trainer_inputs import TrainerInputs
 
     nodes = list(enclosing_nodes(_group_node_of(_parent_)))
     values = {}
@@ -114,7 +114,7 @@ def _rollout_gpus_resolver(default: Any = None, *, _parent_: Container) -> Any:
         if found:
             values[name] = value
     try:
-        derived = apply_miles_rules(TrainerInputs.from_mapping(values)).trainer.rollout_num_gpus
+        derived = TrainerInputs.from_mapping(values).miles_rollout_num_gpus
     except (TypeError, ValueError):
         derived = values.get("rollout_num_gpus")
     return default if derived is None else derived

@@ -26,10 +26,16 @@ from miles_sglang_plugin.config.deployment_spec import (
     is_int,
     thaw,
 )
-from miles_sglang_plugin.config.trainer_inputs import MilesDerivation, TrainerInputs, apply_miles_rules
+from miles_sglang_plugin.config.trainer_inputs import TrainerInputs
 from miles_sglang_plugin.errors import ProblemCollector
 from miles_sglang_plugin.masking import MASK, SECRET_FIELDS
 from miles_sglang_plugin.planning.external import external_engine_plans
+from miles_sglang_plugin.planning.miles_rules import (
+    MilesDerivation,
+    apply_miles_rules,
+    megatron_num_gpus,
+    rollout_offset,
+)
 from miles_sglang_plugin.planning.plan import (
     DeploymentPlan,
     EnginePlan,
@@ -190,8 +196,8 @@ class _Resolver:
         )
         self.cursor = 0
         self.rank = 0
-        self.rollout_offset = trainer.rollout_offset
-        self.megatron = trainer.megatron_num_gpus
+        self.rollout_offset = rollout_offset(trainer)
+        self.megatron = megatron_num_gpus(trainer)
         self.eval_active = trainer.eval_num_gpus > 0
         #: External engine URL -> where it was written (each engine may be given once).
         self.external_urls: dict[str, str] = {}
@@ -685,7 +691,7 @@ def _external_layout(trainer: TrainerInputs, derivation: MilesDerivation) -> tup
     return offset, (
         f"external engines only: the {trainer.rollout_num_gpus} GPUs that {why} gives rollout "
         f"(rollout_num_gpus) hold no engine here; Miles' placement for external engines: rollout_offset="
-        f"{offset}, Megatron on {trainer.megatron_num_gpus} GPUs",
+        f"{offset}, Megatron on {megatron_num_gpus(trainer)} GPUs",
     )
 
 
@@ -695,7 +701,7 @@ def _rollout_layout(
     """Whether ``spec`` holds external engines only, its rollout offset (Miles' placement for
     ``--rollout-external`` then, else the trainer's) and what to note about it."""
     if not external_only(spec):
-        return False, trainer.rollout_offset, ()
+        return False, rollout_offset(trainer), ()
     offset, notes = _external_layout(trainer, derivation)
     return True, offset, notes
 
@@ -748,8 +754,8 @@ def _plan_without_engines(
         trainer=trainer,
         total_gpus=0,
         rollout_num_gpus=0,
-        rollout_offset=trainer.rollout_offset,
-        megatron_num_gpus=trainer.megatron_num_gpus,
+        rollout_offset=rollout_offset(trainer),
+        megatron_num_gpus=megatron_num_gpus(trainer),
         source=source,
         notes=(*derivation.notes, note),
         derived=derivation.derived,
@@ -777,7 +783,7 @@ def _debug_train_only_spec(
     started, left_out = eval_fleet_alone(spec)
     notes = [
         f"debug_train_only: only the eval fleet starts (eval_num_gpus={trainer.eval_num_gpus}, from GPU slot "
-        f"{trainer.rollout_offset}); no rollout engines (rollout_num_gpus=0), as in Miles"
+        f"{rollout_offset(trainer)}); no rollout engines (rollout_num_gpus=0), as in Miles"
     ]
     if left_out:
         notes.append(
@@ -940,11 +946,11 @@ def _check_capacity(trainer: TrainerInputs, total: int, problems: ProblemCollect
     if trainer.num_nodes is None:
         return
     capacity = trainer.num_nodes * trainer.num_gpus_per_node
-    needed = max(trainer.rollout_offset + total, trainer.megatron_num_gpus)
+    needed = max(rollout_offset(trainer) + total, megatron_num_gpus(trainer))
     if needed > capacity:
         problems.add(
             "num_nodes",
-            f"the deployment needs {needed} GPU slots (rollout_offset={trainer.rollout_offset} + {total} "
+            f"the deployment needs {needed} GPU slots (rollout_offset={rollout_offset(trainer)} + {total} "
             f"rollout GPUs) but the cluster has num_nodes={trainer.num_nodes} x num_gpus_per_node="
             f"{trainer.num_gpus_per_node} = {capacity}",
         )
@@ -990,9 +996,9 @@ def resolve_deployment(
     if not _check_gpu_bounds(spec, trainer, problems):  # before any engine is enumerated
         problems.raise_if_any()
     spec, dropped = _miles_file_overrides(spec, server_arg_fields)
-    outside, rollout_offset, layout_notes = _rollout_layout(spec, trainer, derivation)
+    outside, offset, layout_notes = _rollout_layout(spec, trainer, derivation)
     resolver = _Resolver(spec, trainer, problems, server_arg_fields, server_defaults)
-    resolver.rollout_offset = rollout_offset
+    resolver.rollout_offset = offset
     models = resolver.run()
     total = resolver.cursor
     _check_total(derivation, models, total, problems, outside)
@@ -1004,7 +1010,7 @@ def resolve_deployment(
         total_gpus=total,
         rollout_num_gpus=total - trainer.eval_num_gpus,
         rollout_offset=resolver.rollout_offset,
-        megatron_num_gpus=trainer.megatron_num_gpus,
+        megatron_num_gpus=megatron_num_gpus(trainer),
         source=spec.source,
         notes=(*derivation.notes, *started, *emptied, *dropped, *layout_notes),
         derived=derivation.derived,

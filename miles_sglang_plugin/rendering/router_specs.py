@@ -32,6 +32,7 @@ from types import MappingProxyType
 from typing import Any
 
 from miles_sglang_plugin.addresses import http_base_url, strip_brackets
+from miles_sglang_plugin.config.shared_fields import ReadOnlyFields, RouterFields
 from miles_sglang_plugin.rendering.deploy_checks import (
     MAX_COUNT,
     MAX_DURATION_S,
@@ -196,68 +197,12 @@ _MANAGED_BY_SPEC = {
 # ----------------------------------------------------------------------------------------------------
 # Settings and specs
 # ----------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class RouterSettings:
-    """User-facing router knobs, frozen: the fields of the schema's
-    :class:`~miles_sglang_plugin.config.schema.RouterConf`, one to one (names, order, defaults and docstrings;
-    ``Mapping`` where that has ``dict``): tests/test_schema.py holds the two to each other. ``extra``: other
-    ``RouterArgs`` fields."""
-
-    gateway: str = "auto"
-    """Which gateway runs the routers: sglang_router (sglang-router 0.3.2), smg (SMG 1.13.0, the [smg] extra),
-    or auto ($MSP_ROUTER_GATEWAY when set, else smg where it is installed, else sglang_router)."""
-    policy: str = "cache_aware"
-    """Load-balancing policy: cache_aware, round_robin, power_of_two, random, manual or consistent_hashing
-    (SMG also: prefix_hash, least_load, passthrough)."""
-    prefill_policy: str | None = None
-    """Policy among a PD model's prefill engines (bucket allowed here); null: ``policy``."""
-    decode_policy: str | None = None
-    """Policy among a PD model's decode engines; null: ``policy``."""
-    request_timeout_secs: int = 14400
-    """Longest a request may take through the router, in seconds."""
-    health_check_interval_secs: int = 60
-    """Time between the router's health checks of a worker, in seconds."""
-    health_failure_threshold: int = 3
-    """Failed health checks in a row after which the router takes a worker out."""
-    health_success_threshold: int = 2
-    """Passed health checks in a row after which the router takes a worker back."""
-    health_check_timeout_secs: int = 5
-    """Time a health check may take, in seconds."""
-    disable_health_check: bool = False
-    """Turn the router's health checks off."""
-    retry_max_retries: int = 5
-    """Retries of a failed request on another worker."""
-    disable_retries: bool = False
-    """Turn request retries off."""
-    retry_initial_backoff_ms: int = 50
-    """Wait before the first retry of a request, in milliseconds (the router's default)."""
-    retry_max_backoff_ms: int = 30000
-    """Longest wait between retries of a request, in milliseconds."""
-    retry_backoff_multiplier: float = 1.5
-    """Factor the wait grows by from one retry to the next."""
-    retry_jitter_factor: float = 0.2
-    """Random share added to each wait (0.2: up to 20 %)."""
-    cb_failure_threshold: int = 10
-    """Failures in a row that open a worker's circuit breaker."""
-    cb_timeout_duration_secs: int = 60
-    """Time a worker's circuit breaker stays open, in seconds."""
-    disable_circuit_breaker: bool | None = None
-    """Turn the circuit breaker off; null: off for a PD router, on for a regular one. A PD router counts a
-    failed request against both workers of its pair, so one engine that dies with requests in flight opens
-    the circuit of every worker of the other kind, and the model answers 503 for ``cb_timeout_duration_secs``
-    (slime turns it off for PD too); the deployment takes a dead engine out of its router itself."""
-    log_level: str = "warn"
-    """Router log level: debug, info, warn or error."""
-    shutdown_grace_period_secs: int = 0
-    """How long the router waits for requests in flight when it is stopped, in seconds (``RouterArgs``' own
-    default is 180, and SMG waits about 5 s even with nothing in flight). A deployment stops its engines at the
-    same moment, so nothing in flight could finish: 0 stops the router at once."""
-    drain_settle_secs: int = 0
-    """SMG only: how long a removed worker stays draining (listed, a new registration of its URL refused)
-    before it goes, in seconds. SMG's own default, 5, is for a load balancer in front of it; these routers are
-    reached directly, and a restarted engine is registered again at once. sglang-router removes at once."""
-    extra: Mapping[str, Any] = field(default_factory=dict)
-    """Any other ``RouterArgs`` field of the gateway, by name (field -> value)."""
+@dataclass(unsafe_hash=True)
+class RouterSettings(ReadOnlyFields, RouterFields):
+    """User-facing router knobs, read-only. The fields are declared once, in
+    :class:`~miles_sglang_plugin.config.shared_fields.RouterFields`, which the schema's
+    :class:`~miles_sglang_plugin.config.schema.RouterConf` derives from as well. ``extra``: other ``RouterArgs``
+    fields."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.extra, Mapping):

@@ -36,7 +36,11 @@ from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
 
-from miles_sglang_plugin.app.hydra_edge import launch_from_config, resolve_config_or_exit
+from miles_sglang_plugin.app.hydra_edge import (
+    exit_on_config_error,
+    launch_from_config,
+    resolve_config_or_exit,
+)
 from miles_sglang_plugin.config.schema import MilesTrainerArgs
 from miles_sglang_plugin.planning.views import print_plan
 from miles_sglang_plugin.serving.deployment import Deployment
@@ -222,7 +226,8 @@ def main(cfg: DictConfig) -> None:
     if cfg.plan_only:
         return
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request is noise here
-    with launch_from_config(cfg) as deployment:
+    # A plan this machine cannot run (engines on several nodes, more GPUs than it has): one message, exit 2.
+    with exit_on_config_error(), launch_from_config(cfg) as deployment:
         registry = deployment.registry
         reports = engine_reports(deployment, deployment.auth_headers())
         print_engines(reports, console)

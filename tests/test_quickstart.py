@@ -224,3 +224,30 @@ def test_cpu_quickstart_without_sglang_runs_with_stand_ins(tmp_path):
                  f"sglang_deploy.launch.port_base={21000 + os.getpid() % 4000}", tmp_path=tmp_path)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "rollout 0: 4 samples" in proc.stdout and "deployment stopped" in proc.stdout
+
+
+# ------------------------------------------------------------------------------------------- plan notes
+def test_a_placeholder_path_of_a_preset_is_noted_with_the_key_to_set():
+    plan = resolve_config(compose_config(["sglang=multi_model", "hf_checkpoint=/c"]))
+    placeholder = [note for note in plan.notes if "placeholder" in note]
+    assert placeholder == [
+        "sglang.reward.model_path=/path/to/reward_model is a placeholder, not a checkpoint: set "
+        "sglang.reward.model_path=<your reward checkpoint> before a launch (its engines would stop at start-up)"
+    ]
+    plan = resolve_config(
+        compose_config(["sglang=multi_model", "hf_checkpoint=/c", "sglang.reward.model_path=/rm"])
+    )
+    assert not any("placeholder" in note for note in plan.notes)
+
+
+def test_offload_with_nothing_to_offload_is_noted():
+    # Not colocated, the actor's 8 GPUs first: the default group of 8 starts at slot 8, above the trainer's
+    # slots 0-7, so Miles' needs_offload is false for it and offload_rollout=true releases nothing.
+    plan = resolve_config(compose_config(["hf_checkpoint=/c", "offload_rollout=true"]))
+    assert [note for note in plan.notes if note.startswith("offload_rollout=true, but")] == [
+        "offload_rollout=true, but no engine group sits on the trainer's GPUs (rollout starts at slot 8, the "
+        "trainer trains on slots 0-7): nothing is offloaded (Miles offloads only groups that start below the "
+        "trainer's GPUs; colocate=true puts them there)"
+    ]
+    colocated = resolve_config(compose_config(["hf_checkpoint=/c", "colocate=true"]))  # offload on, and used
+    assert not any(note.startswith("offload_rollout=true, but") for note in colocated.notes)

@@ -37,6 +37,7 @@ from miles_sglang_plugin.planning.plan import (
     GroupPlan,
     ModelPlan,
 )
+from miles_sglang_plugin.planning.plan_notes import advisory_notes
 
 #: ServerArgs fields that the plan decides; a group override may not set them.
 PLAN_OWNED_OVERRIDES: Mapping[str, str] = {
@@ -1006,7 +1007,14 @@ def resolve_deployment(
         rollout_offset=resolver.rollout_offset,
         megatron_num_gpus=trainer.megatron_num_gpus,
         source=spec.source,
-        notes=(*derivation.notes, *started, *emptied, *dropped, *layout_notes),
+        notes=(
+            *derivation.notes,
+            *started,
+            *emptied,
+            *dropped,
+            *layout_notes,
+            *advisory_notes(models, trainer, resolver.rollout_offset),
+        ),
         derived=derivation.derived,
         derived_server_defaults=derivation.server_defaults,
     )

@@ -251,3 +251,26 @@ def test_offload_with_nothing_to_offload_is_noted():
     ]
     colocated = resolve_config(compose_config(["hf_checkpoint=/c", "colocate=true"]))  # offload on, and used
     assert not any(note.startswith("offload_rollout=true, but") for note in colocated.notes)
+
+
+def test_the_command_refuses_it_too(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", NO_GPU)
+    from miles_sglang_plugin.cli import main
+
+    assert main(["launch", "--log-dir", str(tmp_path / "logs"), "hf_checkpoint=/c", *CARD]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "sglang_deploy.launch.backend: is local" in err and "a cluster of 4 nodes of 8 GPUs" in err
+    assert not (tmp_path / "logs").exists()
+
+
+def test_the_quickstart_page_shows_the_commands_tested_here():
+    """docs/quickstart.md's console commands (``$ python train.py ...``) are those the tests above run."""
+    text = (REPO / "docs" / "quickstart.md").read_text().replace("\\\n", " ")
+    shown = [" ".join(line.split()[3:]) for line in text.splitlines() if line.startswith("$ python train.py")]
+    assert shown == [
+        "sglang=pd_actor_ref_1node colocate=true plan_only=true",
+        "sglang=actor_ref_1node actor_num_gpus_per_node=4 plan_only=true",
+        "sglang=pd_actor_ref_1node colocate=true sglang_deploy=simulated num_rollout=1",
+        " ".join([*CPU_ONE_ENGINE, "sglang_deploy=simulated", "num_rollout=1"]),
+        " ".join(CARD),
+    ]

@@ -167,8 +167,8 @@ def _several_nodes(plan: DeploymentPlan, kind: EngineKind, gpus: MachineGpus | N
     return Problem(
         "sglang_deploy.launch.backend",
         f"is local (every engine a process of this machine), but {what}, and the local backend runs on {here}. "
-        + "To change: "
-        + "; or ".join(f"({i}) {option}" for i, option in enumerate(options, 1)),
+        + "To change, one of:"
+        + "".join(f"\n      ({i}) {option}" for i, option in enumerate(options, 1)),
     )
 
 

@@ -969,8 +969,7 @@ def resolve_deployment(
     (``sglang_deploy.server_defaults``, Miles' ``--sglang-*`` values) take part in each engine's tp/pp/dp
     sizes, below every override. Under ``debug_train_only`` no rollout engine starts: with an eval fleet
     (``eval_num_gpus`` > 0) the eval model alone (of ``spec``, or the legacy one), after the actor's GPUs;
-    without one, nothing.
-    """
+    without one, nothing."""
     source = spec.source if spec is not None else "trainer arguments"
     problems = ProblemCollector(source)
     problems.extend(trainer.problems())
@@ -999,6 +998,7 @@ def resolve_deployment(
     _check_total(derivation, models, total, problems, outside)
     _check_capacity(trainer, total, problems)
     problems.raise_if_any()
+    advice = advisory_notes(models, trainer, resolver.rollout_offset)  # placeholder paths, idle offload
     return DeploymentPlan(
         models=models,
         trainer=trainer,
@@ -1007,14 +1007,7 @@ def resolve_deployment(
         rollout_offset=resolver.rollout_offset,
         megatron_num_gpus=trainer.megatron_num_gpus,
         source=spec.source,
-        notes=(
-            *derivation.notes,
-            *started,
-            *emptied,
-            *dropped,
-            *layout_notes,
-            *advisory_notes(models, trainer, resolver.rollout_offset),
-        ),
+        notes=(*derivation.notes, *started, *emptied, *dropped, *layout_notes, *advice),
         derived=derivation.derived,
         derived_server_defaults=derivation.server_defaults,
     )

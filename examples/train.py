@@ -9,7 +9,8 @@ the router retries its requests, the deployment heals it, and the loop goes on.
     python examples/train.py sglang=agentic_32gpu sglang_deploy=simulated colocate=true actor_num_nodes=4 kill_engine_at_step=1
     python examples/train.py sglang=pd_actor_ref sglang_deploy=simulated colocate=true actor_num_nodes=3 rebalance_after_step=1
     python examples/train.py sglang=pd_actor_ref sglang.actor.decode.num_gpus=12 sglang_deploy=simulated sglang_deploy.launch.backend=ray
-    python examples/train.py sglang=agentic_32gpu                             # GPU node: real SGLang
+    python examples/train.py sglang=agentic_32gpu sglang_deploy.launch.backend=ray   # a GPU cluster: real SGLang
+    python examples/train.py sglang=pd_actor_ref_1node colocate=true          # one node of 8 GPUs (docs/quickstart.md)
     python examples/train.py sglang=pd_actor_ref sglang.actor.decode.num_gpus=12 plan_only=true
     python examples/train.py -m sglang=pd_actor_ref sglang.actor.decode.num_gpus_per_engine=2,4,8 plan_only=true
     python examples/train.py -m sglang=pd_actor_ref sglang.actor.decode.num_gpus_per_engine=2,4,8 \

@@ -9,7 +9,8 @@ the router retries its requests, the deployment heals it, and the loop goes on.
     python examples/train.py sglang=agentic_32gpu sglang_deploy=simulated colocate=true actor_num_nodes=4 kill_engine_at_step=1
     python examples/train.py sglang=pd_actor_ref sglang_deploy=simulated colocate=true actor_num_nodes=3 rebalance_after_step=1
     python examples/train.py sglang=pd_actor_ref sglang.actor.decode.num_gpus=12 sglang_deploy=simulated sglang_deploy.launch.backend=ray
-    python examples/train.py sglang=agentic_32gpu                             # GPU node: real SGLang
+    python examples/train.py sglang=agentic_32gpu sglang_deploy.launch.backend=ray   # a GPU cluster: real SGLang
+    python examples/train.py sglang=pd_actor_ref_1node colocate=true          # one node of 8 GPUs (docs/quickstart.md)
     python examples/train.py sglang=pd_actor_ref sglang.actor.decode.num_gpus=12 plan_only=true
     python examples/train.py -m sglang=pd_actor_ref sglang.actor.decode.num_gpus_per_engine=2,4,8 plan_only=true
     python examples/train.py -m sglang=pd_actor_ref sglang.actor.decode.num_gpus_per_engine=2,4,8 \
@@ -36,7 +37,11 @@ from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
 
-from miles_sglang_plugin.app.hydra_edge import launch_from_config, resolve_config_or_exit
+from miles_sglang_plugin.app.hydra_edge import (
+    exit_on_config_error,
+    launch_from_config,
+    resolve_config_or_exit,
+)
 from miles_sglang_plugin.config.schema import MilesTrainerArgs
 from miles_sglang_plugin.planning.views import print_plan
 from miles_sglang_plugin.serving.deployment import Deployment
@@ -222,7 +227,8 @@ def main(cfg: DictConfig) -> None:
     if cfg.plan_only:
         return
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request is noise here
-    with launch_from_config(cfg) as deployment:
+    # A plan this machine cannot run (engines on several nodes, more GPUs than it has): one message, exit 2.
+    with exit_on_config_error(), launch_from_config(cfg) as deployment:
         registry = deployment.registry
         reports = engine_reports(deployment, deployment.auth_headers())
         print_engines(reports, console)

@@ -4,6 +4,7 @@ miles-sglang plan [--json] [--commands] [--picture FILE.svg] [-cp DIR -cn NAME] 
                   [HYDRA OVERRIDES...]
 miles-sglang plan --diff OLD NEW [HYDRA OVERRIDES...]   (OLD, NEW: a preset name or quoted overrides)
 miles-sglang fields [PATH]
+miles-sglang fields --overrides [TEXT]
 miles-sglang launch [--log-dir DIR] [HYDRA OVERRIDES...]
 miles-sglang sweep-report SWEEP_DIR [--no-plot]
 miles-sglang import / export (see miles_sglang_plugin.miles.commands)
@@ -201,6 +202,8 @@ def _cmd_fields(args: argparse.Namespace) -> int:
     )
     from miles_sglang_plugin.config.schema import MilesTrainerArgs
 
+    if args.override_keys:
+        return _override_keys(args.path)
     rows = schema_fields(MilesTrainerArgs)
     selected = select_fields(rows, args.path) if args.path else rows
     if not selected:
@@ -211,6 +214,38 @@ def _cmd_fields(args: argparse.Namespace) -> int:
     # A terminal's width (COLUMNS counts), else 100 columns; keys are never cut, whatever the width.
     width = shutil.get_terminal_size((TEXT_WIDTH, 24)).columns if sys.stdout.isatty() else TEXT_WIDTH
     sys.stdout.write("\n".join(text_lines(selected, max(width, 40))) + "\n")
+    return 0
+
+
+def _override_keys(contains: str | None) -> int:
+    """``fields --overrides [TEXT]``: the keys a group's ``overrides`` accept, with SGLang's help text."""
+    import shutil
+
+    from miles_sglang_plugin.config.field_docs import TEXT_WIDTH, text_lines
+    from miles_sglang_plugin.rendering.override_keys import SGLANG_SERVER_ARGS_DOCS, override_keys
+    from miles_sglang_plugin.rendering.sglang_server_args import suggest_field_names
+
+    keys = override_keys(contains)
+    if not keys.rows:
+        close = suggest_field_names(contains or "", [r.key for r in override_keys().rows])
+        hint = (
+            f"; did you mean {', '.join(close)}?"
+            if close
+            else "; miles-sglang fields --overrides lists them all"
+        )
+        _print_error(f"no override key holds {contains!r}{hint}")
+        return EXIT_USER_ERROR
+    width = shutil.get_terminal_size((TEXT_WIDTH, 24)).columns if sys.stdout.isatty() else TEXT_WIDTH
+    head = [
+        f"Keys of a group's overrides (sglang.<model>.<group>.overrides.<key>) and of "
+        f"sglang_deploy.server_defaults.<key>: the ServerArgs fields of {keys.source}"
+        + (f", those holding {contains!r}" if contains else "")
+        + f": {len(keys.rows)}. SGLang's docs: {SGLANG_SERVER_ARGS_DOCS}",
+        "Set by the plan, refused in both: " + ", ".join(sorted(keys.plan_owned)),
+        "Refused in server_defaults only (each group's own): " + ", ".join(sorted(keys.group_owned)),
+        "",
+    ]
+    sys.stdout.write("\n".join([*head, *text_lines(keys.rows, max(width, 40))]) + "\n")
     return 0
 
 
@@ -336,7 +371,17 @@ def _add_fields(sub: Any) -> None:
         "or sglang_deploy.launch) with its type, default and docstring, read from the schema itself.",
     )
     p_fields.add_argument(
-        "path", nargs="?", metavar="PATH", help="a dotted key (model and group names as used)"
+        "path",
+        nargs="?",
+        metavar="PATH",
+        help="a dotted key (model and group names as used); with --overrides, text the keys must hold",
+    )
+    p_fields.add_argument(
+        "--overrides",
+        dest="override_keys",
+        action="store_true",
+        help="list the keys a group's overrides (and sglang_deploy.server_defaults) accept: SGLang's ServerArgs "
+        "fields, with SGLang's help text where SGLang is installed, and a link to SGLang's docs",
     )
     p_fields.set_defaults(func=_cmd_fields)
 

@@ -58,7 +58,8 @@ def run_app(app_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
 # ------------------------------------------------------------------------- (a) Hydra's own tracebacks
 BAD_OVERRIDES = {
     "sglang=null": "sglang=null: sglang is a config group: its value must be a preset name (this package's: "
-    "actor_ref, agentic_32gpu, default, multi_model, pd, pd_actor_ref, placeholder; or one of the app's), not "
+    "actor_ref, actor_ref_1node, agentic_32gpu, default, multi_model, pd, pd_actor_ref, pd_actor_ref_1node, "
+    "placeholder; or one of the app's), not "
     "null; ~sglang removes it",
     "sglang_deploy=null": "sglang_deploy=null: sglang_deploy is a config group: its value must be default, "
     "simulated or cpu_sglang, not null; ~sglang_deploy removes it",

@@ -28,7 +28,8 @@ def plan_for(*overrides: str):
 
 def test_presets_are_all_there_and_resolve():
     assert PRESETS == [
-        "actor_ref", "agentic_32gpu", "default", "multi_model", "pd", "pd_actor_ref", "placeholder",
+        "actor_ref", "actor_ref_1node", "agentic_32gpu", "default", "multi_model", "pd", "pd_actor_ref",
+        "pd_actor_ref_1node", "placeholder",
     ]  # fmt: skip
     for name in PRESETS:
         plan = plan_for(f"sglang={name}", "hf_checkpoint=/ckpt")

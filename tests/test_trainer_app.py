@@ -263,7 +263,8 @@ def test_help_lists_the_group_where_the_app_placed_it(app_dir: Path):
     groups_listed = proc.stdout.split("== Configuration groups ==", 1)[1].split("== Config ==", 1)[0]
     lines = [line for line in groups_listed.splitlines() if line.startswith("sglang")]
     assert lines == [
-        f"sglang@{ENGINES}: actor_ref, agentic_32gpu, default, multi_model, pd, pd_32gpu, pd_actor_ref, "
+        f"sglang@{ENGINES}: actor_ref, actor_ref_1node, agentic_32gpu, default, multi_model, pd, pd_32gpu, "
+        "pd_actor_ref, pd_actor_ref_1node, "
         "placeholder, small",
         "sglang_bench: default, smoke",
         "sglang_deploy: cpu_sglang, default, simulated",

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from hydra.errors import CompactHydraException
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from miles_sglang_plugin.app.machine_fit import machine_fit_problems
 from miles_sglang_plugin.config.reading import read_config
 from miles_sglang_plugin.config.schema import BackendKind, EngineKind, SGLangDeployConf
 from miles_sglang_plugin.config.trainer_mappings import name_the_trainer_keys
@@ -105,8 +106,19 @@ def resolve_config_or_exit(
     and the process exits with status 2 before anything starts. In a multirun the error is raised instead (as
     a compact Hydra error: its message, no traceback), so that Hydra goes on with the other jobs and the sweep
     still ends with a non-zero status."""
-    try:
+    with exit_on_config_error():
         return resolve_config(cfg, sglang_key=sglang_key, server_arg_fields=server_arg_fields)
+
+
+@contextlib.contextmanager
+def exit_on_config_error() -> Iterator[None]:
+    """A :class:`DeploymentConfigError` raised in the block, for an app's entry point: printed (every problem,
+    no traceback), then the process exits with status 2; in a multirun it is raised again as a compact Hydra
+    error (:func:`resolve_config_or_exit`). An app wraps its launch in it, as the example trainer does:
+    ``with exit_on_config_error(), launch_from_config(cfg) as deployment:``, so that a plan this machine cannot
+    run (:mod:`miles_sglang_plugin.app.machine_fit`) ends in one message."""
+    try:
+        yield
     except DeploymentConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         if _in_multirun():
@@ -226,7 +238,11 @@ def launch_from_config(
     ``initial_weight_version``: the weight version every engine starts with (SGLang's ``--weight-version``,
     ``default`` otherwise), e.g. the trainer's restored step, so that the version sequence goes on after a
     relaunch: as ``sglang_deploy.server_defaults.weight_version`` (a group's own override still wins); ``apply``
-    keeps it."""
+    keeps it.
+
+    With the configured local backend, a plan this machine cannot run (engines on several nodes, or real
+    SGLang engines on more GPUs than it has) is a :class:`DeploymentConfigError` saying what to change
+    (:mod:`miles_sglang_plugin.app.machine_fit`)."""
     from miles_sglang_plugin.serving.deployment import Deployment
 
     if initial_weight_version is not None:
@@ -234,6 +250,10 @@ def launch_from_config(
     fields = known_server_arg_fields().fields
     checked = prepare_from_config(cfg, sglang_key=sglang_key, server_arg_fields=fields)
     settings = checked.settings
+    if backend is None:  # the configured backend: a plan this machine cannot run is refused before it starts
+        unfit = machine_fit_problems(checked.plan, settings)
+        if unfit:
+            raise DeploymentConfigError(unfit, source=checked.plan.source)
     target = Path(log_dir or settings.launch.log_dir or _default_log_dir())
     if backend is None:
         backend = get_backend(

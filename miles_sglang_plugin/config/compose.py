@@ -13,6 +13,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from miles_sglang_plugin.config.model_forms import install_model_form_messages
 from miles_sglang_plugin.config.overrides import override_problems, render
 from miles_sglang_plugin.config.store import config_search_path, register_configs
 from miles_sglang_plugin.masking import mask_text, override_secret_values
@@ -71,6 +72,7 @@ def compose_config(
     if problems:
         raise CompositionError(mask_text(render(problems), secrets))
     register_configs()
+    install_model_form_messages()
     location = f"file://{Path(config_dir).resolve()}" if config_dir is not None else config_search_path()
     GlobalHydra.instance().clear()
     try:

@@ -43,6 +43,7 @@ from miles_sglang_plugin.planning.plan import (
     GroupPlan,
     ModelPlan,
 )
+from miles_sglang_plugin.planning.plan_notes import advisory_notes
 
 #: ServerArgs fields that the plan decides; a group override may not set them.
 PLAN_OWNED_OVERRIDES: Mapping[str, str] = {
@@ -974,8 +975,7 @@ def resolve_deployment(
     (``sglang_deploy.server_defaults``, Miles' ``--sglang-*`` values) take part in each engine's tp/pp/dp
     sizes, below every override. Under ``debug_train_only`` no rollout engine starts: with an eval fleet
     (``eval_num_gpus`` > 0) the eval model alone (of ``spec``, or the legacy one), after the actor's GPUs;
-    without one, nothing.
-    """
+    without one, nothing."""
     source = spec.source if spec is not None else "trainer arguments"
     problems = ProblemCollector(source)
     problems.extend(trainer.problems())
@@ -1004,6 +1004,7 @@ def resolve_deployment(
     _check_total(derivation, models, total, problems, outside)
     _check_capacity(trainer, total, problems)
     problems.raise_if_any()
+    advice = advisory_notes(models, trainer, resolver.rollout_offset)  # placeholder paths, idle offload
     return DeploymentPlan(
         models=models,
         trainer=trainer,
@@ -1012,7 +1013,7 @@ def resolve_deployment(
         rollout_offset=resolver.rollout_offset,
         megatron_num_gpus=megatron_num_gpus(trainer),
         source=spec.source,
-        notes=(*derivation.notes, *started, *emptied, *dropped, *layout_notes),
+        notes=(*derivation.notes, *started, *emptied, *dropped, *layout_notes, *advice),
         derived=derivation.derived,
         derived_server_defaults=derivation.server_defaults,
     )

@@ -51,6 +51,7 @@ __all__ = [
     "load_sglang_server_args_module",
     "parse_launch_argv",
     "server_args_fields",
+    "server_args_help",
     "sglang_version",
     "suggest_field_names",
 ]
@@ -138,6 +139,40 @@ def server_args_fields() -> frozenset[str] | None:
     if module is None:
         return None
     return frozenset(_ordered_field_names(module.ServerArgs))
+
+
+@functools.cache
+def server_args_help() -> dict[str, str] | None:
+    """Each ``ServerArgs`` field's help text from the installed SGLang's own argument parser (field -> text;
+    fields without a flag or text are left out), or ``None`` where SGLang cannot be imported. Nothing is parsed
+    or started."""
+    import argparse
+
+    try:
+        module = load_sglang_server_args_module()
+    except SGLangUnavailableError:
+        return None
+    if module is None:
+        return None
+    parser = argparse.ArgumentParser(add_help=False)
+    with (
+        _LOCK,
+        _preserved_environ(),
+        _stub_visible(_ACTIVE_STUB),
+        contextlib.redirect_stdout(io.StringIO()),
+        contextlib.redirect_stderr(io.StringIO()),
+    ):
+        try:
+            module.ServerArgs.add_cli_args(parser)
+        except Exception as exc:  # a parser SGLang cannot build here is no help text, not an error
+            _LOGGER.debug("SGLang's argument parser could not be built: %s", exc)
+            return None
+    texts: dict[str, str] = {}
+    for action in parser._actions:
+        text = action.help if isinstance(action.help, str) else ""
+        if action.dest and text and text != argparse.SUPPRESS and action.dest not in texts:
+            texts[action.dest] = " ".join(text.replace("%%", "%").split())
+    return texts
 
 
 def sglang_version() -> str | None:

@@ -21,6 +21,7 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from miles_sglang_plugin.app.hydra_edge import launch_from_config
+from miles_sglang_plugin.errors import DeploymentConfigError
 from miles_sglang_plugin.serving.events import DeploymentEvent, EventLog
 from miles_sglang_plugin.serving.fleet import EngineState, Fleet, RouterState
 from miles_sglang_plugin.serving.metrics import (
@@ -404,6 +405,15 @@ def test_a_live_deployment_scraped_through_a_loss_a_version_update_and_a_resize(
         d.control.query("/no_such_route", check=False)  # both engines answer 404: the operation failed
         assert value(scrape_url(url), ops, operation="query", outcome="failed") == 1.0
 
+        other_key = compose(
+            "sglang.actor.num_gpus_per_engine=1",
+            "sglang.actor.regular.num_gpus=2",
+            "sglang_deploy.api_key='sk-another'",
+            *FAST,
+        )
+        with pytest.raises(DeploymentConfigError, match=r"sglang_deploy\.api_key"):
+            d.apply(other_key)  # refused before anything changes
+        assert d.resize("actor", "regular", 3, dry_run=True).started == ("actor.regular.2",)  # not counted
         result = d.resize("actor", "regular", 3)
         assert result.started == ("actor.regular.2",)
         listed = engine_targets(targets)
@@ -414,6 +424,7 @@ def test_a_live_deployment_scraped_through_a_loss_a_version_update_and_a_resize(
         ]
         s = scrape_url(url)
         assert value(s, "miles_sglang_applies_total", outcome="done") == 1.0
-        assert value(s, "miles_sglang_apply_seconds_count") == 1.0
+        assert value(s, "miles_sglang_applies_total", outcome="refused") == 1.0
+        assert value(s, "miles_sglang_apply_seconds_count") == 2.0
         assert states(s)["serving"] == 3.0
     assert json.loads(targets.read_text()) == []  # nothing runs any more: no target left

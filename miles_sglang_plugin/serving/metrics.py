@@ -135,10 +135,11 @@ class DeploymentMetrics(Collector):
                 router_counts[model] = router_counts.get(model, 0) + 1
 
     def _group_of(self, engine: str) -> tuple[str, str]:
-        if engine in self._fleet:
+        try:
             row = self._fleet.engine(engine)
-            return row.model, row.group
-        return "", ""
+        except KeyError:  # no longer in the fleet (an event told late)
+            return "", ""
+        return row.model, row.group
 
     def operation_done(self, operation: str, seconds: float, ok: bool) -> None:
         """A control operation ended (``ok``: every engine it was sent to accepted it)."""

@@ -29,7 +29,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import time
-from collections.abc import Callable, Collection, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Coroutine, Mapping, Sequence
 from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 from miles_sglang_plugin.config.schema import SGLangDeployConf
@@ -172,6 +172,10 @@ class _Targets:
 class AsyncDeploymentControl:
     """The control handle's coroutines (see the module docstring); use them from any event loop."""
 
+    #: Told of each operation's end: its name, seconds from the call, and whether every engine it was sent to
+    #: accepted it (the deployment's metrics); None: nobody is.
+    on_done: Callable[[str, float, bool], None] | None = None
+
     def __init__(self, serving: Serving) -> None:
         self._serving = serving
 
@@ -279,9 +283,23 @@ class AsyncDeploymentControl:
         """Run operation ``name`` (its spec in :data:`OPERATIONS`): fan out, record, settle, check."""
         deadline = ops.check_timeout(timeout_s) or self._serving.settings.control.timeout_s
         self._running()
-        return await self._on_loop(
-            self._execute(OPERATIONS[name], body, effect, model, group, deadline, check, route, targets)
+        return await self._timed(
+            name,
+            self._on_loop(
+                self._execute(OPERATIONS[name], body, effect, model, group, deadline, check, route, targets)
+            ),
         )
+
+    async def _timed(self, name: str, operation: Awaitable[OperationResult]) -> OperationResult:
+        """``operation``'s result, its end told to :attr:`on_done`."""
+        began, ok = time.monotonic(), False
+        try:
+            result = await operation
+            ok = result.ok
+            return result
+        finally:
+            if self.on_done is not None:
+                self.on_done(name, time.monotonic() - began, ok)
 
     async def _execute(
         self,
@@ -561,7 +579,10 @@ class AsyncDeploymentControl:
         drain_s = ops.check_timeout(drain_timeout_s) or self._serving.settings.launch.drain_timeout_s
         deadline = ops.check_timeout(timeout_s) or self._serving.settings.control.timeout_s
         self._running()
-        result = await self._on_loop(self._roll(body, effect, model, deadline, fraction, drain_s))
+        result = await self._timed(
+            "update_weights_from_disk",
+            self._on_loop(self._roll(body, effect, model, deadline, fraction, drain_s)),
+        )
         return result.raise_for_errors() if check else result
 
     async def _roll(

@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import logging
 import math
 import signal
 import threading
@@ -52,6 +53,7 @@ from miles_sglang_plugin.backends.base import Backend, EngineProcess, LaunchErro
 from miles_sglang_plugin.backends.processes import ExitWatcher, ManagedProcess, Spawner, stop_processes
 from miles_sglang_plugin.backends.status_view import StatusView, SummaryRow
 from miles_sglang_plugin.config.schema import SGLangDeployConf
+from miles_sglang_plugin.errors import DeploymentConfigError
 from miles_sglang_plugin.planning.plan import DeploymentPlan
 from miles_sglang_plugin.rendering.launch_specs import RouterLaunch
 from miles_sglang_plugin.rendering.ports import PortAssignment
@@ -78,6 +80,7 @@ from miles_sglang_plugin.serving.fleet import (
     engine_rows,
 )
 from miles_sglang_plugin.serving.ledger import Ledger, initial_state
+from miles_sglang_plugin.serving.metrics import DeploymentMetrics, MetricsServer, TargetsFile, scrape_targets
 from miles_sglang_plugin.serving.policy import ObservationKind, router_done
 from miles_sglang_plugin.serving.reconciler import Reconciler, ServingLoop
 from miles_sglang_plugin.serving.registry import ModelRoute, RouterRegistry
@@ -86,6 +89,8 @@ from miles_sglang_plugin.serving.startup_report import startup_message
 from miles_sglang_plugin.serving.wire import ClientPool
 
 __all__ = ["Deployment", "StartupInterrupted", "stop_all_active"]
+
+log = logging.getLogger("miles_sglang_plugin")
 
 #: How often start-up looks for a stop signal while it waits.
 _SIGNAL_CHECK_S = 0.05
@@ -130,6 +135,10 @@ class Deployment:
 
     #: The engine listing (:meth:`serve_discovery`), once asked for.
     _discovery: DiscoveryServer | None = None
+    #: The launcher's ``/metrics`` (:meth:`serve_metrics`) and the targets file kept current
+    #: (:meth:`write_metrics_targets`), once asked for.
+    _metrics_server: MetricsServer | None = None
+    _targets_file: TargetsFile | None = None
 
     def __init__(
         self,
@@ -186,6 +195,7 @@ class Deployment:
         )
         self.reconciler.on_change_done = self._change_done
         self._control = DeploymentControl(AsyncDeploymentControl(self))
+        self.metrics = self._new_metrics()
         self.rollout_clients = ClientSet()  # made by client(): the trainer's abort_all ends their requests
         self._started = False
         self._stopping = False
@@ -196,6 +206,14 @@ class Deployment:
         self._failure: str | None = None
         self._ready = False
         self._watch: signals.SignalWatch | None = None
+
+    def _new_metrics(self) -> DeploymentMetrics:
+        """What :meth:`serve_metrics` exports, counted from the start whether or not it is served: each event
+        as it is emitted, each control operation as it ends."""
+        metrics = DeploymentMetrics(self.fleet, self._weight_version)
+        self.event_log.tap(metrics.observe_event)
+        self._control.aio.on_done = metrics.operation_done
+        return metrics
 
     def _router_rows(self) -> list[RouterRow]:
         return [elastic.new_router_row(launch, self.log_dir) for launch in self.prepared.launch.routers]
@@ -242,6 +260,55 @@ class Deployment:
                     self.engines, host=host, port=port, api_key=self.settings.api_key
                 )
             return self._discovery.url
+
+    def serve_metrics(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Serve ``GET /metrics`` (the deployment's metrics in Prometheus' text format: see
+        :mod:`.metrics`) on ``host:port`` until the deployment stops, the API key required where one is set;
+        its URL. From then on :meth:`metrics_targets` lists it too."""
+        with self._lock:
+            if self._stopping or self._stopped:
+                raise DeploymentStoppedError("the deployment was stopped: it has no metrics to serve")
+            if self._metrics_server is None:
+                self._metrics_server = MetricsServer(
+                    self.metrics.page, host=host, port=port, api_key=self.settings.api_key
+                )
+            url = self._metrics_server.url
+        self._refresh_targets()
+        return url
+
+    def metrics_targets(self) -> list[dict[str, Any]]:
+        """Prometheus ``file_sd`` targets (``[{"targets": ["host:port"], "labels": {...}}, ...]``) of every
+        engine's ``/metrics`` (job ``sglang-engine``; labels model, group, engine, worker_type, node), every
+        router's metrics port (``sglang-router``; model) and, once :meth:`serve_metrics` runs, the launcher's
+        own page (``miles-sglang``). No secret is in them."""
+        server = self._metrics_server
+        return scrape_targets(
+            self.fleet, server.address if server is not None and not self._stopped else None
+        )
+
+    def write_metrics_targets(self, path: str | Path) -> Path:
+        """Write :meth:`metrics_targets` to ``path`` (JSON, for Prometheus' ``file_sd_configs``) and keep it
+        current until the deployment stops, then empty: written again, atomically (mode 0600), after every
+        event that changes them (engines added, removed, placed again; a router replaced) and every apply. A
+        path that is a symbolic link is refused (ValueError). Returns the path."""
+        target = Path(path)
+        kept = TargetsFile(target, self.metrics_targets)
+        kept.refresh()
+        with self._lock:
+            first = self._targets_file is None
+            self._targets_file = kept
+        if first:
+            self.on_event(lambda _event: self._refresh_targets())
+        return target
+
+    def _refresh_targets(self) -> None:
+        kept = self._targets_file
+        if kept is None:
+            return
+        try:
+            kept.refresh()
+        except OSError as exc:
+            log.warning("the metrics targets file %s could not be written: %s", kept.path, exc)
 
     def rollout_env(self) -> dict[str, str]:
         """What a trainer subprocess needs to reach the models: the routers (``MSP_ROUTERS``) and, once
@@ -520,6 +587,24 @@ class Deployment:
         is found before anything changes (:class:`DeploymentConfigError`). ``dry_run``: what it would do.
         Blocks until the deployment has converged (at most ``timeout_s``, default
         ``sglang_deploy.launch.startup_timeout_s``); returns what it did per engine."""
+        if dry_run:
+            return self._apply(config_or_plan, dry_run=True, timeout_s=timeout_s)
+        started, outcome = time.monotonic(), "failed"
+        try:
+            result = self._apply(config_or_plan, dry_run=False, timeout_s=timeout_s)
+            outcome = "done"
+            return result
+        except ApplyTimeoutError:
+            outcome = "timed_out"
+            raise
+        except DeploymentConfigError:
+            outcome = "refused"
+            raise
+        finally:
+            self.metrics.apply_done(time.monotonic() - started, outcome)
+            self._refresh_targets()
+
+    def _apply(self, config_or_plan: Any, *, dry_run: bool, timeout_s: float | None) -> elastic.ApplyResult:
         with self._apply_lock:
             self.check_running()
             started = time.monotonic()
@@ -768,6 +853,8 @@ class Deployment:
     def _teardown(self, grace: float) -> None:
         if self._discovery is not None:
             self._discovery.close()
+        if self._metrics_server is not None:
+            self._metrics_server.close()
         self.serving_loop.close(before=self.pool.aclose, timeout_s=STOP_LOOP_TIMEOUT_S)
         routers = [router.process for router in self.fleet.routers()]
         for process in routers:  # routers stop while the engines are given their grace period
@@ -803,6 +890,7 @@ class Deployment:
                 if router.state is not RouterState.STOPPED:
                     self.fleet.transition_router(router.model, RouterState.STOPPED)
             self.event_log.close()
+            self._refresh_targets()  # nothing runs any more: no target left
             self._stopped_event.set()
 
 

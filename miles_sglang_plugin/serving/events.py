@@ -80,6 +80,7 @@ class EventLog:
         self._events: deque[DeploymentEvent] = deque(maxlen=maxlen)
         self._count = 0
         self._subscribers: list[Callable[[DeploymentEvent], None]] = []
+        self._taps: list[Callable[[DeploymentEvent], None]] = []
         self._changed = threading.Condition()
         self._outbox: queue.SimpleQueue[DeploymentEvent | None] = queue.SimpleQueue()
         self._dispatcher: threading.Thread | None = None
@@ -98,10 +99,22 @@ class EventLog:
 
         return unsubscribe
 
+    def tap(self, callback: Callable[[DeploymentEvent], None]) -> None:
+        """Call ``callback(event)`` within :meth:`emit`, on the emitting thread, before the event is kept (so
+        that whoever waits for an event sees what the callback made of it): for quick bookkeeping that never
+        blocks, such as the deployment's metrics. An exception in it is logged, never raised."""
+        with self._changed:
+            self._taps.append(callback)
+
     def emit(self, kind: str, subject: str, message: str, **details: Any) -> DeploymentEvent:
         event = DeploymentEvent(
             kind, subject, message, time.time(), time.monotonic(), MappingProxyType(details)
         )
+        for callback in self._taps:
+            try:
+                callback(event)
+            except Exception:
+                logger.exception("an event tap raised on %s", kind)
         logger.log(EVENT_LEVELS.get(kind, logging.INFO), "%s", message, extra={"msp_event": kind})
         with self._changed:
             self._events.append(event)

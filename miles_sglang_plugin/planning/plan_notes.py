@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from miles_sglang_plugin.config.trainer_inputs import TrainerInputs
+from miles_sglang_plugin.planning.miles_rules import megatron_num_gpus
 from miles_sglang_plugin.planning.plan import ModelPlan
 
 #: How a preset writes a path the user must fill in.
@@ -42,11 +43,8 @@ def offload_notes(models: Sequence[ModelPlan], trainer: TrainerInputs, rollout_o
         return []  # under debug_train_only only an eval fleet starts: no rollout engines to offload
     if any(group.needs_offload for group in groups):
         return []
-    trains = (
-        f"the trainer trains on slots 0-{trainer.megatron_num_gpus - 1}"
-        if trainer.megatron_num_gpus
-        else "the trainer holds no GPU"
-    )
+    megatron = megatron_num_gpus(trainer)
+    trains = f"the trainer trains on slots 0-{megatron - 1}" if megatron else "the trainer holds no GPU"
     return [
         f"offload_rollout=true, but no engine group sits on the trainer's GPUs (rollout starts at slot "
         f"{rollout_offset}, {trains}): nothing is offloaded "

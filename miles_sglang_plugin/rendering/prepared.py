@@ -12,7 +12,7 @@ from miles_sglang_plugin.config.schema import EngineKind, SGLangDeployConf
 from miles_sglang_plugin.errors import DeploymentConfigError, ProblemCollector
 from miles_sglang_plugin.planning.plan import DeploymentPlan, EnginePlan
 from miles_sglang_plugin.rendering.launch_specs import LaunchSpecs, check_deploy_settings, render_launch
-from miles_sglang_plugin.rendering.lora import lora_preload, lora_problems
+from miles_sglang_plugin.rendering.lora import LoraPreload, lora_preload, lora_problems
 from miles_sglang_plugin.rendering.ports import (
     HostNotUsableError,
     NodePortFinder,
@@ -156,6 +156,35 @@ def _array_lines(lines: Iterator[str], indent: str) -> Iterator[str]:
     yield f"\n{indent}]"
 
 
+def _checked_lora(
+    plan: DeploymentPlan, settings: SGLangDeployConf, problems: ProblemCollector
+) -> LoraPreload:
+    """The LoRA settings checked, and the adapters the engines preload (raises with every problem so far)."""
+    problems.extend(lora_problems(settings.lora, colocate=plan.trainer.colocate))
+    problems.raise_if_any()
+    preload = lora_preload(settings.lora, rollout_only=plan.trainer.debug_rollout_only)
+    problems.extend(preload.problems)
+    problems.raise_if_any()
+    return preload
+
+
+def _ports(
+    plan: DeploymentPlan, settings: SGLangDeployConf, problems: ProblemCollector, **how: Any
+) -> PortAssignment:
+    """The deployment's ports (:func:`assign_ports` with ``how``); a host or port range that cannot give them
+    is a problem under the key that sets it."""
+    try:
+        return assign_ports(
+            plan, port_base=settings.launch.port_base, port_max=settings.launch.port_max, **how
+        )
+    except HostNotUsableError as exc:
+        problems.add("sglang_deploy.launch.host", str(exc))
+    except PortExhaustedError as exc:
+        problems.add("sglang_deploy.launch.port_base", str(exc))
+    problems.raise_if_any()
+    raise AssertionError("unreachable: a problem was added")
+
+
 def prepare_deployment(
     plan: DeploymentPlan,
     settings: SGLangDeployConf,
@@ -181,32 +210,21 @@ def prepare_deployment(
     (:func:`~miles_sglang_plugin.rendering.lora.lora_preload`)."""
     problems = ProblemCollector("sglang_deploy")
     problems.extend(check_deploy_settings(settings, server_arg_fields))
-    problems.extend(lora_problems(settings.lora, colocate=plan.trainer.colocate))
-    problems.raise_if_any()
-    preload = lora_preload(settings.lora, rollout_only=plan.trainer.debug_rollout_only)
-    problems.extend(preload.problems)
-    problems.raise_if_any()
+    preload = _checked_lora(plan, settings, problems)
     host = settings.launch.host
     node_host = host_of_node or (lambda _node: host)
     routers_on = router_host if router_host is not None else host
-    try:
-        ports = assign_ports(
-            plan,
-            host_of_node=node_host,
-            router_host=routers_on,
-            port_base=settings.launch.port_base,
-            port_max=settings.launch.port_max,
-            probe=probe,
-            claims=claims,
-            find_node_ports=find_node_ports,
-            fixed=fixed_ports,
-        )
-    except HostNotUsableError as exc:
-        problems.add("sglang_deploy.launch.host", str(exc))
-        problems.raise_if_any()
-    except PortExhaustedError as exc:
-        problems.add("sglang_deploy.launch.port_base", str(exc))
-        problems.raise_if_any()
+    ports = _ports(
+        plan,
+        settings,
+        problems,
+        host_of_node=node_host,
+        router_host=routers_on,
+        probe=probe,
+        claims=claims,
+        find_node_ports=find_node_ports,
+        fixed=fixed_ports,
+    )
     launch = render_launch(
         plan,
         settings,

@@ -159,6 +159,26 @@ async def _bounded(future: asyncio.Future[None], seconds: float) -> bool:
     return True
 
 
+@dataclasses.dataclass
+class _Roll:
+    """A rolling update under way: what it sends, the engines still to update, and what came of the waves."""
+
+    body: Mapping[str, Any]
+    effect: Effect
+    model: str | None
+    deadline_s: float
+    drain_s: float
+    groups: Mapping[tuple[str, str], Sequence[str]]
+    waiting: set[str]
+    #: Engines down when their turn came, and why: deferred with the next wave that is sent.
+    carried: list[str]
+    why: dict[str, str]
+    replies: list[EngineReply] = dataclasses.field(default_factory=list)
+    deferred: list[str] = dataclasses.field(default_factory=list)
+    accepted: bool = False
+    stopped: str | None = None
+
+
 @dataclasses.dataclass(frozen=True)
 class _Targets:
     sent: tuple[EngineRow, ...]
@@ -596,70 +616,85 @@ class AsyncDeploymentControl:
     ) -> OperationResult:
         """The waves of a rolling disk update (on the serving loop)."""
         spec = OPERATIONS["update_weights_from_disk"]
-        fleet, reconciler = self._serving.fleet, self._serving.reconciler
         first = self._targets(spec, model, None)
-        concerned = [r for r in self._select(model, None) if spec.concerns(r)]
+        concerned = [r.id for r in self._select(model, None) if spec.concerns(r)]
         groups: dict[tuple[str, str], list[str]] = {}
-        for row in concerned:
-            groups.setdefault((row.model, row.group), []).append(row.id)
-        waiting = {r.id for r in first.sent}
-        # what is left of a wave's requests once its drain time is over is aborted (the client goes on with it)
-        sent_body = {**body, "abort_all_requests": True}
-        replies: list[EngineReply] = []
-        deferred: list[str] = []
-        # engines down when their turn came (or at the start): they get the weights by replay once some engine
-        # took them (they go with the next wave that is sent)
-        carried, why = list(first.deferred), dict(first.why_deferred)
-        accepted = False
-        stopped: str | None = None
-        while waiting and stopped is None:
+        for engine in concerned:
+            row = self._serving.fleet.engine(engine)
+            groups.setdefault((row.model, row.group), []).append(engine)
+        roll = _Roll(
+            # what is left of a wave's requests once its drain time is over is aborted (the client goes on)
+            body={**body, "abort_all_requests": True},
+            effect=effect,
+            model=model,
+            deadline_s=deadline_s,
+            drain_s=drain_s,
+            groups=groups,
+            waiting={r.id for r in first.sent},
+            carried=list(first.deferred),
+            why=dict(first.why_deferred),
+        )
+        while roll.waiting and roll.stopped is None:
             self._running()
-            wave = next_wave(_progress(fleet, groups, waiting), fraction)
-            waiting -= set(wave)
-            held = [e for e in wave if _serving_now(fleet, e)]
-            reconciler.hold_for_update(held, drain_s)
-            try:
-                await _bounded(
-                    reconciler.wait_until(functools.partial(_all, _drained_or_gone, fleet, tuple(held))),
-                    drain_s * 2,
-                )
-                rows = [fleet.engine(e) for e in wave if e in fleet and not fleet.engine(e).retired]
-                carried += [r.id for r in rows if not r.state.up]
-                why.update({r.id: f"not sent: it is {r.state.value} now" for r in rows if not r.state.up})
-                sent = tuple(r for r in rows if r.state.up)
-                targets = _Targets(sent, (), tuple(carried), why)
-                result = (
-                    await self._execute(
-                        spec, sent_body, effect, model, None, deadline_s, False, None, targets
-                    )
-                    if sent
-                    else None
-                )
-            finally:
-                reconciler.release_update(held)
-            if result is None:
-                continue
-            replies += result.replies
-            if not result.accepted:
-                stopped = f"no engine of the wave of {', '.join(r.id for r in sent)} took it"
-                break
-            accepted, carried = True, []
-            deferred += result.deferred
-            back = reconciler.wait_until(functools.partial(_all, _back_or_gone, fleet, tuple(held)))
-            if not await _bounded(back, deadline_s):
-                late = [e for e in held if not _back_or_gone(fleet, e)]
-                stopped = f"{', '.join(late)} did not serve again within {deadline_s:g} s"
-        carried = [e for e in carried if e in fleet and not fleet.engine(e).retired]
-        if carried and accepted:  # down when their wave came, after some engine took it: replayed when back
-            self._serving.ledger.extend(effect, carried)
-            deferred += carried
+            await self._roll_wave(
+                roll, next_wave(_progress(self._serving.fleet, groups, roll.waiting), fraction)
+            )
+        return self._rolled(roll, first, concerned)
+
+    async def _roll_wave(self, roll: _Roll, wave: Sequence[str]) -> None:
+        """One wave: its serving engines out of their router and drained, the update sent, back in service."""
+        fleet, reconciler = self._serving.fleet, self._serving.reconciler
+        roll.waiting -= set(wave)
+        held = tuple(e for e in wave if _serving_now(fleet, e))
+        reconciler.hold_for_update(held, roll.drain_s)
+        try:
+            drained = reconciler.wait_until(functools.partial(_all, _drained_or_gone, fleet, held))
+            await _bounded(drained, roll.drain_s * 2)
+            rows = [fleet.engine(e) for e in wave if e in fleet and not fleet.engine(e).retired]
+            # engines down when their turn came (or at the start) get the weights by replay once some engine
+            # took them: they go with the next wave that is sent
+            roll.carried += [r.id for r in rows if not r.state.up]
+            roll.why.update({r.id: f"not sent: it is {r.state.value} now" for r in rows if not r.state.up})
+            sent = tuple(r for r in rows if r.state.up)
+            if not sent:
+                return
+            targets = _Targets(sent, (), tuple(roll.carried), roll.why)
+            spec = OPERATIONS["update_weights_from_disk"]
+            result = await self._execute(
+                spec, roll.body, roll.effect, roll.model, None, roll.deadline_s, False, None, targets
+            )
+        finally:
+            reconciler.release_update(held)
+        roll.replies += result.replies
+        if not result.accepted:
+            roll.stopped = f"no engine of the wave of {', '.join(r.id for r in sent)} took it"
+            return
+        roll.accepted, roll.carried = True, []
+        roll.deferred += result.deferred
+        if not await _bounded(
+            reconciler.wait_until(functools.partial(_all, _back_or_gone, fleet, held)), roll.deadline_s
+        ):
+            late = [e for e in held if not _back_or_gone(fleet, e)]
+            roll.stopped = f"{', '.join(late)} did not serve again within {roll.deadline_s:g} s"
+
+    def _rolled(self, roll: _Roll, first: _Targets, concerned: Sequence[str]) -> OperationResult:
+        """The result of a rolling update once its waves are done (or it stopped)."""
+        fleet = self._serving.fleet
+        carried = [e for e in roll.carried if e in fleet and not fleet.engine(e).retired]
+        if (
+            carried and roll.accepted
+        ):  # down when their wave came, after some engine took it: replayed when back
+            self._serving.ledger.extend(roll.effect, carried)
+            roll.deferred += carried
         elif carried:
-            replies += [self._not_recorded(e, why.get(e, "")) for e in carried]
-        for engine in sorted(waiting, key=[r.id for r in concerned].index):
-            replies.append(self._not_recorded_roll(engine, stopped or ""))
+            roll.replies += [self._not_recorded(e, roll.why.get(e, "")) for e in carried]
+        for engine in sorted(roll.waiting, key=list(concerned).index):
+            roll.replies.append(self._not_recorded_roll(engine, roll.stopped or ""))
         order = {r.id: i for i, r in enumerate(fleet.engines())}
-        replies.sort(key=lambda reply: order.get(reply.engine, 0))
-        return OperationResult(spec.name, tuple(replies), first.skipped, tuple(dict.fromkeys(deferred)))
+        replies = sorted(roll.replies, key=lambda reply: order.get(reply.engine, 0))
+        return OperationResult(
+            "update_weights_from_disk", tuple(replies), first.skipped, tuple(dict.fromkeys(roll.deferred))
+        )
 
     def _not_recorded_roll(self, engine: str, why: str) -> EngineReply:
         row = self._serving.fleet.engine(engine) if engine in self._serving.fleet else None

@@ -72,6 +72,7 @@ from miles_sglang_plugin.serving.events import DeploymentEvent, EventLog
 from miles_sglang_plugin.serving.fleet import (
     DeploymentState,
     EngineInfo,
+    EngineRow,
     EngineState,
     Fleet,
     RouterRow,
@@ -79,7 +80,7 @@ from miles_sglang_plugin.serving.fleet import (
     build_fleet,
     engine_rows,
 )
-from miles_sglang_plugin.serving.ledger import Ledger, initial_state
+from miles_sglang_plugin.serving.ledger import ControlState, Ledger, initial_state
 from miles_sglang_plugin.serving.metrics import DeploymentMetrics, MetricsServer, TargetsFile, scrape_targets
 from miles_sglang_plugin.serving.policy import ObservationKind, router_done
 from miles_sglang_plugin.serving.reconciler import Reconciler, ServingLoop
@@ -112,6 +113,11 @@ class ConfigSource(Protocol):
 
     def resized(self, sizes: Mapping[tuple[str, str], int]) -> Any:
         """The current config with these groups' ``num_gpus`` ((model, group) -> GPUs)."""
+
+
+def _first_state(row: EngineRow) -> ControlState:
+    """The ledger's first state of an engine: its command line's adapters and weight version."""
+    return initial_state(row.initial_lora, row.command_line_version)
 
 
 #: Deployments of this process that have started and not stopped. Held strongly: a deployment whose code kept
@@ -166,34 +172,13 @@ class Deployment:
         self.install_signal_handlers = install_signal_handlers
         self.notes = backend.check(prepared)
         self.fleet: Fleet = build_fleet(prepared, self._router_rows(), to_start=True)
-        self.ledger = Ledger(
-            {
-                row.id: initial_state(row.initial_lora, row.command_line_version)
-                for row in self.fleet.engines()
-            }
-        )
+        self.ledger = Ledger({row.id: _first_state(row) for row in self.fleet.engines()})
         self.event_log = EventLog()
         self.serving_loop = ServingLoop()
         self.pool = ClientPool(self.auth_headers(), max_connections=self.settings.control.max_concurrency)
         self._spawner = Spawner()
         self._io = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="msp-io")
-        self.reconciler = Reconciler(
-            fleet=self.fleet,
-            ledger=self.ledger,
-            settings=self.settings,
-            backend=backend,
-            log_dir=self.log_dir,
-            events=self.event_log,
-            status=self.status,
-            loop=self.serving_loop,
-            pool=self.pool,
-            spawner=self._spawner,
-            io=self._io,
-            exits=ExitWatcher(),
-            on_fail=self._fail_and_stop,
-            place_again=self._place_again,
-        )
-        self.reconciler.on_change_done = self._change_done
+        self.reconciler = self._new_reconciler()
         self._control = DeploymentControl(AsyncDeploymentControl(self))
         self.metrics = self._new_metrics()
         self.rollout_clients = ClientSet()  # made by client(): the trainer's abort_all ends their requests
@@ -206,6 +191,26 @@ class Deployment:
         self._failure: str | None = None
         self._ready = False
         self._watch: signals.SignalWatch | None = None
+
+    def _new_reconciler(self) -> Reconciler:
+        reconciler = Reconciler(
+            fleet=self.fleet,
+            ledger=self.ledger,
+            settings=self.settings,
+            backend=self.backend,
+            log_dir=self.log_dir,
+            events=self.event_log,
+            status=self.status,
+            loop=self.serving_loop,
+            pool=self.pool,
+            spawner=self._spawner,
+            io=self._io,
+            exits=ExitWatcher(),
+            on_fail=self._fail_and_stop,
+            place_again=self._place_again,
+        )
+        reconciler.on_change_done = self._change_done
+        return reconciler
 
     def _new_metrics(self) -> DeploymentMetrics:
         """What :meth:`serve_metrics` exports, counted from the start whether or not it is served: each event

@@ -240,7 +240,11 @@ def test_plan_json_fields(capsys):
     assert data["rollout_offset"] == 8 and data["megatron_num_gpus"] == 8 and data["total_gpus"] == 20
     assert data["derived"] == {"trainer": {}, "server_defaults": {}}
     assert data["notes"] == [
-        "left out prefill_round_robin_balance: Miles sets it, but the installed SGLang has no such ServerArgs field"
+        # offload asked for, but rollout starts after the trainer's slots 0-7: nothing to offload
+        "offload_rollout=true, but no engine group sits on the trainer's GPUs (rollout starts at slot 8, the "
+        "trainer trains on slots 0-7): nothing is offloaded (Miles offloads only groups that start below the "
+        "trainer's GPUs; colocate=true puts them there)",
+        "left out prefill_round_robin_balance: Miles sets it, but the installed SGLang has no such ServerArgs field",
     ]
     decode = data["models"]["actor"]["groups"]["decode"]
     assert (decode["gpu_offset"], decode["needs_offload"], decode["num_gpus_per_engine"]) == (8, False, 4)

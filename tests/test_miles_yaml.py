@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -51,10 +52,19 @@ def slots(plan: DeploymentPlan, model: str, group: str) -> list[tuple[int, ...]]
 
 
 def comparable(plan: DeploymentPlan) -> dict[str, Any]:
-    """plan.to_dict() without `source` (a file path on one side, "the Hydra config" on the other)."""
+    """plan.to_dict() without `source` (a file path on one side, "the Hydra config" on the other), and with the
+    model path keys its notes name left out (spelled as the source spells them: ``sglang_full.yaml: sglang[1]
+    (ref).model_path`` for a Miles file, ``sglang.ref.model_path`` for the Hydra config)."""
     d = plan.to_dict()
     d.pop("source")
+    d["notes"] = [_keyless(note) for note in d["notes"]]
     return d
+
+
+def _keyless(note: str) -> str:
+    return re.sub(
+        r"(?:\S+\.yaml: )?(?:sglang\[\d+\] \(\w+\)|sglang\.\w+)\.model_path", "<model>.model_path", note
+    )
 
 
 # Trainer arguments per fixture (the seed's launch arguments where it gives them; choices are commented).

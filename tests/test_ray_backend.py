@@ -167,7 +167,11 @@ def test_tp16_engine_runs_one_process_per_node(clean_cluster: FakeCluster, tmp_p
         info = httpx.get(deployment.engines()[0].url + "/server_info", timeout=10).json()
         assert (info["nnodes"], info["node_rank"], info["tp_size"]) == (2, 0, 16)
         assert info["cuda_visible_devices"] == "0,1,2,3,4,5,6,7" and info["node_id"] == lead.node.node_id
-        tail = follower.tail()
+        # The deployment is ready once the lead answers; the follower's start-up lines reach its log through
+        # its actor, which on a loaded machine can be a moment later (once seen empty at this point)
+        deadline = time.monotonic() + 60
+        while "node_rank=1 of nnodes=2" not in (tail := follower.tail()) and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert "node_rank=1 of nnodes=2" in tail
         assert f"follower of --dist-init-addr {lead.launch.server_args['dist_init_addr']}" in tail
         assert f"CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7, node {follower.node.node_id}" in tail

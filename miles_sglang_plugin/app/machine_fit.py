@@ -19,15 +19,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from miles_sglang_plugin.backends.visible_gpus import VISIBLE_DEVICES_ENV, nvidia_smi_gpus, split_gpu_list
 from miles_sglang_plugin.config.schema import BackendKind, EngineKind, SGLangDeployConf
 from miles_sglang_plugin.errors import Problem
 from miles_sglang_plugin.planning.plan import DeploymentPlan
 
-VISIBLE_DEVICES_ENV = "CUDA_VISIBLE_DEVICES"
 #: The engine commands that are SGLang's own server (the only ones whose GPU needs are known).
 SGLANG_COMMANDS = (("{python}", "-m", "sglang.launch_server"), ("sglang", "serve"))
 #: Where the quickstarts are (one node, and a machine without a GPU).
@@ -53,20 +52,10 @@ def machine_gpus(environ: Mapping[str, str] | None = None, dev: Path = Path("/de
     env = os.environ if environ is None else environ
     raw = env.get(VISIBLE_DEVICES_ENV)
     if raw is not None:
-        ids = tuple(part.strip() for part in raw.split(",")) if raw.strip() else ()
-        return MachineGpus(ids, f"{VISIBLE_DEVICES_ENV}={raw!r}")
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=20,
-            check=True,
-        ).stdout
-        listed = tuple(line.strip() for line in out.splitlines() if line.strip())
+        return MachineGpus(split_gpu_list(raw), f"{VISIBLE_DEVICES_ENV}={raw!r}")
+    listed = nvidia_smi_gpus()
+    if listed is not None:
         return MachineGpus(listed, "nvidia-smi lists " + (f"{len(listed)}" if listed else "none"))
-    except (OSError, subprocess.SubprocessError):
-        pass
     try:
         devices = sorted(p.name for p in dev.iterdir() if _DEVICE.fullmatch(p.name))
     except OSError:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import subprocess
 from collections.abc import Mapping, Sequence
 
 from miles_sglang_plugin.errors import DeploymentConfigError, Problem
@@ -119,6 +120,21 @@ def gpu_list_problems(entries: Sequence[str]) -> list[str]:
 def split_gpu_list(raw: str) -> tuple[str, ...]:
     """``raw`` split at commas, blanks stripped; ``""`` (or blanks): no GPU."""
     return tuple(part.strip() for part in raw.split(",")) if raw.strip() else ()
+
+
+def nvidia_smi_gpus() -> tuple[str, ...] | None:
+    """The GPU indices ``nvidia-smi`` lists (within 20 s), or None where it is missing or fails."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return tuple(line.strip() for line in out.splitlines() if line.strip())
 
 
 def checked_visible_devices(entries: Sequence[str], key: str, source: str) -> tuple[str, ...]:

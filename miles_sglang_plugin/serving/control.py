@@ -168,7 +168,6 @@ class _Roll:
     model: str | None
     deadline_s: float
     drain_s: float
-    groups: Mapping[tuple[str, str], Sequence[str]]
     waiting: set[str]
     #: Engines down when their turn came, and why: deferred with the next wave that is sent.
     carried: list[str]
@@ -629,7 +628,6 @@ class AsyncDeploymentControl:
             model=model,
             deadline_s=deadline_s,
             drain_s=drain_s,
-            groups=groups,
             waiting={r.id for r in first.sent},
             carried=list(first.deferred),
             why=dict(first.why_deferred),

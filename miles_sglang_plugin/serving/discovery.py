@@ -14,16 +14,13 @@ one.
 
 from __future__ import annotations
 
-import hmac
-import json
-import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from miles_sglang_plugin.addresses import http_base_url
 from miles_sglang_plugin.serving.fleet import EngineInfo
+from miles_sglang_plugin.serving.loopback_http import LoopbackServer, Reply, json_reply
 from miles_sglang_plugin.serving.rollout import WORKERS_ENV_VAR
 
 __all__ = ["ENV_VAR", "PATH", "DiscoveryServer", "rl_workers"]
@@ -75,7 +72,7 @@ def rl_workers(engines: Sequence[EngineInfo], model: str | None = None) -> dict[
     return {"protocol_version": 1, "total": len(rows), "workers": rows}
 
 
-class DiscoveryServer:
+class DiscoveryServer(LoopbackServer):
     """Serves :func:`rl_workers` of ``engines()`` on ``host:port`` (port 0: one the system picks)."""
 
     def __init__(
@@ -86,48 +83,25 @@ class DiscoveryServer:
         port: int = 0,
         api_key: str | None = None,
     ) -> None:
-        expected = f"Bearer {api_key}".encode() if api_key else None
+        def answer(path: str, _accept: str) -> Reply:
+            listing = rl_workers(engines())
+            if path == PATH:
+                return json_reply(HTTPStatus.OK, listing)
+            by_id = {w["id"]: w for w in listing["workers"]}
+            if path.startswith(PATH + "/") and path[len(PATH) + 1 :] in by_id:
+                return json_reply(HTTPStatus.OK, by_id[path[len(PATH) + 1 :]])
+            return json_reply(HTTPStatus.NOT_FOUND, {"error": "not_found", "message": f"no route {path}"})
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                given = self.headers.get("Authorization", "").encode()
-                if expected is not None and not hmac.compare_digest(given, expected):
-                    self._send(HTTPStatus.UNAUTHORIZED, {"error": "missing or wrong Authorization"})
-                    return
-                path = self.path.split("?", 1)[0].rstrip("/")
-                listing = rl_workers(engines())
-                if path == PATH:
-                    self._send(HTTPStatus.OK, listing)
-                    return
-                by_id = {w["id"]: w for w in listing["workers"]}
-                if path.startswith(PATH + "/") and path[len(PATH) + 1 :] in by_id:
-                    self._send(HTTPStatus.OK, by_id[path[len(PATH) + 1 :]])
-                    return
-                self._send(HTTPStatus.NOT_FOUND, {"error": "not_found", "message": f"no route {path}"})
-
-            def _send(self, status: HTTPStatus, body: Mapping[str, Any]) -> None:
-                raw = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(raw)))
-                self.end_headers()
-                self.wfile.write(raw)
-
-            def log_message(self, format: str, *args: Any) -> None:
-                return
-
-        self._server = ThreadingHTTPServer((host, port), Handler)
-        self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, name="msp-discovery", daemon=True)
-        self._thread.start()
-        self.host, self.port = host, int(self._server.server_address[1])
+        super().__init__(
+            answer,
+            unauthorized=json_reply(HTTPStatus.UNAUTHORIZED, {"error": "missing or wrong Authorization"}),
+            name="msp-discovery",
+            host=host,
+            port=port,
+            api_key=api_key,
+        )
 
     @property
     def url(self) -> str:
         """The listing's URL."""
         return http_base_url(self.host, self.port) + PATH
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=10)

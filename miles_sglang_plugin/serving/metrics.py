@@ -22,14 +22,12 @@ No secret is in any name, label or target: the API key goes only into the server
 
 from __future__ import annotations
 
-import hmac
 import json
 import os
 import tempfile
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -42,6 +40,7 @@ from prometheus_client.registry import Collector
 from miles_sglang_plugin.addresses import host_port, http_base_url
 from miles_sglang_plugin.serving.events import DeploymentEvent
 from miles_sglang_plugin.serving.fleet import EngineRow, EngineState, Fleet, RouterRow, RouterState
+from miles_sglang_plugin.serving.loopback_http import LoopbackServer, Reply
 
 __all__ = [
     "APPLY_BUCKETS_S",
@@ -247,7 +246,7 @@ class DeploymentMetrics(Collector):
 
 
 # ------------------------------------------------------------------------------------------------ serving
-class MetricsServer:
+class MetricsServer(LoopbackServer):
     """Serves ``page(accept)`` at ``GET /metrics`` on ``host:port`` (port 0: one the system picks); with
     ``api_key``, a request without ``Authorization: Bearer <key>`` is answered 401."""
 
@@ -259,47 +258,23 @@ class MetricsServer:
         port: int = 0,
         api_key: str | None = None,
     ) -> None:
-        expected = f"Bearer {api_key}".encode() if api_key else None
+        def answer(path: str, accept: str) -> Reply:
+            if path == PATH:
+                return (HTTPStatus.OK, *page(accept))
+            return HTTPStatus.NOT_FOUND, f"no route {PATH} here\n".encode(), "text/plain"
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                given = self.headers.get("Authorization", "").encode()
-                if expected is not None and not hmac.compare_digest(given, expected):
-                    self._send(HTTPStatus.UNAUTHORIZED, b"missing or wrong Authorization\n", "text/plain")
-                elif self.path.split("?", 1)[0].rstrip("/") == PATH:
-                    self._send(HTTPStatus.OK, *page(self.headers.get("Accept", "")))
-                else:
-                    self._send(HTTPStatus.NOT_FOUND, f"no route {PATH} here\n".encode(), "text/plain")
-
-            def _send(self, status: HTTPStatus, body: bytes, content_type: str) -> None:
-                self.send_response(status)
-                self.send_header("Content-Type", content_type)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, format: str, *args: Any) -> None:
-                return
-
-        self._server = ThreadingHTTPServer((host, port), Handler)
-        self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, name="msp-metrics", daemon=True)
-        self._thread.start()
-        self.host, self.port = host, int(self._server.server_address[1])
+        super().__init__(
+            answer,
+            unauthorized=(HTTPStatus.UNAUTHORIZED, b"missing or wrong Authorization\n", "text/plain"),
+            name="msp-metrics",
+            host=host,
+            port=port,
+            api_key=api_key,
+        )
 
     @property
     def url(self) -> str:
         return http_base_url(self.host, self.port) + PATH
-
-    @property
-    def address(self) -> str:
-        """``host:port``, as a scrape target."""
-        return host_port(self.host, self.port)
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=10)
 
 
 # ------------------------------------------------------------------------------------------------ targets

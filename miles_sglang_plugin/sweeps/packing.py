@@ -38,7 +38,12 @@ from typing import Any
 
 from hydra.errors import CompactHydraException
 
-from miles_sglang_plugin.backends.visible_gpus import VISIBLE_DEVICES_ENV, gpu_list_problems, split_gpu_list
+from miles_sglang_plugin.backends.visible_gpus import (
+    VISIBLE_DEVICES_ENV,
+    gpu_list_problems,
+    nvidia_smi_gpus,
+    split_gpu_list,
+)
 from miles_sglang_plugin.errors import DeploymentConfigError
 from miles_sglang_plugin.masking import mask_overrides
 from miles_sglang_plugin.planning.plan import DeploymentPlan
@@ -116,19 +121,7 @@ def discover_gpus() -> tuple[list[str], list[str]]:
         problems = gpu_list_problems(entries)
         shown = visible if len(visible) <= 60 else visible[:60] + "…"
         return entries, [f"gpus: the launcher's {VISIBLE_DEVICES_ENV}={shown!r} {p}" for p in problems]
-    import subprocess
-
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=20,
-            check=True,
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return [], []
-    return [line.strip() for line in out.splitlines() if line.strip()][:MAX_GPUS], []
+    return list(nvidia_smi_gpus() or ())[:MAX_GPUS], []
 
 
 def _explicit_gpus(value: Any) -> tuple[list[str] | None, list[str]]:
